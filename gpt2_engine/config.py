@@ -1,0 +1,88 @@
+"""GPT-2 hyperparameters, named as in Hugging Face's `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from .errors import WeightsError
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """The shape of a GPT-2 model; defaults are GPT-2 small."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024  # context length
+    n_embd: int = 768  # C
+    n_layer: int = 12
+    n_head: int = 12  # nh
+    n_inner: int | None = None  # MLP width; None means 4 * n_embd
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
+            raise ValueError(f"config: n_inner must be a positive integer or null, got {self.n_inner!r}")
+
+    @property
+    def head_size(self) -> int:  # hs
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> GPT2Config:
+        """Read a Hugging Face GPT-2 `config.json`, rejecting options this engine does not implement."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise WeightsError(f"{path}: config.json not found (expected the checkpoint's Hugging Face config)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WeightsError(f"{path}: not a readable JSON config ({e})") from None
+        if not isinstance(raw, dict):
+            raise WeightsError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        model_type = raw.get("model_type", "gpt2")
+        if model_type != "gpt2":
+            raise WeightsError(f"{path}: model_type is {model_type!r}, expected 'gpt2'")
+        # Options that change the math; the official checkpoints all use the values on the right.
+        for key, expected in UNSUPPORTED_OPTIONS.items():
+            if key in raw and raw[key] != expected:
+                raise WeightsError(f"{path}: {key}={raw[key]!r} is not supported (expected {expected!r})")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in known})
+        except (TypeError, ValueError) as e:
+            raise WeightsError(f"{path}: {e}") from None
+
+
+UNSUPPORTED_OPTIONS: dict[str, object] = {
+    "activation_function": "gelu_new",  # GPT-2's tanh-approximated GELU
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+    "add_cross_attention": False,
+}
+
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(),  # 124M parameters
+    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),  # 355M
+    "gpt2-large": GPT2Config(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+
+def preset(name: str, **overrides: int) -> GPT2Config:
+    """A named preset, optionally with some fields replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)

@@ -1,0 +1,21 @@
+"""The engine's exception types: one line of text that names what was wrong and what was expected."""
+
+
+class GPT2EngineError(Exception):
+    """Base class; the CLI prints the message as one line and exits 2."""
+
+
+class WeightsError(GPT2EngineError):
+    """A checkpoint directory or weights file that cannot be loaded as GPT-2."""
+
+
+class TokenizerError(GPT2EngineError):
+    """Missing, corrupt or inconsistent BPE files."""
+
+
+class GenerationError(GPT2EngineError, ValueError):
+    """Invalid sampling settings or a prompt that does not fit the context."""
+
+
+class DownloadError(GPT2EngineError):
+    """The hub could not be reached, a file was missing, or a download failed verification."""

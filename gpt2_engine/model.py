@@ -1,0 +1,148 @@
+"""GPT-2's forward pass in PyTorch, as small functions over explicit tensors.
+
+Notation: B batch, T tokens in this call, S key positions attended (cached + new), C channels (n_embd),
+nh heads, hs head size (C // nh), V vocabulary. GPT-2 is pre-LN: each block is
+x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)); the final ln_f comes after the last block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import GPT2Config
+from .weights import Block, GPT2Weights, LayerNorm, Linear, split_qkv
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer, preallocated for max_len positions and written in place by index."""
+
+    k: torch.Tensor  # [n_layer, B, nh, max_len, hs]
+    v: torch.Tensor  # [n_layer, B, nh, max_len, hs]
+
+    @classmethod
+    def allocate(cls, config: GPT2Config, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> KVCache:
+        """An empty cache for `batch` sequences of up to `max_len` positions."""
+        if not 0 < max_len <= config.n_positions:
+            raise ValueError(f"KV cache length must be in 1..{config.n_positions}, got {max_len}")
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float) -> torch.Tensor:
+    """[..., C] -> [..., C]: (x - mean) / sqrt(var + eps) * weight + bias; GPT-2's eps is 1e-5, not torch's default."""
+    return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, eps)
+
+
+def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
+    """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T)."""
+    flat = torch.addmm(p.bias, x.reshape(-1, x.shape[-1]), p.weight)  # [B*T, out]
+    return flat.view(*x.shape[:-1], flat.shape[-1])
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU is the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), not the erf form."""
+    return F.gelu(x, approximate="tanh")
+
+
+def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """[B, T, C] -> [B, nh, T, hs]: head h owns channels [h*hs:(h+1)*hs]."""
+    B, T, C = x.shape
+    return x.view(B, T, n_head, C // n_head).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """[B, nh, T, hs] -> [B, T, C]: the inverse of split_heads."""
+    B, nh, T, hs = y.shape
+    return y.transpose(1, 2).reshape(B, T, nh * hs)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs), masked) v: q [B, nh, T, hs], k and v [B, nh, S, hs], mask [B|1, 1, T, S] -> [B, nh, T, hs].
+
+    `mask` is True where a query may attend. Masked scores become the dtype's most negative finite value rather
+    than -inf, so that a row with nothing to attend to (a padding query) gives a harmless uniform row, not NaN.
+    """
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, nh, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    att = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # stable: exp(s - rowmax) / sum, in fp32
+    return att @ v  # [B, nh, T, hs]
+
+
+def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.Tensor | None,
+                          cache: tuple[torch.Tensor, torch.Tensor] | None, start: int) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C]. With a cache, this call's keys/values are written at [start, start+T) first."""
+    q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [B, T, C]: one matmul over the fused Q/K/V weights
+    q, k, v = split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head)  # 3 x [B, nh, T, hs]
+    if cache is not None:
+        k_cache, v_cache = cache  # [B, nh, max_len, hs] each
+        end = start + x.shape[1]
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v
+        k, v = k_cache[:, :, :end], v_cache[:, :, :end]  # [B, nh, S, hs], S = start + T
+    y = attention(q, k, v, mask)  # [B, nh, T, hs]
+    return linear(merge_heads(y), blk.attn_c_proj)  # [B, T, C]
+
+
+def mlp(x: torch.Tensor, blk: Block) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer."""
+    return linear(gelu(linear(x, blk.c_fc)), blk.mlp_c_proj)
+
+
+def block(x: torch.Tensor, blk: Block, config: GPT2Config, mask: torch.Tensor | None,
+          cache: tuple[torch.Tensor, torch.Tensor] | None, start: int) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C]: one pre-LN transformer block."""
+    x = x + causal_self_attention(layer_norm(x, blk.ln_1, config.layer_norm_epsilon), blk, config.n_head, mask, cache, start)
+    return x + mlp(layer_norm(x, blk.ln_2, config.layer_norm_epsilon), blk)
+
+
+def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """[B|1, 1, T, S] bool, S = start + T: query at slot start+i sees key slot j iff j <= start+i and key_mask[b, j].
+
+    None when nothing is masked (one new token and no padding), so decoding skips the mask entirely.
+    """
+    S = start + T
+    mask = None
+    if T > 1:
+        q_slot = torch.arange(start, S, device=device)[:, None]  # [T, 1]
+        mask = (torch.arange(S, device=device)[None, :] <= q_slot)[None, None]  # [1, 1, T, S]
+    if key_mask is not None:
+        keys = key_mask[:, None, None, :S]  # [B, 1, 1, S]
+        mask = keys if mask is None else mask & keys
+    return mask
+
+
+def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+            cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
+            last_only: bool = False, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits for ids [B, T] -> [B, T, V] (or [B, 1, V] with last_only).
+
+    positions [B, T] default to start..start+T-1. With a cache, the tokens occupy cache slots [start, start+T) and
+    attend to every earlier slot that key_mask [B, max_len] marks as a real token (False for left padding).
+    If `hidden_states` is a list, the residual stream after each block is appended to it.
+    """
+    B, T = ids.shape
+    if positions is None:
+        positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
+    x = w.wte[ids] + w.wpe[positions]  # [B, T, C]
+    mask = attention_mask(T, start, key_mask, ids.device)
+    for i, blk in enumerate(w.blocks):
+        layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
+        x = block(x, blk, config, mask, layer_cache, start)  # [B, T, C]
+        if hidden_states is not None:
+            hidden_states.append(x)
+    if last_only:
+        x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
+    x = layer_norm(x, w.ln_f, config.layer_norm_epsilon)
+    # GPT-2 has no separate output matrix: the head is the token embedding, transposed (tied weights).
+    return (x @ w.wte.t()).float()  # [B, T, V]

