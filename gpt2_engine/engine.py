@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .config import GPT2Config
-from .errors import GPT2EngineError, WeightsError
+from .errors import GenerationError, GPT2EngineError, WeightsError
+from .generate import Completion, Generation, GenerationSettings
 from .model import forward
+from .sampling import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import CONFIG, GPT2Weights, load_weights
 
@@ -51,6 +55,51 @@ class GPT2:
         """Logits [B, T, V]; if `hidden_states` is a list, the output of each block is appended to it."""
         self.check_ids(ids)
         return forward(self.weights, self.config, ids.to(self.device), hidden_states=hidden_states)
+
+    # --- generation: keyword arguments are GenerationSettings' and SamplingParams' fields ---------------------
+
+    def settings(self, **kwargs: Any) -> GenerationSettings:
+        """GenerationSettings from keyword arguments (max_new_tokens, temperature, top_k, top_p, seed, stop, ...)."""
+        sampling_keys = {"temperature", "top_k", "top_p", "repetition_penalty"}
+        allowed = sampling_keys | (set(GenerationSettings.__dataclass_fields__) - {"sampling"})
+        if unknown := set(kwargs) - allowed:
+            raise GenerationError(f"unknown generation option(s): {', '.join(sorted(unknown))}; expected {', '.join(sorted(allowed))}")
+        sampling = SamplingParams(**{k: kwargs.pop(k) for k in sampling_keys & set(kwargs)})
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = (kwargs["stop"],)
+        elif "stop" in kwargs:
+            kwargs["stop"] = tuple(kwargs["stop"] or ())
+        return GenerationSettings(sampling=sampling, **kwargs)
+
+    def encode_prompt(self, prompt: str, *, allow_special: bool = False) -> list[int]:
+        """Token ids of a text prompt (an empty prompt becomes <|endoftext|> at generation time)."""
+        if not isinstance(prompt, str):
+            raise GenerationError(f"prompt must be a string, got {type(prompt).__name__}")
+        return self.tokenizer.encode(prompt, allow_special=allow_special)
+
+    def complete(self, prompts: Sequence[str], *, allow_special: bool = False, **kwargs: Any) -> list[Completion]:
+        """Completions (text, ids, logprobs, finish reason) for a batch of prompts; num_samples per prompt."""
+        ids = [self.encode_prompt(p, allow_special=allow_special) for p in prompts]
+        return Generation(self, ids, self.settings(**kwargs)).run()
+
+    def generate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str]:
+        """The generated text (without the prompt); a list for a list of prompts or num_samples > 1."""
+        single = isinstance(prompt, str)
+        completions = self.complete([prompt] if single else list(prompt), **kwargs)
+        texts = [c.text for c in completions]
+        return texts[0] if single and len(texts) == 1 else texts
+
+    def stream(self, prompt: str, *, allow_special: bool = False, **kwargs: Any) -> Iterator[str]:
+        """The generated text of one prompt, piece by piece as it is produced (whole UTF-8 characters only)."""
+        settings = self.settings(**kwargs)
+        if settings.num_samples != 1:
+            raise GenerationError("stream() generates one sample; use complete() for num_samples > 1")
+        for _, piece in Generation(self, [self.encode_prompt(prompt, allow_special=allow_special)], settings):
+            yield piece
+
+    def generate_ids(self, ids: Sequence[int], **kwargs: Any) -> list[int]:
+        """The generated token ids (without the prompt) for a prompt given as token ids."""
+        return Generation(self, [list(ids)], self.settings(**kwargs)).run()[0].token_ids
 
     def check_ids(self, ids: torch.Tensor) -> None:
         """Raise GPT2EngineError unless `ids` is a [B, T] integer tensor of valid tokens that fits the context."""

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from .config import GPT2Config
 from .errors import WeightsError
 
+DEFAULT_WEIGHTS = Path("weights")  # the project's default checkpoint directory
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
 CONFIG = "config.json"

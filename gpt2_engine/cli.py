@@ -1,0 +1,166 @@
+"""`gpt2 generate | compare | download`: a thin command line over the library.
+
+Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import GPT2EngineError
+from .generate import Generation, GenerationSettings
+from .sampling import SamplingParams
+from .weights import DEFAULT_WEIGHTS
+
+class UsageError(GPT2EngineError):
+    """Bad command-line input."""
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+positive_int.__name__ = "positive integer"
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    g, s = GenerationSettings(), SamplingParams()
+    p = sub.add_parser(
+        "generate", help="generate text from a prompt",
+        description="Generate text from a prompt, streaming it to stdout. A stats line goes to stderr.",
+        epilog="examples:\n  gpt2 generate \"Hello, my dog is\" -n 40 --seed 0\n  echo 'Once upon a time' | gpt2 generate - "
+               "--temperature 0\n  gpt2 generate -f prompt.txt --stop '\\n\\n' --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", nargs="?", help="the prompt text; '-' reads it from stdin; '' starts from <|endoftext|>")
+    p.add_argument("-f", "--file", type=Path, help="read the prompt from FILE (UTF-8)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
+                   help=f"tokens to generate at most (default {g.max_new_tokens})")
+    p.add_argument("--temperature", type=float, default=s.temperature, metavar="T",
+                   help=f"softmax temperature; 0 is greedy (default {s.temperature})")
+    p.add_argument("--top-k", type=int, default=s.top_k, metavar="K", help=f"keep the K most likely tokens; 0 keeps all (default {s.top_k})")
+    p.add_argument("--top-p", type=float, default=s.top_p, metavar="P",
+                   help=f"nucleus sampling: keep the most likely tokens holding P of the mass; 1 keeps all (default {s.top_p})")
+    p.add_argument("--repetition-penalty", type=float, default=s.repetition_penalty, metavar="R",
+                   help=f"penalise tokens already in the text; 1 is off (default {s.repetition_penalty})")
+    p.add_argument("--seed", type=int, help="random seed for a reproducible run (default: random, printed on stderr)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this string (repeatable; escapes like \\n are understood)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past <|endoftext|>")
+    p.add_argument("--num-samples", type=positive_int, default=g.num_samples, metavar="K", help="completions to generate (default 1)")
+    p.add_argument("--truncate", choices=["left"], help="keep the last tokens of a prompt too long for the context")
+    p.add_argument("--allow-special", action="store_true", help="read <|endoftext|> in the prompt as the special token, not text")
+    p.add_argument("--no-stream", action="store_true", help="print the text only when it is complete")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, logprobs, finish_reason")
+    add_model_options(p)
+    p.set_defaults(run=run_generate)
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS, metavar="DIR",
+                   help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.file is not None:
+        if args.prompt is not None:
+            raise UsageError("give the prompt either as an argument or with -f FILE, not both")
+        try:
+            return args.file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
+    if args.prompt is None:
+        raise UsageError("no prompt: give PROMPT, '-' for stdin, or -f FILE")
+    if args.prompt == "-":
+        return sys.stdin.read()
+    return args.prompt
+
+
+def load_model(args: argparse.Namespace):
+    import torch
+
+    from .engine import GPT2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return GPT2.from_pretrained(args.weights, dtype=args.dtype)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+    stop = tuple(s.encode("utf-8").decode("unicode_escape") if "\\" in s else s for s in args.stop)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
+        stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate)
+    t0 = time.perf_counter()
+    model = load_model(args)
+    load_seconds = time.perf_counter() - t0
+    run = Generation(model, [model.tokenizer.encode(prompt, allow_special=args.allow_special)], settings)
+    if run.stats.truncated_tokens:
+        print(f"gpt2: prompt truncated from the left: dropped {run.stats.truncated_tokens} tokens to fit the context "
+              f"of {model.config.n_positions}", file=sys.stderr)
+    stream = not (args.no_stream or args.json or settings.num_samples > 1)
+    for _, piece in run:
+        if stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if args.json:
+        samples = [{"text": c.text, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
+                    "finish_reason": c.finish_reason} for c in run.completions]
+        doc = dict(samples[0]) if len(samples) == 1 else {"samples": samples}
+        doc.update(prompt_tokens=run.completions[0].prompt_tokens, seed=run.stats.seed)
+        print(json.dumps(doc, ensure_ascii=False))
+    elif stream:
+        print()
+    else:
+        for i, c in enumerate(run.completions):
+            if len(run.completions) > 1:
+                print(f"--- sample {i + 1} ({c.finish_reason}) ---")
+            print(c.text)
+    st = run.stats
+    print(f"load {load_seconds:.2f} s | prompt {run.completions[0].prompt_tokens} tokens | {st.new_tokens} new tokens | "
+          f"prefill {st.prefill_tokens_per_second:.1f} tok/s | decode {st.decode_tokens_per_second:.1f} tok/s | "
+          f"seed {st.seed}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpt2", description="A from-scratch GPT-2 inference engine.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_generate(sub)
+    from .compare import add_compare
+    from .download import add_download
+
+    add_compare(sub)
+    add_download(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `gpt2` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except GPT2EngineError as e:
+        print(f"gpt2 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gpt2 {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `gpt2 generate ... | head -1`
+        sys.stderr.close()
+        return 0
+    except Exception as e:  # noqa: BLE001 - a CLI never shows a raw traceback
+        print(f"gpt2 {args.command}: internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} "
+              "(please report it)", file=sys.stderr)
+        return 1

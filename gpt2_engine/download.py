@@ -1,0 +1,3 @@
+"""placeholder"""
+def add_download(sub):
+    pass

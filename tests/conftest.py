@@ -1,0 +1,70 @@
+"""Shared fixtures: official-layout checkpoints written once per test session into pytest's temporary directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+OFFICIAL_WEIGHTS = ROOT / "weights"
+
+torch.set_num_threads(2)
+
+
+def make_fixture(directory: Path, *args: str) -> Path:
+    """Run scripts/make_fixture.py as a user would."""
+    subprocess.run([sys.executable, str(SCRIPTS / "make_fixture.py"), str(directory), *args], check=True,
+                   stdout=subprocess.DEVNULL)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Full GPT-2-small shape, official layout, model.safetensors."""
+    return make_fixture(tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="session")
+def small_bin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same weights as small_dir, as pytorch_model.bin only."""
+    return make_fixture(tmp_path_factory.mktemp("small_bin"), "--format", "bin")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 layers, 4 heads, 64 channels, 128 positions; the full vocabulary. Both weight formats."""
+    return make_fixture(tmp_path_factory.mktemp("tiny"), "--config", "tiny", "--format", "both")
+
+
+@pytest.fixture(scope="session")
+def model(small_dir: Path):
+    from gpt2_engine import GPT2
+
+    return GPT2.from_pretrained(small_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(small_dir: Path):
+    """The reference: transformers' GPT2LMHeadModel on the same files, float32, eval mode."""
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(small_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir: Path):
+    from gpt2_engine import GPT2
+
+    return GPT2.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_dir: Path):
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(tiny_dir, dtype=torch.float32).eval()

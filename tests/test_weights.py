@@ -1,0 +1,231 @@
+"""The loader: name table, strict accounting, the Q/K/V split, one error type with a one-line message."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpt2_engine import GPT2, GPT2Config, WeightsError
+from gpt2_engine.config import preset
+from gpt2_engine.model import linear, merge_heads, split_heads
+from gpt2_engine.weights import Linear, expected_shapes, load_weights, parameter_count, split_qkv
+
+
+def variant(tiny_dir: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
+    """A copy of the tiny fixture (safetensors only) with its tensors edited in place by `edit`."""
+    dest.mkdir()
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        shutil.copyfile(tiny_dir / name, dest / name)
+    tensors = load_file(tiny_dir / "model.safetensors")
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def load_error(directory: Path) -> str:
+    with pytest.raises(WeightsError) as e:
+        GPT2.from_pretrained(directory)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+# --- the Q/K/V split -------------------------------------------------------------------------------------------
+
+
+def test_split_qkv_takes_q_k_v_columns_in_order() -> None:
+    C = 6
+    w = torch.arange(C * 3 * C, dtype=torch.float32).view(C, 3 * C)  # Conv1D (in, out)
+    q, k, v = split_qkv(w)
+    assert torch.equal(q, w[:, 0:C]) and torch.equal(k, w[:, C : 2 * C]) and torch.equal(v, w[:, 2 * C :])
+    assert torch.equal(torch.cat([q, k, v], dim=-1), w)  # round trip
+    bq, bk, bv = split_qkv(torch.arange(3 * C))
+    assert bq.tolist() == [0, 1, 2, 3, 4, 5] and bk.tolist() == [6, 7, 8, 9, 10, 11] and bv[0] == 12
+
+
+def test_splitting_the_weights_equals_splitting_the_projection(tiny_model: GPT2) -> None:
+    blk = tiny_model.weights.blocks[0]
+    x = torch.randn(2, 5, tiny_model.config.n_embd)
+    fused = split_qkv(linear(x, blk.c_attn))
+    for part, proj in zip(fused, blk.qkv()):
+        assert torch.allclose(part, linear(x, proj), atol=1e-6)
+    # heads: head h of Q holds the channels [h*hs, (h+1)*hs) of Q
+    q = fused[0]
+    heads = split_heads(q, tiny_model.config.n_head)  # [B, nh, T, hs]
+    hs = tiny_model.config.head_size
+    assert torch.equal(heads[:, 2], q[..., 2 * hs : 3 * hs])
+    assert torch.equal(merge_heads(heads), q)
+
+
+def test_split_qkv_rejects_a_width_not_divisible_by_three() -> None:
+    with pytest.raises(ValueError, match="3\\*C"):
+        split_qkv(torch.zeros(4, 10))
+
+
+# --- config and name table -------------------------------------------------------------------------------------
+
+
+def test_presets_have_the_official_parameter_counts() -> None:
+    counts = {name: parameter_count(preset(name)) for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+    assert counts == {"gpt2": 124439808, "gpt2-medium": 354823168, "gpt2-large": 774030080, "gpt2-xl": 1557611200}
+
+
+def test_name_table_has_the_official_names() -> None:
+    names = expected_shapes(GPT2Config())
+    assert len(names) == 148  # the official file's 160 tensors less the 12 h.N.attn.bias buffers
+    assert names["h.11.attn.c_attn.weight"] == (768, 2304) and names["h.0.mlp.c_proj.weight"] == (3072, 768)
+
+
+def test_config_rejects_options_that_change_the_math(tmp_path: Path, tiny_dir: Path) -> None:
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    cfg["activation_function"] = "gelu"
+    d = variant(tiny_dir, tmp_path / "c")
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert "activation_function='gelu' is not supported (expected 'gelu_new')" in load_error(d)
+
+
+def test_config_rejects_heads_that_do_not_divide_channels(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text()) | {"n_head": 5}
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert "n_embd (64) must be divisible by n_head (5)" in load_error(d)
+
+
+def test_missing_config_json(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "c")
+    (d / "config.json").unlink()
+    assert "config.json not found" in load_error(d)
+
+
+# --- accepted variations ---------------------------------------------------------------------------------------
+
+
+def test_transformer_prefix_and_equal_lm_head_are_accepted(tmp_path: Path, tiny_dir: Path, tiny_model: GPT2) -> None:
+    def prefixed(t: dict[str, torch.Tensor]) -> None:
+        for name in list(t):
+            t["transformer." + name] = t.pop(name)
+        t["lm_head.weight"] = t["transformer.wte.weight"].clone()
+
+    m = GPT2.from_pretrained(variant(tiny_dir, tmp_path / "p", prefixed))
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(m(ids), tiny_model(ids))
+
+
+def test_float32_weights_are_used_in_place_not_copied(tiny_dir: Path) -> None:
+    """Each float32 parameter's memory lies inside a memory mapping of model.safetensors (Linux /proc)."""
+    w = load_weights(tiny_dir, GPT2Config.from_json(tiny_dir / "config.json"))
+    target = str((tiny_dir / "model.safetensors").resolve())
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(target):
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            maps.append((lo, hi))
+    for t in (w.wte, w.wpe, w.blocks[1].c_fc.weight, w.ln_f.bias):
+        assert any(lo <= t.data_ptr() < hi for lo, hi in maps), "a parameter was copied out of the mapped file"
+
+
+# --- errors ----------------------------------------------------------------------------------------------------
+
+
+def test_missing_tensor(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "m", lambda t: t.pop("h.1.mlp.c_fc.bias"))
+    msg = load_error(d)
+    assert "model.safetensors: missing tensor h.1.mlp.c_fc.bias (expected shape [256])" in msg
+
+
+def test_wrong_shape(tmp_path: Path, tiny_dir: Path) -> None:
+    def transpose(t: dict[str, torch.Tensor]) -> None:
+        t["h.0.attn.c_attn.weight"] = t["h.0.attn.c_attn.weight"].t().contiguous()
+
+    msg = load_error(variant(tiny_dir, tmp_path / "s", transpose))
+    assert "tensor h.0.attn.c_attn.weight has shape [192, 64], expected [64, 192]" in msg
+
+
+def test_non_float_dtype(tmp_path: Path, tiny_dir: Path) -> None:
+    def to_int(t: dict[str, torch.Tensor]) -> None:
+        t["ln_f.bias"] = t["ln_f.bias"].to(torch.int32)
+
+    assert "tensor ln_f.bias has dtype torch.int32, expected a floating-point dtype" in load_error(
+        variant(tiny_dir, tmp_path / "d", to_int)
+    )
+
+
+def test_nan_in_a_tensor(tmp_path: Path, tiny_dir: Path) -> None:
+    def poison(t: dict[str, torch.Tensor]) -> None:
+        t["h.1.ln_2.weight"][3] = float("nan")
+
+    assert "tensor h.1.ln_2.weight holds 1 NaN/Inf values, expected finite weights" in load_error(
+        variant(tiny_dir, tmp_path / "n", poison)
+    )
+
+
+def test_unexpected_tensor(tmp_path: Path, tiny_dir: Path) -> None:
+    def extra(t: dict[str, torch.Tensor]) -> None:
+        t["h.2.ln_1.weight"] = torch.ones(64)
+
+    assert "unexpected tensor h.2.ln_1.weight (not part of GPT-2 with n_layer=2)" in load_error(
+        variant(tiny_dir, tmp_path / "u", extra)
+    )
+
+
+def test_untied_lm_head(tmp_path: Path, tiny_dir: Path) -> None:
+    def untie(t: dict[str, torch.Tensor]) -> None:
+        t["lm_head.weight"] = t["wte.weight"] + 1.0
+
+    assert "lm_head.weight differs from wte.weight (max |diff| 1)" in load_error(variant(tiny_dir, tmp_path / "l", untie))
+
+
+def test_truncated_safetensors(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "t")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "model.safetensors: not a readable safetensors file" in load_error(d)
+
+
+def test_corrupt_safetensors_header(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "h")
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + b"\0" * 64)
+    assert "model.safetensors: not a readable safetensors file" in load_error(d)
+
+
+def test_truncated_pytorch_bin(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "b")
+    (d / "model.safetensors").unlink()
+    data = (tiny_dir / "pytorch_model.bin").read_bytes()
+    (d / "pytorch_model.bin").write_bytes(data[: len(data) - 1000])
+    assert "pytorch_model.bin: not a readable PyTorch checkpoint" in load_error(d)
+
+
+def test_pytorch_bin_is_read_when_there_is_no_safetensors(tmp_path: Path, tiny_dir: Path, tiny_model: GPT2) -> None:
+    d = variant(tiny_dir, tmp_path / "b")
+    (d / "model.safetensors").unlink()
+    shutil.copyfile(tiny_dir / "pytorch_model.bin", d / "pytorch_model.bin")
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(GPT2.from_pretrained(d)(ids), tiny_model(ids))
+
+
+def test_directory_without_weights(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "w")
+    (d / "model.safetensors").unlink()
+    assert "no model.safetensors or pytorch_model.bin found (run `make weights`" in load_error(d)
+
+
+def test_unknown_format(tmp_path: Path, tiny_dir: Path) -> None:
+    d = variant(tiny_dir, tmp_path / "f")
+    (d / "model.safetensors").rename(d / "tf_model.h5")
+    assert "unsupported weights format tf_model.h5; expected model.safetensors or pytorch_model.bin" in load_error(d)
+
+
+def test_directory_that_does_not_exist(tmp_path: Path) -> None:
+    assert "weights directory does not exist" in load_error(tmp_path / "nowhere")
+
+
+def test_a_file_instead_of_a_directory(tiny_dir: Path) -> None:
+    assert "expected a directory holding config.json" in load_error(tiny_dir / "model.safetensors")
