@@ -33,7 +33,7 @@ def long_prompt() -> str:
     topics = ["rivers", "mountains", "libraries", "machines", "gardens", "cities", "oceans", "forests"]
     parts = [f"Chapter {i + 1}. On {t}: people have written about {t} for centuries, describing how they change with "
              f"the seasons, how they shape the lives of those nearby, and why we return to them again and again. "
-             for i, t in enumerate(topics * 4)]
+             for i, t in enumerate(topics * 3)]
     return "".join(parts)
 
 

@@ -31,7 +31,7 @@ class GenerationSettings:
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()  # the text ends before the first stop string
-    ignore_eos: bool = False  # keep going past <|endoftext|>
+    ignore_eos: bool = False  # never end at <|endoftext|>: its logit is set to -inf, as llama.cpp's --ignore-eos does
     seed: int | None = None  # None: a fresh random seed, reported in GenerationStats
     num_samples: int = 1  # completions per prompt
     truncate: str | None = None  # "left": keep the last tokens of a prompt that does not fit
@@ -207,15 +207,20 @@ class Generation:
                              key_mask=key_mask, last_only=True)[:, -1]  # [B, V]
             self.stats.prefill_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
+            eot = model.tokenizer.eot_id
             for step in range(s.max_new_tokens):
-                next_ids = sample(process_logits(logits, s.sampling, seen), s.sampling, self.generator)  # [B]
-                chosen_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[:, None])[:, 0]  # [B]
+                log_probs = torch.log_softmax(logits, dim=-1)  # [B, V], reported for the chosen tokens
+                processed = process_logits(logits, s.sampling, seen)
+                if s.ignore_eos:
+                    processed[:, eot] = -math.inf  # may write into `logits`: log_probs is already taken
+                next_ids = sample(processed, s.sampling, self.generator)  # [B]
+                chosen_logprobs = log_probs.gather(-1, next_ids[:, None])[:, 0]  # [B]
                 if seen is not None:
                     seen[torch.arange(B), next_ids] = True
                 for b, (tok, lp) in enumerate(zip(next_ids.tolist(), chosen_logprobs.tolist())):
                     if finish[b] is not None:
                         continue
-                    if tok == model.tokenizer.eot_id and not s.ignore_eos:
+                    if tok == eot:
                         finish[b] = "eos"
                     else:
                         tokens[b].append(tok)

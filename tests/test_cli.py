@@ -1,0 +1,165 @@
+"""`gpt2 generate` and `gpt2 compare` as a user runs them: output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpt2_engine import GPT2
+from gpt2_engine.cli import main
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- generate -----------------------------------------------------------------------------------------------------
+
+
+def test_generate_streams_the_text_and_reports_stats(capsys, small_dir: Path, model: GPT2) -> None:
+    code, out, err = run(capsys, "generate", "Hello, my dog is", "-n", "12", "--seed", "0", "--weights", str(small_dir))
+    assert code == 0
+    assert out == model.generate("Hello, my dog is", max_new_tokens=12, seed=0) + "\n"
+    assert err.count("\n") == 1 and "prompt 5 tokens | 12 new tokens | prefill" in err and "decode" in err and "seed 0" in err
+
+
+def test_generate_json(capsys, small_dir: Path, model: GPT2) -> None:
+    code, out, _ = run(capsys, "generate", "Hi", "-n", "4", "--temperature", "0", "--json", "--weights", str(small_dir))
+    doc = json.loads(out)
+    [c] = model.complete(["Hi"], max_new_tokens=4, temperature=0)
+    assert code == 0 and set(doc) == {"text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "seed"}
+    assert (doc["text"], doc["token_ids"], doc["finish_reason"]) == (c.text, c.token_ids, "length")
+    assert doc["logprobs"] == pytest.approx(c.logprobs, abs=1e-5)
+
+
+def test_generate_several_samples_as_json(capsys, small_dir: Path) -> None:
+    code, out, _ = run(capsys, "generate", "Hi", "-n", "3", "--num-samples", "2", "--seed", "1", "--json",
+                       "--weights", str(small_dir))
+    assert code == 0 and len(json.loads(out)["samples"]) == 2
+
+
+def test_generate_reads_the_prompt_from_a_file_and_from_stdin(capsys, monkeypatch, tmp_path: Path, small_dir: Path) -> None:
+    (tmp_path / "p.txt").write_text("Hello, my dog is", encoding="utf-8")
+    args = ("-n", "5", "--temperature", "0", "--weights", str(small_dir))
+    _, from_file, _ = run(capsys, "generate", "-f", str(tmp_path / "p.txt"), *args)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello, my dog is"))
+    _, from_stdin, _ = run(capsys, "generate", "-", *args)
+    _, from_arg, _ = run(capsys, "generate", "Hello, my dog is", *args)
+    assert from_file == from_stdin == from_arg
+
+
+def test_generate_stop_string_with_escape(capsys, small_dir: Path, model: GPT2) -> None:
+    full = model.generate("Hi", max_new_tokens=20, temperature=0, ignore_eos=True)
+    code, out, _ = run(capsys, "generate", "Hi", "-n", "20", "--temperature", "0", "--ignore-eos", "--stop", full[5:8],
+                       "--weights", str(small_dir))
+    assert code == 0 and out == full[: full.find(full[5:8])] + "\n"
+
+
+def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> None:
+    long_prompt = " word" * 125
+    code, _, err = run(capsys, "generate", long_prompt, "-n", "10", "--weights", str(tiny_dir))
+    assert code == 2 and "exceeds the context of 128 tokens" in err
+    code, _, err = run(capsys, "generate", long_prompt, "-n", "10", "--truncate", "left", "--weights", str(tiny_dir))
+    assert code == 0 and "prompt truncated from the left: dropped 7 tokens" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "Hi", "--temperature", "-1"], "gpt2 generate: error: temperature must be a finite number >= 0"),
+        (["generate", "Hi", "--top-p", "0"], "gpt2 generate: error: top_p must be in (0, 1]"),
+        (["generate", "Hi", "--top-k", "-3"], "gpt2 generate: error: top_k must be an integer >= 0"),
+        (["generate", "Hi", "-n", "-2"], "gpt2 generate: error: max_new_tokens must be an integer >= 0"),
+        (["generate", "Hi", "--repetition-penalty", "0"], "gpt2 generate: error: repetition_penalty must be a finite number > 0"),
+        (["generate"], "gpt2 generate: error: no prompt: give PROMPT, '-' for stdin, or -f FILE"),
+        (["generate", "-f", "/nonexistent/prompt.txt"], "gpt2 generate: error: cannot read prompt file /nonexistent/prompt.txt"),
+    ],
+)
+def test_generate_bad_input_is_one_line_and_exit_2(capsys, small_dir: Path, argv: list[str], message: str) -> None:
+    code, out, err = run(capsys, *argv, "--weights", str(small_dir))
+    assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
+
+
+def test_generate_bad_weights_directory(capsys, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "generate", "Hi", "--weights", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1
+    assert "config.json not found" in err
+
+
+def test_installed_command_runs_without_traceback(tmp_path: Path) -> None:
+    gpt2 = Path(sys.executable).with_name("gpt2")
+    proc = subprocess.run([str(gpt2), "generate", "Hi", "--weights", str(tmp_path / "missing")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith("weights directory does not exist (run `make weights` or copy the official files there)")
+    help_text = subprocess.run([str(gpt2), "generate", "--help"], capture_output=True, text=True).stdout
+    assert "(default 0.8)" in help_text and "(default 128)" in help_text and "--ignore-eos" in help_text
+
+
+# --- compare ------------------------------------------------------------------------------------------------------
+
+JSON_KEYS = {"prompt", "engine", "tokens", "max_abs", "mean_abs", "max_rel", "kl_max", "top1_agreement", "top5_overlap",
+             "per_block_max_abs", "first_divergent_block", "first_divergent_position", "passed"}
+
+
+def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path) -> None:
+    code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--engine", "all", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["passed"] is True
+    assert {r["prompt"] for r in doc["results"]} == {"english", "code", "unicode", "long"}
+    assert {r["engine"] for r in doc["results"]} == {"torch", "numpy"}
+    for r in doc["results"]:
+        assert set(r) == JSON_KEYS and len(r["per_block_max_abs"]) == 12
+        assert r["max_rel"] <= (1e-4 if r["engine"] == "torch" else 1e-3)
+        assert r["top1_agreement"] == 1.0 and r["first_divergent_block"] is None
+    assert max(r["tokens"] for r in doc["results"]) > 900
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(small_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("perturbed")
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        shutil.copyfile(small_dir / name, d / name)
+    t = load_file(small_dir / "model.safetensors")
+    t["h.5.mlp.c_fc.weight"][10, 20] += 0.5
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_compare_names_the_first_divergent_block(capsys, small_dir: Path, perturbed_dir: Path) -> None:
+    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(small_dir),
+                       "--prompt", "The quick brown fox jumps over the lazy dog", "--json")
+    assert code == 1
+    [r] = json.loads(out)["results"]
+    assert r["passed"] is False and r["first_divergent_block"] == 5 and r["first_divergent_position"] == 0
+    before, at = max(r["per_block_max_abs"][:5]), r["per_block_max_abs"][5]
+    assert before < 1e-4 and at > 1000 * before  # rounding before block 5, a real difference from it on
+
+    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(small_dir), "--prompt", "Hi")
+    assert code == 1 and "MISMATCH from block 5, position 0" in out and "0 passed, 1 failed" in out
+
+
+def test_compare_table_and_prompts_file(capsys, tmp_path: Path, small_dir: Path) -> None:
+    (tmp_path / "prompts.txt").write_text("first prompt\n\nsecond prompt\n")
+    code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--prompts-file", str(tmp_path / "prompts.txt"))
+    assert code == 0 and "prompts.txt:1" in out and "prompts.txt:2" in out and "all 2 comparisons within tolerance" in out
+
+
+def test_compare_bad_weights_exits_2_with_the_loader_message(capsys, tmp_path: Path) -> None:
+    code, out, err = run(capsys, "compare", "--weights", str(tmp_path / "nope"))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "weights directory does not exist" in err
+
+
+def test_compare_rtol_zero_fails_on_rounding(capsys, small_dir: Path) -> None:
+    code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--prompt", "Hi there", "--rtol", "0", "--json")
+    assert code == 1 and json.loads(out)["passed"] is False

@@ -1,0 +1,267 @@
+"""Generation: the KV cache, samplers against transformers' processors, batching, stop conditions, streaming."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpt2_engine import GPT2, GenerationError
+from gpt2_engine.generate import Detokenizer, Generation, incomplete_utf8_tail
+from gpt2_engine.model import KVCache, forward
+from gpt2_engine.sampling import SamplingParams, apply_repetition_penalty, top_k_filter, top_p_filter
+
+PROMPTS = ["Hello, my dog is", "def main():\n    print(", "Zoë's café — 東京 🤖"]
+
+
+# --- KV cache ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cached_decoding_equals_full_recompute(model: GPT2, batch: int) -> None:
+    steps, prompt_len = 200, 12
+    g = torch.Generator().manual_seed(batch)
+    seq = torch.randint(0, 50257, (batch, prompt_len + steps), generator=g)
+    w, cfg = model.weights, model.config
+    cache = KVCache.allocate(cfg, batch, prompt_len + steps)
+    with torch.inference_mode():
+        step_logits = [forward(w, cfg, seq[:, :prompt_len], cache=cache, start=0)[:, -1]]
+        for t in range(prompt_len, prompt_len + steps):  # 200 decode steps
+            step_logits.append(forward(w, cfg, seq[:, t : t + 1], cache=cache, start=t)[:, -1])
+        full = forward(w, cfg, seq)[:, prompt_len - 1 :]  # [B, steps + 1, V]
+    cached = torch.stack(step_logits, dim=1)
+    worst = (cached - full).abs().max().item()
+    assert worst <= 1e-4 * full.abs().max().item(), f"max |diff| {worst:.3g}"
+    assert torch.equal(cached.argmax(-1), full.argmax(-1))
+
+
+def test_cache_is_preallocated_and_bounded(model: GPT2) -> None:
+    cache = KVCache.allocate(model.config, 2, 50)
+    assert cache.k.shape == (12, 2, 12, 50, 64) and cache.v.shape == cache.k.shape
+    with pytest.raises(ValueError, match="KV cache length must be in 1..1024"):
+        KVCache.allocate(model.config, 1, 1025)
+
+
+# --- parity of greedy decoding with transformers ------------------------------------------------------------------
+
+
+def test_greedy_tokens_equal_transformers_generate(model: GPT2, hf_model) -> None:
+    for prompt in PROMPTS:
+        ids = model.tokenizer.encode(prompt)
+        [mine] = model.complete([prompt], max_new_tokens=100, temperature=0, ignore_eos=True)
+        with torch.no_grad():
+            # min_new_tokens bans <|endoftext|> exactly as ignore_eos does
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=100, min_new_tokens=100, do_sample=False,
+                                    pad_token_id=50256)[0, len(ids):].tolist()
+        assert mine.token_ids == ref, prompt
+        assert mine.text == model.tokenizer.decode(ref)
+
+
+def test_batched_prompts_of_different_lengths_equal_generating_alone(model: GPT2) -> None:
+    kwargs = dict(max_new_tokens=30, temperature=0, ignore_eos=True)
+    alone = [model.generate(p, **kwargs) for p in PROMPTS]
+    assert model.generate(PROMPTS, **kwargs) == alone
+    assert len({len(model.tokenizer.encode(p)) for p in PROMPTS}) == 3  # really different lengths: padding is used
+
+
+def test_batched_sampling_with_repetition_penalty_matches_alone_per_row(model: GPT2) -> None:
+    kwargs = dict(max_new_tokens=20, temperature=0, repetition_penalty=1.3)
+    assert model.generate(PROMPTS[:2], **kwargs) == [model.generate(p, **kwargs) for p in PROMPTS[:2]]
+
+
+# --- samplers vs transformers' logits processors ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def logits() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 50257, generator=g) * torch.tensor([[1.0], [3.0], [6.0], [0.5]])
+
+
+@pytest.mark.parametrize("k", [1, 5, 40, 50257, 100000])
+def test_top_k_keeps_the_same_tokens_as_transformers(logits: torch.Tensor, k: int) -> None:
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    ref = TopKLogitsWarper(top_k=min(k, 50257))(None, logits.clone())
+    assert torch.equal(torch.isfinite(top_k_filter(logits, k)), torch.isfinite(ref))
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_keeps_the_same_tokens_as_transformers(logits: torch.Tensor, p: float) -> None:
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    ref = TopPLogitsWarper(top_p=p)(None, logits.clone())
+    kept = torch.isfinite(top_p_filter(logits, p))
+    assert torch.equal(kept, torch.isfinite(ref))
+    assert kept.sum(-1).min() >= 1
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_equals_transformers(logits: torch.Tensor, penalty: float) -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    previous = torch.randint(0, 50257, (4, 30), generator=torch.Generator().manual_seed(1))
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, previous, True)
+    ref = RepetitionPenaltyLogitsProcessor(penalty=penalty)(previous, logits.clone())
+    assert torch.allclose(apply_repetition_penalty(logits, seen, penalty), ref, rtol=0, atol=0)
+
+
+# --- seeds, samples and settings ----------------------------------------------------------------------------------
+
+
+def test_same_seed_same_text_different_seed_different_text(model: GPT2) -> None:
+    a = model.generate("Once upon a time", max_new_tokens=25, seed=7, temperature=1.0, top_k=0, top_p=1.0)
+    b = model.generate("Once upon a time", max_new_tokens=25, seed=7, temperature=1.0, top_k=0, top_p=1.0)
+    c = model.generate("Once upon a time", max_new_tokens=25, seed=8, temperature=1.0, top_k=0, top_p=1.0)
+    assert a == b and a != c
+
+
+def test_several_samples_per_prompt(model: GPT2) -> None:
+    texts = model.generate("The", max_new_tokens=10, seed=0, temperature=1.5, num_samples=3)
+    assert isinstance(texts, list) and len(texts) == 3 and len(set(texts)) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+        (dict(temperature=math.nan), "temperature must be a finite number >= 0"),
+        (dict(temperature=math.inf), "temperature must be a finite number >= 0"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p must be in (0, 1]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+        (dict(max_new_tokens=1024), "max_new_tokens (1024) must be below the context length 1024"),
+        (dict(stop=[""]), "stop strings must be non-empty strings"),
+        (dict(top_kk=3), "unknown generation option(s): top_kk"),
+    ],
+)
+def test_invalid_settings_are_refused(model: GPT2, kwargs: dict, message: str) -> None:
+    with pytest.raises(GenerationError) as e:
+        model.generate("Hi", **kwargs)
+    assert message in str(e.value)
+
+
+def test_top_k_larger_than_the_vocabulary_is_clamped(model: GPT2) -> None:
+    big = model.generate("Hi", max_new_tokens=5, seed=3, top_k=10**6)
+    assert big == model.generate("Hi", max_new_tokens=5, seed=3, top_k=0)
+
+
+def test_max_new_tokens_zero_generates_nothing(model: GPT2) -> None:
+    [c] = model.complete(["Hi"], max_new_tokens=0)
+    assert (c.text, c.token_ids, c.finish_reason) == ("", [], "length")
+
+
+# --- stop conditions ----------------------------------------------------------------------------------------------
+
+
+def test_stop_string_ends_the_text_before_it(model: GPT2) -> None:
+    full = model.generate("Hello, my dog is", max_new_tokens=30, temperature=0, ignore_eos=True)
+    stop = full[12:16]
+    [c] = model.complete(["Hello, my dog is"], max_new_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "zzzzqq"])
+    assert c.finish_reason == "stop"
+    assert c.text == full[: full.find(stop)]
+    streamed = "".join(model.stream("Hello, my dog is", max_new_tokens=30, temperature=0, ignore_eos=True, stop=stop))
+    assert streamed == c.text
+
+
+@pytest.fixture(scope="module")
+def eos_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose head always prefers <|endoftext|>: ln_f outputs a multiple of wte[50256]."""
+    d = tmp_path_factory.mktemp("eos")
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        shutil.copyfile(tiny_dir / name, d / name)
+    t = load_file(tiny_dir / "model.safetensors")
+    t["ln_f.weight"] = torch.zeros_like(t["ln_f.weight"])
+    t["ln_f.bias"] = t["wte.weight"][50256] * 10
+    save_file(t, str(d / "model.safetensors"))
+    return d
+
+
+def test_generation_stops_at_endoftext_unless_ignore_eos(eos_dir: Path) -> None:
+    m = GPT2.from_pretrained(eos_dir)
+    [c] = m.complete(["Hi"], max_new_tokens=10, temperature=0)
+    assert (c.text, c.token_ids, c.finish_reason) == ("", [], "eos")
+    [c] = m.complete(["Hi"], max_new_tokens=10, temperature=0, ignore_eos=True)
+    assert c.finish_reason == "length" and len(c.token_ids) == 10 and 50256 not in c.token_ids
+
+
+# --- context limit and prompts ------------------------------------------------------------------------------------
+
+
+def test_prompt_beyond_the_context_is_an_error_or_truncated_left(tiny_model: GPT2) -> None:
+    ids = list(range(1000, 1120))  # 120 tokens; tiny context is 128
+    with pytest.raises(GenerationError, match="prompt of 120 tokens \\+ max_new_tokens 10 exceeds the context of 128"):
+        Generation(tiny_model, [ids], tiny_model.settings(max_new_tokens=10))
+    run = Generation(tiny_model, [ids], tiny_model.settings(max_new_tokens=10, truncate="left", temperature=0))
+    [c] = run.run()
+    assert run.stats.truncated_tokens == 2 and c.prompt_tokens == 118
+    assert c.token_ids == tiny_model.generate_ids(ids[2:], max_new_tokens=10, temperature=0)
+
+
+def test_empty_prompt_starts_from_endoftext(model: GPT2) -> None:
+    assert model.generate("", max_new_tokens=8, temperature=0) == model.tokenizer.decode(
+        model.generate_ids([50256], max_new_tokens=8, temperature=0))
+
+
+def test_endoftext_in_a_prompt_is_text_unless_allowed(model: GPT2) -> None:
+    [plain] = model.complete(["a<|endoftext|>"], max_new_tokens=1)
+    [special] = model.complete(["a<|endoftext|>"], max_new_tokens=1, allow_special=True)
+    assert plain.prompt_tokens == 1 + len(model.tokenizer.encode("<|endoftext|>")) and special.prompt_tokens == 2
+
+
+def test_logprobs_are_those_of_the_chosen_tokens(model: GPT2) -> None:
+    prompt = model.tokenizer.encode("Hello, my")
+    [c] = model.complete(["Hello, my"], max_new_tokens=3, temperature=0)
+    log_probs = torch.log_softmax(model(torch.tensor([prompt + c.token_ids]))[0], -1)  # [T, V]
+    expected = [log_probs[len(prompt) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
+    assert c.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+# --- streaming text -----------------------------------------------------------------------------------------------
+
+
+def test_incomplete_utf8_tail() -> None:
+    emoji = "😀".encode()  # 4 bytes
+    assert [incomplete_utf8_tail(emoji[:n]) for n in range(5)] == [0, 1, 2, 3, 0]
+    assert incomplete_utf8_tail(b"abc") == 0 and incomplete_utf8_tail("é".encode()[:1]) == 1
+    assert incomplete_utf8_tail(b"\x80\x80") == 0  # stray continuation bytes cannot be completed
+
+
+def test_streaming_never_splits_a_character() -> None:
+    from gpt2_engine import load_tokenizer
+
+    tok = load_tokenizer()
+    text = "Emoji 😀🤖 and 東京 ok"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # several tokens per multi-byte character
+    d = Detokenizer(tok, ())
+    pieces = []
+    for t in ids:
+        d.add(t)
+        pieces.append(d.ready())
+    pieces.append(d.finish())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stream_holds_back_a_possible_stop_string() -> None:
+    from gpt2_engine import load_tokenizer
+
+    tok = load_tokenizer()
+    d = Detokenizer(tok, ("END",))
+    out = []
+    for t in tok.encode("abc EN"):
+        d.add(t)
+        out.append(d.ready())
+    assert "".join(out) == "abc " and d.add(tok.encode("D")[0]) is True and d.finish() == ""
+
+
+def test_stream_pieces_join_to_the_generated_text(model: GPT2) -> None:
+    kwargs = dict(max_new_tokens=30, seed=11, temperature=1.0)
+    assert "".join(model.stream("Zoë", **kwargs)) == model.generate("Zoë", **kwargs)
