@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 OFFICIAL_WEIGHTS = ROOT / "weights"
+sys.path.insert(0, str(Path(__file__).parent))  # tests/hub_server.py
 
 torch.set_num_threads(2)
 
