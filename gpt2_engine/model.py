@@ -66,17 +66,22 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs), masked) v: q [B, nh, T, hs], k and v [B, nh, S, hs], mask [B|1, 1, T, S] -> [B, nh, T, hs].
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs)) with masked scores excluded: q [B, nh, T, hs], k [B, nh, S, hs] -> [B, nh, T, S].
 
-    `mask` is True where a query may attend. Masked scores become the dtype's most negative finite value rather
-    than -inf, so that a row with nothing to attend to (a padding query) gives a harmless uniform row, not NaN.
+    `mask` [B|1, 1, T, S] is True where a query may attend. Masked scores become the dtype's most negative finite
+    value rather than -inf, so that a row with nothing to attend to (a padding query) gives a harmless uniform row,
+    not NaN. The softmax (exp(s - rowmax) / sum, numerically stable) runs in at least float32.
     """
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, nh, T, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    att = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # stable: exp(s - rowmax) / sum, in fp32
-    return att @ v  # [B, nh, T, hs]
+    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs), masked) v: q [B, nh, T, hs], k and v [B, nh, S, hs] -> [B, nh, T, hs]."""
+    return attention_weights(q, k, mask) @ v  # [B, nh, T, hs]
 
 
 def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.Tensor | None,
