@@ -66,6 +66,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS, metavar="DIR",
                    help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
+    p.add_argument("--quantize", choices=["int8"], help="weight-only int8 projections, quantized at load time")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -91,7 +92,7 @@ def load_model(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return GPT2.from_pretrained(args.weights, dtype=args.dtype)
+    return GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ from .weights import DEFAULT_WEIGHTS
 
 # Default tolerances, relative to max |reference|: measured errors are ~1e-6 (torch fp32) and ~1e-6 (NumPy).
 DEFAULT_RTOL = {"torch": 1e-4, "numpy": 1e-3}
+# bfloat16 and int8 weights cannot match to rounding; they pass on top-1 agreement with the reference.
+DEFAULT_MIN_TOP1 = {"bfloat16": 0.995, "int8": 0.99}
 
 BUILTIN_PROMPTS = {
     "english": "The old lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father "
@@ -83,8 +85,13 @@ def engine_outputs(model, ids: torch.Tensor, engine: str) -> tuple[torch.Tensor,
 
 
 def compare_outputs(name: str, engine: str, ref: tuple[torch.Tensor, list[torch.Tensor]],
-                    got: tuple[torch.Tensor, list[torch.Tensor]], rtol: float) -> Report:
-    """Every figure of the report, for reference and engine outputs of one prompt."""
+                    got: tuple[torch.Tensor, list[torch.Tensor]], rtol: float | None,
+                    min_top1: float | None = None) -> Report:
+    """Every figure of the report, for reference and engine outputs of one prompt.
+
+    Within tolerance means: no logit and no block output differs by more than rtol x max |reference| (skipped when
+    rtol is None), and top-1 agreement >= min_top1 when that is given.
+    """
     (ref_logits, ref_blocks), (logits, blocks) = ref, got
     diff = (logits - ref_logits).abs()[0]  # [T, V]
     scale = ref_logits.abs().max().item()
@@ -98,18 +105,21 @@ def compare_outputs(name: str, engine: str, ref: tuple[torch.Tensor, list[torch.
     for i, (a, b) in enumerate(zip(blocks, ref_blocks)):
         block_diff = (a - b).abs()[0]  # [T, C]
         per_block.append(block_diff.max().item())
+        if rtol is None or first_block is not None:
+            continue
         bad = (block_diff > rtol * b.abs().max().item()).any(-1)  # [T]
-        if first_block is None and bool(bad.any()):
+        if bool(bad.any()):
             first_block, first_position = i, int(bad.nonzero()[0])
-    bad_logits = (diff > rtol * scale).any(-1)
+    bad_logits = (diff > rtol * scale).any(-1) if rtol is not None else torch.zeros(0, dtype=torch.bool)
     if first_position is None and bool(bad_logits.any()):
         first_position = int(bad_logits.nonzero()[0])
+    top1 = (ref_logits[0].argmax(-1) == logits[0].argmax(-1)).float().mean().item()
     return Report(
         prompt=name, engine=engine, tokens=diff.shape[0], max_abs=diff.max().item(), mean_abs=diff.mean().item(),
         max_rel=diff.max().item() / scale, kl_max=max(kl.max().item(), 0.0),
-        top1_agreement=(ref_logits[0].argmax(-1) == logits[0].argmax(-1)).float().mean().item(),
-        top5_overlap=overlap.item(), per_block_max_abs=per_block, first_divergent_block=first_block,
-        first_divergent_position=first_position, passed=first_position is None)
+        top1_agreement=top1, top5_overlap=overlap.item(), per_block_max_abs=per_block,
+        first_divergent_block=first_block, first_divergent_position=first_position,
+        passed=first_position is None and (min_top1 is None or top1 >= min_top1))
 
 
 def load_reference(directory: Path):
@@ -147,34 +157,41 @@ def run_compare(args: argparse.Namespace) -> int:
     from .engine import GPT2
 
     engines = ["torch", "numpy"] if args.engine == "all" else [args.engine]
+    variant = args.quantize or (args.dtype if args.dtype != "float32" else None)
+    if variant and engines != ["torch"]:
+        raise GPT2EngineError("--dtype bfloat16 / --quantize int8 apply to the torch engine; the NumPy reference is float32")
+    min_top1 = args.min_top1 if args.min_top1 is not None else DEFAULT_MIN_TOP1.get(variant or "")
     prompts = collect_prompts(args)
-    model = GPT2.from_pretrained(args.weights)
+    model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize)
     reference_dir = args.reference or args.weights
     hf_model = load_reference(reference_dir)
     if hf_model.config.n_layer != model.config.n_layer or hf_model.config.n_embd != model.config.n_embd:
         raise WeightsError(f"{reference_dir}: the reference has another shape than {args.weights}")
 
     reports = []
+    rtols = {e: args.rtol if args.rtol is not None or variant else DEFAULT_RTOL[e] for e in engines}
     for name, text in prompts.items():
         ids = model.tokenizer.encode(text)[: model.config.n_positions] or [model.tokenizer.eot_id]
         ids_t = torch.tensor([ids])
         ref = reference_outputs(hf_model, ids_t)
         for engine in engines:
-            rtol = args.rtol if args.rtol is not None else DEFAULT_RTOL[engine]
-            reports.append(compare_outputs(name, engine, ref, engine_outputs(model, ids_t, engine), rtol))
+            reports.append(compare_outputs(name, engine, ref, engine_outputs(model, ids_t, engine), rtols[engine], min_top1))
     passed = all(r.passed for r in reports)
-    rtols = {e: args.rtol if args.rtol is not None else DEFAULT_RTOL[e] for e in engines}
     if args.json:
         print(json.dumps({"passed": passed, "weights": str(args.weights), "reference": str(reference_dir),
-                          "rtol": rtols, "results": [asdict(r) for r in reports]}, indent=2))
+                          "variant": variant or "float32", "rtol": rtols, "min_top1": min_top1,
+                          "results": [asdict(r) for r in reports]}, indent=2))
     else:
-        print_table(reports, rtols, args.weights, reference_dir)
+        print_table(reports, rtols, min_top1, variant or "float32", args.weights, reference_dir)
     return 0 if passed else 1
 
 
-def print_table(reports: list[Report], rtols: dict[str, float], weights: Path, reference: Path) -> None:
-    print(f"engine ({weights}) vs transformers GPT2LMHeadModel ({reference}), float32; "
-          f"tolerance: max |diff| <= rtol x max |reference| with rtol " + ", ".join(f"{e} {r:g}" for e, r in rtols.items()))
+def print_table(reports: list[Report], rtols: dict[str, float | None], min_top1: float | None, variant: str,
+                weights: Path, reference: Path) -> None:
+    rules = [f"max |diff| <= {r:g} x max |reference| ({e})" for e, r in rtols.items() if r is not None]
+    rules += [f"top-1 agreement >= {min_top1:.1%}"] if min_top1 is not None else []
+    print(f"engine ({weights}, {variant}) vs transformers GPT2LMHeadModel ({reference}, float32); "
+          f"tolerance: {'; '.join(rules)}")
     header = f"{'prompt':<14} {'engine':<6} {'tokens':>6} {'max_abs':>9} {'mean_abs':>9} {'max_rel':>9} " \
              f"{'kl_max':>9} {'top1':>7} {'top5':>7} {'worst block':>14}  result"
     print(header)
@@ -183,7 +200,9 @@ def print_table(reports: list[Report], rtols: dict[str, float], weights: Path, r
         worst = int(np.argmax(r.per_block_max_abs)) if r.per_block_max_abs else 0
         result = "ok" if r.passed else (
             f"MISMATCH from block {r.first_divergent_block}, position {r.first_divergent_position}"
-            if r.first_divergent_block is not None else f"MISMATCH in logits at position {r.first_divergent_position}")
+            if r.first_divergent_block is not None else
+            f"MISMATCH in logits at position {r.first_divergent_position}" if r.first_divergent_position is not None
+            else f"MISMATCH: top-1 agreement {r.top1_agreement:.2%} < {min_top1:.1%}")
         print(f"{r.prompt[:14]:<14} {r.engine:<6} {r.tokens:>6} {r.max_abs:>9.2e} {r.mean_abs:>9.2e} {r.max_rel:>9.2e} "
               f"{r.kl_max:>9.2e} {r.top1_agreement:>7.2%} {r.top5_overlap:>7.2%} "
               f"{worst:>3} ({r.per_block_max_abs[worst]:.1e})  {result}")
@@ -202,6 +221,11 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-file", type=Path, metavar="FILE", help="prompts, one per line")
     p.add_argument("--engine", choices=["torch", "numpy", "all"], default="torch", help="which engine to check (default torch)")
     p.add_argument("--rtol", type=float, metavar="R",
-                   help="tolerance relative to max |reference| (default 1e-4 for torch, 1e-3 for numpy)")
+                   help="tolerance relative to max |reference| (default 1e-4 for torch, 1e-3 for numpy; "
+                        "not applied to bfloat16 / int8 unless given)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights dtype (default float32)")
+    p.add_argument("--quantize", choices=["int8"], help="check the engine with weight-only int8 quantization")
+    p.add_argument("--min-top1", type=float, metavar="F",
+                   help="for bfloat16 / int8: the top-1 agreement required (default 0.995 / 0.99)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.set_defaults(run=run_compare)

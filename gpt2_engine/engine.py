@@ -21,30 +21,43 @@ class GPT2:
     """A loaded GPT-2: config, weights and tokenizer, with a from-scratch forward pass."""
 
     def __init__(self, config: GPT2Config, weights: GPT2Weights, tokenizer: Tokenizer, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, quantize: str | None = None) -> None:
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
-        self.dtype = dtype
+        self.dtype = dtype  # of the weight matrices; activations, layer norms and the KV cache are float32
         self.device = device
+        self.quantize = quantize
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
-                        device: torch.device | str = "cpu") -> GPT2:
-        """Load the official-format checkpoint in `directory` (config.json, weights, BPE files)."""
+                        device: torch.device | str = "cpu", quantize: str | None = None) -> GPT2:
+        """Load the official-format checkpoint in `directory` (config.json, weights, BPE files).
+
+        dtype: float32 (default) or bfloat16 weights and matmuls. quantize="int8": weight-only int8 projections and
+        output head, quantized now, with float32 activations.
+        """
         directory = Path(directory)
         dtype = parse_dtype(dtype)
+        if quantize not in (None, "int8"):
+            raise GPT2EngineError(f"quantize: expected None or 'int8', got {quantize!r}")
+        if quantize and dtype != torch.float32:
+            raise GPT2EngineError("quantize='int8' runs with float32 activations; do not combine it with dtype=bfloat16")
         device = torch.device(device)
+        if device.type != "cpu":  # the int8 kernel, the cache and the sampling loop are written and tested for CPU
+            raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
         config = GPT2Config.from_json(directory / CONFIG) if directory.is_dir() else None
         if config is None:
             load_weights(directory, GPT2Config())  # raises the loader's error for a missing or non-directory path
         weights = load_weights(directory, config, dtype)
-        if device.type != "cpu":
-            weights = _to_device(weights, device)
+        if quantize == "int8":
+            from .quantize import quantize_weights
+
+            weights = quantize_weights(weights)
         tokenizer = load_tokenizer(directory)
         if tokenizer.n_vocab > config.vocab_size:
             raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")
-        return cls(config, weights, tokenizer, dtype=dtype, device=device)
+        return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] (float32) for a LongTensor of token ids [B, T]."""
@@ -127,16 +140,3 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in (torch.float32, torch.bfloat16):
         raise GPT2EngineError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
     return dtype
-
-
-def _to_device(w: GPT2Weights, device: torch.device) -> GPT2Weights:
-    import dataclasses
-
-    def move(obj):  # dataclass trees of tensors
-        if isinstance(obj, torch.Tensor):
-            return obj.to(device)
-        if isinstance(obj, tuple):
-            return tuple(move(o) for o in obj)
-        return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
-
-    return move(w)

@@ -188,7 +188,7 @@ class Generation:
         slots = torch.arange(total)
         key_mask = (slots[None, :] >= pad[:, None]) if bool(pad.any()) else None  # [B, total]: False on padding
         positions = (slots[None, :T] - pad[:, None]).clamp(min=0)  # [B, T]: each sequence counts from its start
-        cache = KVCache.allocate(model.config, B, total, model.dtype, model.device)
+        cache = KVCache.allocate(model.config, B, total)  # float32, like the activations, whatever the weights
 
         seen = None  # [B, V]: tokens present in each sequence, for the repetition penalty
         if s.sampling.repetition_penalty != 1.0:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import GPT2Config
-from .weights import Block, GPT2Weights, LayerNorm, Linear, split_qkv
+from .weights import Block, GPT2Weights, Int8Matrix, LayerNorm, Linear, split_qkv
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,58 @@ def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, eps)
 
 
+# Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV, which MKL runs
+# on one core at about half the machine's read bandwidth. For such inputs we split the reduction over the cores with
+# one bmm on zero-copy views of the weight, then add the partial sums (float32 rounding differs, nothing else).
+FEW_ROWS = 8
+
+
+def split_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """[M, K] @ [K, N] -> [M, N] with K split into one chunk per thread; None where that does not apply."""
+    (M, K), chunks = x2.shape, torch.get_num_threads()
+    if M > FEW_ROWS or chunks < 2 or K % chunks:
+        return None
+    parts = torch.bmm(x2.view(M, chunks, K // chunks).transpose(0, 1), w.view(chunks, K // chunks, -1))  # [chunks, M, N]
+    return parts.sum(dim=0)
+
+
+def as_float32(w: torch.Tensor | Int8Matrix, rows: slice = slice(None)) -> torch.Tensor:
+    """A weight matrix (or some of its rows) in float32. bfloat16 and int8 weights are widened right before their
+    matmul, so they cost a half or a quarter of the memory traffic of float32 and compute at float32 speed."""
+    if isinstance(w, Int8Matrix):
+        scales = w.scales[rows] if w.scales.shape[0] > 1 else w.scales
+        return w.values[rows].float().mul_(scales)
+    return w[rows].float()
+
+
 def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T)."""
-    flat = torch.addmm(p.bias, x.reshape(-1, x.shape[-1]), p.weight)  # [B*T, out]
+    x2 = x.reshape(-1, x.shape[-1])  # [B*T, in]
+    w = as_float32(p.weight)  # the weight itself when it is already float32
+    if (flat := split_matmul(x2, w)) is not None:
+        flat += p.bias
+    else:
+        flat = torch.addmm(p.bias, x2, w)  # [B*T, out]
     return flat.view(*x.shape[:-1], flat.shape[-1])
+
+
+HEAD_ROWS = 4096  # rows of a narrow head widened at a time: 12 MiB of float32, which stays in cache
+
+
+def lm_head(x: torch.Tensor, head: torch.Tensor | Int8Matrix) -> torch.Tensor:
+    """[..., C] -> [..., V] float32 logits. GPT-2 has no separate output matrix: the head is wte (V, C), transposed."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, C]
+    if isinstance(head, Int8Matrix) or head.dtype != torch.float32:
+        V = head.values.shape[0] if isinstance(head, Int8Matrix) else head.shape[0]
+        parts = [x2 @ as_float32(head, slice(r, r + HEAD_ROWS)).t() for r in range(0, V, HEAD_ROWS)]
+        return torch.cat(parts, dim=1).view(*x.shape[:-1], V)
+    (M, C), V, chunks = x2.shape, head.shape[0], torch.get_num_threads()
+    if M > FEW_ROWS or chunks < 2:
+        return (x2 @ head.t()).view(*x.shape[:-1], V)
+    # the same split for decoding, over the vocabulary rows: chunks of h rows, plus the V % chunks left over
+    h = V // chunks
+    parts = torch.bmm(x2.expand(chunks, M, C), head[: chunks * h].view(chunks, h, C).transpose(1, 2))  # [chunks, M, h]
+    return torch.cat([*parts, x2 @ head[chunks * h :].t()], dim=1).view(*x.shape[:-1], V)  # [..., V]
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +187,7 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
     B, T = ids.shape
     if positions is None:
         positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-    x = w.wte[ids] + w.wpe[positions]  # [B, T, C]
+    x = w.wte[ids].float() + w.wpe[positions]  # [B, T, C]: the residual stream is float32 whatever the weights
     mask = attention_mask(T, start, key_mask, ids.device)
     for i, blk in enumerate(w.blocks):
         layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
@@ -148,6 +196,4 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
             hidden_states.append(x)
     if last_only:
         x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
-    x = layer_norm(x, w.ln_f, config.layer_norm_epsilon)
-    # GPT-2 has no separate output matrix: the head is the token embedding, transposed (tied weights).
-    return (x @ w.wte.t()).float()  # [B, T, V]
+    return lm_head(layer_norm(x, w.ln_f, config.layer_norm_epsilon), w.head)  # [B, T, V]

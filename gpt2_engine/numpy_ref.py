@@ -62,4 +62,4 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: np.ndarray,
         x = x + linear(gelu(linear(layer_norm(x, blk.ln_2, eps), blk.c_fc)), blk.mlp_c_proj)
         if hidden_states is not None:
             hidden_states.append(x)
-    return layer_norm(x, w.ln_f, eps) @ w.wte.numpy().T  # [T, V], tied head
+    return layer_norm(x, w.ln_f, eps) @ w.wte.numpy().T  # [T, V]: the head is wte (tied)

@@ -32,10 +32,22 @@ IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 
 
 @dataclass(frozen=True)
+class Int8Matrix:
+    """A weight matrix stored as int8: W ~= values * scales, in the layout of the float matrix it replaces.
+
+    scales broadcasts over `values`: (1, out) for a Conv1D (in, out) weight, one per output column; (V, 1) for the
+    (V, C) output head, one per vocabulary row. Symmetric, so there is no zero point.
+    """
+
+    values: torch.Tensor  # int8, the shape of the float matrix
+    scales: torch.Tensor  # float32, broadcastable to values
+
+
+@dataclass(frozen=True)
 class Linear:
     """A Conv1D projection: weight (in, out), bias (out,)."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | Int8Matrix
     bias: torch.Tensor
 
 
@@ -62,10 +74,11 @@ class Block:
 
 @dataclass(frozen=True)
 class GPT2Weights:
-    wte: torch.Tensor  # (V, C); also the output head (GPT-2 ties lm_head to wte)
+    wte: torch.Tensor  # (V, C) token embedding
     wpe: torch.Tensor  # (n_positions, C)
     blocks: tuple[Block, ...]
     ln_f: LayerNorm
+    head: torch.Tensor | Int8Matrix  # (V, C): the output head is wte itself (GPT-2 ties them), or its int8 copy
 
 
 Array = TypeVar("Array")
@@ -152,7 +165,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype = torch.float32) -> GPT2Weights:
-    """Read and check every tensor of the checkpoint in `directory`; raise WeightsError on any mismatch."""
+    """Read and check every tensor of the checkpoint in `directory`; raise WeightsError on any mismatch.
+
+    `dtype` is that of the weight matrices (and wte); everything else stays float32.
+    """
     path = find_weights_file(Path(directory))
     raw = read_tensors(path)
     expected = expected_shapes(config)
@@ -186,12 +202,13 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
             diff = (lm_head.float() - tensors["wte.weight"].float()).abs().max().item()
             raise WeightsError(f"{path}: lm_head.weight differs from wte.weight (max |diff| {diff:.3g}); GPT-2 ties them")
 
-    def t(name: str) -> torch.Tensor:
+    def t(name: str, target: torch.dtype = torch.float32) -> torch.Tensor:
         tensor = tensors[name]
-        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+        return tensor if tensor.dtype == target else tensor.to(target)
 
+    # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision)
     def lin(prefix: str) -> Linear:
-        return Linear(t(prefix + ".weight"), t(prefix + ".bias"))
+        return Linear(t(prefix + ".weight", dtype), t(prefix + ".bias"))
 
     def ln(prefix: str) -> LayerNorm:
         return LayerNorm(t(prefix + ".weight"), t(prefix + ".bias"))
@@ -207,7 +224,8 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
         )
         for i in range(config.n_layer)
     )
-    return GPT2Weights(wte=t("wte.weight"), wpe=t("wpe.weight"), blocks=blocks, ln_f=ln("ln_f"))
+    wte = t("wte.weight", dtype)
+    return GPT2Weights(wte=wte, wpe=t("wpe.weight"), blocks=blocks, ln_f=ln("ln_f"), head=wte)
 
 
 def _check_tensor(path: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Benchmark gpt2-engine against transformers on the same weights, in one run (`make bench`).
+
+    python scripts/bench.py [--weights DIR] [--threads 2] [--repeats 3] [--new-tokens 256] [--variants fp32,bf16,int8]
+
+Rows: prefill tokens/s at 128 / 512 / 1024 tokens (ids in, first token out); decode tokens/s at batch 1 and batch 8
+(16-token prompt, greedy, N new tokens: (N - 1) / (t(N) - t(1))); time from process start to the first generated token;
+peak RSS of a generate run. Every row alternates engine and reference, repeats, and reports the median. Without
+--weights it runs on the full-size official-layout fixture (speed does not depend on the weight values). Prints a
+table with the ratio engine / transformers for each row and writes JSON (default bench-results/bench.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_16 = "The quick brown fox jumps over the lazy dog while the farmer watches from the"  # 16 GPT-2 tokens
+
+
+def load_engine(weights: Path, variant: str):
+    from gpt2_engine import GPT2
+
+    if variant == "int8":
+        return GPT2.from_pretrained(weights, quantize="int8")
+    return GPT2.from_pretrained(weights, dtype={"fp32": "float32", "bf16": "bfloat16"}[variant])
+
+
+def load_reference(weights: Path):
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    return GPT2LMHeadModel.from_pretrained(weights, dtype=torch.float32).eval()
+
+
+def engine_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
+    """Seconds to generate `new_tokens` greedily from ids [B, T] (prefill included)."""
+    from gpt2_engine.generate import Generation
+
+    settings = model.settings(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    Generation(model, ids.tolist(), settings).run()
+    return time.perf_counter() - t0
+
+
+def reference_generate(hf, ids: torch.Tensor, new_tokens: int) -> float:
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=50256)
+    return time.perf_counter() - t0
+
+
+def measure_row(engine_runs: dict, reference_run, repeats: int) -> tuple[dict[str, float], float]:
+    """Median seconds of each engine variant's run and of the reference's, alternating (after one warm-up each)."""
+    for run in (reference_run, *engine_runs.values()):
+        run()
+    times: dict[str, list[float]] = {v: [] for v in engine_runs}
+    ref: list[float] = []
+    for _ in range(repeats):
+        ref.append(reference_run())
+        for v, run in engine_runs.items():
+            times[v].append(run())
+    return {v: statistics.median(t) for v, t in times.items()}, statistics.median(ref)
+
+
+def child(kind: str, weights: Path, variant: str, new_tokens: int) -> None:
+    """Run in a fresh process: load, generate one token (print FIRST), then a whole run; print peak RSS."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    if kind == "engine":
+        model = load_engine(weights, variant)
+        ids = model.tokenizer.encode(PROMPT_16)
+        model.generate_ids(ids, max_new_tokens=1, temperature=0)
+        print("FIRST", flush=True)
+        model.generate_ids(ids, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    else:
+        from transformers import GPT2TokenizerFast
+
+        tok = GPT2TokenizerFast.from_pretrained(weights)
+        hf = load_reference(weights)
+        ids = torch.tensor([tok(PROMPT_16)["input_ids"]])
+        reference_generate(hf, ids, 1)
+        print("FIRST", flush=True)
+        reference_generate(hf, ids, new_tokens)
+    print("RSS_KB", peak_rss_kb(), flush=True)
+
+
+def peak_rss_kb() -> int:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def startup_and_rss(kind: str, weights: Path, variant: str, threads: int) -> tuple[float, float]:
+    """(seconds from process start to first token, peak RSS in MiB) of one child process."""
+    env = dict(os.environ, BENCH_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, __file__, "--child", kind, "--weights", str(weights), "--variants", variant],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    first = rss = None
+    for line in proc.stdout:
+        if line.startswith("FIRST") and first is None:
+            first = time.perf_counter() - t0
+        elif line.startswith("RSS_KB"):
+            rss = int(line.split()[1]) / 1024
+    if proc.wait() != 0 or first is None or rss is None:
+        raise SystemExit(f"bench: the {kind} child process failed")
+    return first, rss
+
+
+def write_fixture() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-engine" / "bench-fixture"
+    if not (cache / "model.safetensors").is_file():
+        print(f"writing the full-size official-layout fixture to {cache} ...", file=sys.stderr)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fixture.py"), str(cache)], check=True,
+                       stdout=subprocess.DEVNULL)
+    return cache
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture, written once)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating repeats per row; medians are reported (default 3)")
+    p.add_argument("--new-tokens", type=int, default=256, help="decode length (default 256)")
+    p.add_argument("--variants", default="fp32,bf16,int8", help="engine variants (default fp32,bf16,int8)")
+    p.add_argument("--prefill", default="128,512,1024", help="prefill lengths (default 128,512,1024)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench.json", help="where to write the JSON")
+    p.add_argument("--child", choices=["engine", "reference"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    weights = args.weights or write_fixture()
+    if args.child:
+        child(args.child, weights, args.variants, 32)
+        return 0
+
+    torch.set_num_threads(args.threads)
+    variants = args.variants.split(",")
+    hf = load_reference(weights)
+    rows: list[dict] = []
+
+    def add(metric: str, better: str, ref: float, results: dict[str, float]) -> None:
+        row = {"metric": metric, "better": better, "transformers": ref}
+        for v, val in results.items():
+            row[v] = val
+            row[f"{v}_ratio"] = val / ref
+        rows.append(row)
+        print(f"  {metric}: transformers {ref:.4g}, " + ", ".join(f"{v} {val:.4g} ({val / ref:.2f}x)" for v, val in results.items()),
+              file=sys.stderr, flush=True)
+
+    g = torch.Generator().manual_seed(0)
+    engines = {v: load_engine(weights, v) for v in variants}
+    for T in [int(t) for t in args.prefill.split(",")]:
+        ids = torch.randint(0, 50257, (1, T), generator=g)
+        runs = {v: (lambda m=m: engine_generate(m, ids, 1)) for v, m in engines.items()}
+        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, 1), args.repeats)
+        add(f"prefill {T} tokens (tok/s)", "higher", T / ref, {v: T / t for v, t in eng.items()})
+
+    prompt = engines[variants[0]].tokenizer.encode(PROMPT_16)
+    n = args.new_tokens
+    for batch in (1, 8):
+        ids = torch.tensor([prompt] * batch)
+        runs = {v: (lambda m=m: engine_generate(m, ids, n) - engine_generate(m, ids, 1)) for v, m in engines.items()}
+        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, n) - reference_generate(hf, ids, 1), args.repeats)
+        tokens = batch * (n - 1)
+        add(f"decode batch {batch}, {n} new (tok/s)", "higher", tokens / ref, {v: tokens / t for v, t in eng.items()})
+
+    del engines, hf
+    starts = {v: [] for v in variants}
+    rss = {v: [] for v in variants}
+    ref_start, ref_rss = [], []
+    for _ in range(args.repeats):
+        for v in variants:
+            s, r = startup_and_rss("engine", weights, v, args.threads)
+            starts[v].append(s), rss[v].append(r)
+        s, r = startup_and_rss("reference", weights, "fp32", args.threads)
+        ref_start.append(s), ref_rss.append(r)
+    add("process start to first token (s)", "lower", statistics.median(ref_start),
+        {v: statistics.median(x) for v, x in starts.items()})
+    add("peak RSS of a generate run (MiB)", "lower", statistics.median(ref_rss),
+        {v: statistics.median(x) for v, x in rss.items()})
+
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " \
+              f"{args.threads} threads"
+    try:
+        machine = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")) + \
+                  f" ({os.cpu_count()} cores), torch {torch.__version__}, {args.threads} threads"
+    except (OSError, StopIteration):
+        pass
+    print_table(rows, variants, machine)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "repeats": args.repeats,
+                                    "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def print_table(rows: list[dict], variants: list[str], machine: str) -> None:
+    print(f"\nengine vs transformers 5 (fp32, SDPA) on {machine}; ratio = engine / transformers")
+    head = f"| {'metric':<38} | {'transformers':>12} |" + "".join(f" {'engine ' + v:>12} | {'ratio':>6} |" for v in variants)
+    print(head)
+    print("|" + "---|" * (2 + 2 * len(variants)))
+    for r in rows:
+        line = f"| {r['metric'] + (' ↑' if r['better'] == 'higher' else ' ↓'):<38} | {r['transformers']:>12.4g} |"
+        line += "".join(f" {r[v]:>12.4g} | {r[v + '_ratio']:>5.2f}x |" for v in variants)
+        print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
