@@ -154,8 +154,8 @@ class Generation:
         self.model = model
         self.settings = settings
         limit = model.config.n_positions
-        if settings.max_new_tokens >= limit:
-            raise GenerationError(f"max_new_tokens ({settings.max_new_tokens}) must be below the context length {limit}")
+        if settings.max_new_tokens > limit:
+            raise GenerationError(f"max_new_tokens ({settings.max_new_tokens}) must be at most the context length {limit}")
         seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(7), "little")
         self.stats = GenerationStats(seed=seed)
         self.generator = torch.Generator().manual_seed(seed)
@@ -164,7 +164,7 @@ class Generation:
             p = list(p) or [model.tokenizer.eot_id]  # an empty prompt starts from <|endoftext|>, as in training
             if any(not 0 <= t < model.config.vocab_size for t in p):
                 raise GenerationError(f"prompt token ids must be in [0, {model.config.vocab_size})")
-            room = limit - settings.max_new_tokens
+            room = limit - max(settings.max_new_tokens - 1, 0)  # the last new token is never fed back: no position
             if len(p) > room:
                 if settings.truncate != "left":
                     raise GenerationError(
@@ -184,7 +184,7 @@ class Generation:
         ids = torch.full((B, T), model.tokenizer.eot_id, dtype=torch.long)
         for b, p in enumerate(self.prompts):
             ids[b, pad[b]:] = torch.tensor(p)
-        total = T + s.max_new_tokens
+        total = T + max(s.max_new_tokens - 1, 0)  # cache slots: the prompt, then every new token but the last
         slots = torch.arange(total)
         key_mask = (slots[None, :] >= pad[:, None]) if bool(pad.any()) else None  # [B, total]: False on padding
         positions = (slots[None, :T] - pad[:, None]).clamp(min=0)  # [B, T]: each sequence counts from its start

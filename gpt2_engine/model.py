@@ -52,19 +52,19 @@ FEW_ROWS = 8
 def split_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """[M, K] @ [K, N] -> [M, N] with K split into one chunk per thread; None where that does not apply."""
     (M, K), chunks = x2.shape, torch.get_num_threads()
-    if M > FEW_ROWS or chunks < 2 or K % chunks:
+    if M > FEW_ROWS or chunks < 2 or K % chunks or not w.is_contiguous():
         return None
     parts = torch.bmm(x2.view(M, chunks, K // chunks).transpose(0, 1), w.view(chunks, K // chunks, -1))  # [chunks, M, N]
     return parts.sum(dim=0)
 
 
 def as_float32(w: torch.Tensor | Int8Matrix, rows: slice = slice(None)) -> torch.Tensor:
-    """A weight matrix (or some of its rows) in float32. bfloat16 and int8 weights are widened right before their
-    matmul, so they cost a half or a quarter of the memory traffic of float32 and compute at float32 speed."""
+    """A weight matrix (or some of its rows) in float32 (float64 stays). bfloat16 and int8 weights are widened right
+    before their matmul, so they cost a half or a quarter of the memory traffic of float32 and compute at its speed."""
     if isinstance(w, Int8Matrix):
         scales = w.scales[rows] if w.scales.shape[0] > 1 else w.scales
         return w.values[rows].float().mul_(scales)
-    return w[rows].float()
+    return w[rows] if w.dtype in (torch.float32, torch.float64) else w[rows].float()
 
 
 def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
@@ -127,9 +127,26 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
     return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
 
 
+QUERY_BLOCK = 128  # queries per block in a long prefill: [B, nh, 128, S] scores stay in cache
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs), masked) v: q [B, nh, T, hs], k and v [B, nh, S, hs] -> [B, nh, T, hs]."""
-    return attention_weights(q, k, mask) @ v  # [B, nh, T, hs]
+    """softmax(q k^T / sqrt(hs), masked) v: q [B, nh, T, hs], k and v [B, nh, S, hs] -> [B, nh, T, hs].
+
+    The T new queries are the last T of the S positions. A long prompt goes in blocks of queries; a block attends to
+    keys up to its own last query only, since the mask hides every later one: half the work of a causal prefill,
+    and each block's scores fit in cache. Every row's softmax is unchanged.
+    """
+    T, S = q.shape[2], k.shape[2]
+    if T <= QUERY_BLOCK:
+        return attention_weights(q, k, mask) @ v  # [B, nh, T, hs]
+    out = torch.empty_like(q)
+    for i in range(0, T, QUERY_BLOCK):
+        j = min(i + QUERY_BLOCK, T)
+        keys = S - T + j  # the block's last query sits at slot S - T + j - 1
+        block_mask = None if mask is None else mask[:, :, i:j, :keys]
+        out[:, :, i:j] = attention_weights(q[:, :, i:j], k[:, :, :keys], block_mask) @ v[:, :, :keys]
+    return out
 
 
 def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.Tensor | None,

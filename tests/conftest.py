@@ -69,3 +69,23 @@ def tiny_hf_model(tiny_dir: Path):
     from transformers import GPT2LMHeadModel
 
     return GPT2LMHeadModel.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+def assert_same_weights(a, b) -> None:
+    """Every parameter of two loaded GPT2Weights is bit-identical (the loaders read the same values)."""
+    import dataclasses
+
+    def leaves(obj, prefix=""):
+        if isinstance(obj, torch.Tensor):
+            yield prefix, obj
+        elif isinstance(obj, tuple):
+            for i, o in enumerate(obj):
+                yield from leaves(o, f"{prefix}.{i}")
+        else:
+            for f in dataclasses.fields(obj):
+                yield from leaves(getattr(obj, f.name), f"{prefix}.{f.name}")
+
+    pairs = list(zip(leaves(a), leaves(b)))
+    assert len(pairs) == len(list(leaves(a))) == len(list(leaves(b))) > 0
+    for (name, x), (_, y) in pairs:
+        assert torch.equal(x, y), name

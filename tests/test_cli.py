@@ -70,7 +70,7 @@ def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> Non
     code, _, err = run(capsys, "generate", long_prompt, "-n", "10", "--weights", str(tiny_dir))
     assert code == 2 and "exceeds the context of 128 tokens" in err
     code, _, err = run(capsys, "generate", long_prompt, "-n", "10", "--truncate", "left", "--weights", str(tiny_dir))
-    assert code == 0 and "prompt truncated from the left: dropped 7 tokens" in err
+    assert code == 0 and "prompt truncated from the left: dropped 6 tokens" in err
 
 
 @pytest.mark.parametrize(

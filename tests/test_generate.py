@@ -136,7 +136,7 @@ def test_several_samples_per_prompt(model: GPT2) -> None:
         (dict(top_k=-1), "top_k must be an integer >= 0"),
         (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
-        (dict(max_new_tokens=1024), "max_new_tokens (1024) must be below the context length 1024"),
+        (dict(max_new_tokens=1025), "max_new_tokens (1025) must be at most the context length 1024"),
         (dict(stop=[""]), "stop strings must be non-empty strings"),
         (dict(top_kk=3), "unknown generation option(s): top_kk"),
     ],
@@ -200,8 +200,15 @@ def test_prompt_beyond_the_context_is_an_error_or_truncated_left(tiny_model: GPT
         Generation(tiny_model, [ids], tiny_model.settings(max_new_tokens=10))
     run = Generation(tiny_model, [ids], tiny_model.settings(max_new_tokens=10, truncate="left", temperature=0))
     [c] = run.run()
-    assert run.stats.truncated_tokens == 2 and c.prompt_tokens == 118
-    assert c.token_ids == tiny_model.generate_ids(ids[2:], max_new_tokens=10, temperature=0)
+    # 119 + 10 fits: the 10th new token is never fed back, so positions 0..127 suffice
+    assert run.stats.truncated_tokens == 1 and c.prompt_tokens == 119 and len(c.token_ids) == 10
+    assert c.token_ids == tiny_model.generate_ids(ids[1:], max_new_tokens=10, temperature=0)
+
+
+def test_a_full_context_prompt_can_still_produce_one_token(tiny_model: GPT2) -> None:
+    ids = list(range(1000, 1128))  # exactly the 128-token context
+    assert len(tiny_model.generate_ids(ids, max_new_tokens=1, temperature=0)) == 1
+    assert int(tiny_model(torch.tensor([ids]))[0, -1].argmax()) == tiny_model.generate_ids(ids, max_new_tokens=1, temperature=0)[0]
 
 
 def test_empty_prompt_starts_from_endoftext(model: GPT2) -> None:

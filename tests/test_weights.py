@@ -16,6 +16,8 @@ from gpt2_engine.config import preset
 from gpt2_engine.model import linear, merge_heads, split_heads
 from gpt2_engine.weights import Linear, expected_shapes, load_weights, parameter_count, split_qkv
 
+from conftest import assert_same_weights
+
 
 def variant(tiny_dir: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
     """A copy of the tiny fixture (safetensors only) with its tensors edited in place by `edit`."""
@@ -113,9 +115,7 @@ def test_transformer_prefix_and_equal_lm_head_are_accepted(tmp_path: Path, tiny_
             t["transformer." + name] = t.pop(name)
         t["lm_head.weight"] = t["transformer.wte.weight"].clone()
 
-    m = GPT2.from_pretrained(variant(tiny_dir, tmp_path / "p", prefixed))
-    ids = torch.tensor([[1, 2, 3]])
-    assert torch.equal(m(ids), tiny_model(ids))
+    assert_same_weights(GPT2.from_pretrained(variant(tiny_dir, tmp_path / "p", prefixed)).weights, tiny_model.weights)
 
 
 def test_float32_weights_are_used_in_place_not_copied(tiny_dir: Path) -> None:
@@ -207,8 +207,7 @@ def test_pytorch_bin_is_read_when_there_is_no_safetensors(tmp_path: Path, tiny_d
     d = variant(tiny_dir, tmp_path / "b")
     (d / "model.safetensors").unlink()
     shutil.copyfile(tiny_dir / "pytorch_model.bin", d / "pytorch_model.bin")
-    ids = torch.tensor([[5, 6, 7]])
-    assert torch.equal(GPT2.from_pretrained(d)(ids), tiny_model(ids))
+    assert_same_weights(GPT2.from_pretrained(d).weights, tiny_model.weights)
 
 
 def test_directory_without_weights(tmp_path: Path, tiny_dir: Path) -> None:
