@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import GPT2Config
-from .weights import Block, GPT2Weights, LayerNorm, Linear, split_qkv
+from .weights import Block, GPT2Weights, LayerNorm, Linear
 
 
 def layer_norm(x: np.ndarray, p: LayerNorm, eps: float) -> np.ndarray:

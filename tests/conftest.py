@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,17 @@ def assert_same_weights(a, b) -> None:
     assert len(pairs) == len(list(leaves(a))) == len(list(leaves(b))) > 0
     for (name, x), (_, y) in pairs:
         assert torch.equal(x, y), name
+
+
+def edited_copy(src: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
+    """A copy of checkpoint `src` (config, BPE files, model.safetensors) with its tensors edited in place by `edit`."""
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        shutil.copyfile(src / name, dest / name)
+    tensors = load_file(src / "model.safetensors")
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
+
+from conftest import edited_copy
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -126,13 +125,10 @@ def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path
 
 @pytest.fixture(scope="module")
 def perturbed_dir(small_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("perturbed")
-    for name in ("config.json", "vocab.json", "merges.txt"):
-        shutil.copyfile(small_dir / name, d / name)
-    t = load_file(small_dir / "model.safetensors")
-    t["h.5.mlp.c_fc.weight"][10, 20] += 0.5
-    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
-    return d
+    def perturb(t: dict) -> None:
+        t["h.5.mlp.c_fc.weight"][10, 20] += 0.5
+
+    return edited_copy(small_dir, tmp_path_factory.mktemp("perturbed"), perturb)
 
 
 def test_compare_names_the_first_divergent_block(capsys, small_dir: Path, perturbed_dir: Path) -> None:

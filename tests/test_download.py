@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from gpt2_engine import GPT2
 from conftest import assert_same_weights
-from hub_server import FakeHub, FakeRepo, repo_from_directory
+from hub_server import FakeHub, repo_from_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "test-org/tiny-gpt2"

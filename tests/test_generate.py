@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from gpt2_engine import GPT2, GenerationError
 from gpt2_engine.generate import Detokenizer, Generation, incomplete_utf8_tail
 from gpt2_engine.model import KVCache, forward
-from gpt2_engine.sampling import SamplingParams, apply_repetition_penalty, top_k_filter, top_p_filter
+from gpt2_engine.sampling import apply_repetition_penalty, top_k_filter, top_p_filter
+
+from conftest import edited_copy
 
 PROMPTS = ["Hello, my dog is", "def main():\n    print(", "Zoë's café — 東京 🤖"]
 
@@ -173,14 +173,11 @@ def test_stop_string_ends_the_text_before_it(model: GPT2) -> None:
 @pytest.fixture(scope="module")
 def eos_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny checkpoint whose head always prefers <|endoftext|>: ln_f outputs a multiple of wte[50256]."""
-    d = tmp_path_factory.mktemp("eos")
-    for name in ("config.json", "vocab.json", "merges.txt"):
-        shutil.copyfile(tiny_dir / name, d / name)
-    t = load_file(tiny_dir / "model.safetensors")
-    t["ln_f.weight"] = torch.zeros_like(t["ln_f.weight"])
-    t["ln_f.bias"] = t["wte.weight"][50256] * 10
-    save_file(t, str(d / "model.safetensors"))
-    return d
+    def prefer_eos(t: dict) -> None:
+        t["ln_f.weight"] = torch.zeros_like(t["ln_f.weight"])
+        t["ln_f.bias"] = t["wte.weight"][50256] * 10
+
+    return edited_copy(tiny_dir, tmp_path_factory.mktemp("eos"), prefer_eos)
 
 
 def test_generation_stops_at_endoftext_unless_ignore_eos(eos_dir: Path) -> None:

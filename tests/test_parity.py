@@ -7,27 +7,11 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2, numpy_ref
+from gpt2_engine.compare import reference_outputs
 
 # Relative tolerances, as a fraction of max |reference|: float32 rounding over 12 blocks measures ~1e-6.
 TORCH_RTOL = 1e-4
 NUMPY_RTOL = 1e-3
-
-
-def hf_logits_and_blocks(hf_model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The reference logits and the residual stream after each of its blocks (captured by forward hooks)."""
-    blocks: list[torch.Tensor] = []
-
-    def hook(_module, _inputs, output):
-        blocks.append(output[0] if isinstance(output, tuple) else output)
-
-    handles = [blk.register_forward_hook(hook) for blk in hf_model.transformer.h]
-    try:
-        with torch.no_grad():
-            logits = hf_model(ids).logits
-    finally:
-        for h in handles:
-            h.remove()
-    return logits, blocks
 
 
 def assert_close(found: torch.Tensor, ref: torch.Tensor, rtol: float, what: str) -> None:
@@ -42,7 +26,7 @@ def assert_close(found: torch.Tensor, ref: torch.Tensor, rtol: float, what: str)
 @pytest.mark.parametrize("length", [1, 7, 64, 1024])
 def test_logits_match_transformers(model: GPT2, hf_model, batch: int, length: int) -> None:
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(length))
-    ref, ref_blocks = hf_logits_and_blocks(hf_model, ids)
+    ref, ref_blocks = reference_outputs(hf_model, ids)
     blocks: list[torch.Tensor] = []
     logits = model.forward(ids, hidden_states=blocks)
 
@@ -93,7 +77,7 @@ def test_batch_rows_are_independent(model: GPT2) -> None:
 def test_any_config_of_the_architecture_matches(tiny_model: GPT2, tiny_hf_model) -> None:
     assert (tiny_model.config.n_layer, tiny_model.config.n_head, tiny_model.config.n_embd) == (2, 4, 64)
     ids = torch.randint(0, 50257, (2, 128), generator=torch.Generator().manual_seed(5))
-    ref, _ = hf_logits_and_blocks(tiny_hf_model, ids)
+    ref, _ = reference_outputs(tiny_hf_model, ids)
     assert_close(tiny_model(ids), ref, TORCH_RTOL, "tiny logits")
 
 

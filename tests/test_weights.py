@@ -9,26 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from gpt2_engine import GPT2, GPT2Config, WeightsError
 from gpt2_engine.config import preset
 from gpt2_engine.model import linear, merge_heads, split_heads
-from gpt2_engine.weights import Linear, expected_shapes, load_weights, parameter_count, split_qkv
+from gpt2_engine.weights import expected_shapes, load_weights, parameter_count, split_qkv
 
-from conftest import assert_same_weights
+from conftest import assert_same_weights, edited_copy
 
 
 def variant(tiny_dir: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
     """A copy of the tiny fixture (safetensors only) with its tensors edited in place by `edit`."""
-    dest.mkdir()
-    for name in ("config.json", "vocab.json", "merges.txt"):
-        shutil.copyfile(tiny_dir / name, dest / name)
-    tensors = load_file(tiny_dir / "model.safetensors")
-    if edit is not None:
-        edit(tensors)
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
+    return edited_copy(tiny_dir, dest, edit)
 
 
 def load_error(directory: Path) -> str:
