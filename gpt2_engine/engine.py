@@ -14,7 +14,7 @@ from .generate import Completion, Generation, GenerationSettings
 from .model import forward
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
-from .weights import CONFIG, GPT2Weights, load_weights
+from .weights import CONFIG, GPT2Weights, find_weights_file, load_weights
 
 
 class GPT2:
@@ -34,8 +34,8 @@ class GPT2:
                         device: torch.device | str = "cpu", quantize: str | None = None) -> GPT2:
         """Load the official-format checkpoint in `directory` (config.json, weights, BPE files).
 
-        dtype: float32 (default) or bfloat16 weights and matmuls. quantize="int8": weight-only int8 projections and
-        output head, quantized now, with float32 activations.
+        dtype: float32 (default) or bfloat16 weight matrices; quantize="int8": int8 projections and output head,
+        quantized now. Narrow weights are widened to float32 right before each matmul; activations stay float32.
         """
         directory = Path(directory)
         dtype = parse_dtype(dtype)
@@ -46,9 +46,8 @@ class GPT2:
         device = torch.device(device)
         if device.type != "cpu":  # the int8 kernel, the cache and the sampling loop are written and tested for CPU
             raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
-        config = GPT2Config.from_json(directory / CONFIG) if directory.is_dir() else None
-        if config is None:
-            load_weights(directory, GPT2Config())  # raises the loader's error for a missing or non-directory path
+        find_weights_file(directory)  # a missing path, a file, or no weights: the loader's error, before the config's
+        config = GPT2Config.from_json(directory / CONFIG)
         weights = load_weights(directory, config, dtype)
         if quantize == "int8":
             from .quantize import quantize_weights
