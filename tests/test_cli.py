@@ -92,7 +92,7 @@ def test_generate_bad_input_is_one_line_and_exit_2(capsys, small_dir: Path, argv
 def test_generate_bad_weights_directory(capsys, tmp_path: Path) -> None:
     code, _, err = run(capsys, "generate", "Hi", "--weights", str(tmp_path))
     assert code == 2 and err.count("\n") == 1
-    assert "config.json not found" in err
+    assert "no model.safetensors or pytorch_model.bin found (run `make weights` or copy the official files there)" in err
 
 
 def test_installed_command_runs_without_traceback(tmp_path: Path) -> None:
