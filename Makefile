@@ -10,7 +10,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test generate weights compare bench clean
+.PHONY: install test generate weights compare bench bench-serve serve fixtures clean
 
 install: $(STAMP)
 
@@ -39,6 +39,18 @@ compare: install
 bench: install
 	$(PY) scripts/bench.py $(ARGS)
 
+bench-serve: install
+	$(PY) scripts/bench_serve.py $(ARGS)
+
+# An OpenAI-compatible server on 127.0.0.1:8000 (gpt2 serve --help for the options).
+serve: install
+	$(VENV)/bin/gpt2 serve --weights $(WEIGHTS) $(ARGS)
+
+# The test checkpoints (random full-size, and the small trained one), built once into .cache/fixtures/.
+fixtures: install
+	$(PY) scripts/fixtures.py small
+	$(PY) scripts/fixtures.py trained
+
 clean:
-	rm -rf $(VENV) .pytest_cache bench-results *.egg-info
+	rm -rf $(VENV) .pytest_cache bench-results *.egg-info .cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

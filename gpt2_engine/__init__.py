@@ -1,10 +1,10 @@
 """gpt2-engine: a from-scratch GPT-2 inference engine that loads the official Hugging Face weights."""
 
-from .config import PRESETS, GPT2Config
-from .engine import GPT2
-from .errors import DownloadError, GenerationError, GPT2EngineError, TokenizerError, WeightsError
-from .model import KVCache
-from .tokenizer import Tokenizer, load_tokenizer
+from .core.config import PRESETS, GPT2Config
+from .core.engine import GPT2
+from .core.errors import DownloadError, GenerationError, GPT2EngineError, TokenizerError, WeightsError
+from .core.model import KVCache
+from .core.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer",

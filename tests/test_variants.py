@@ -11,9 +11,9 @@ import torch
 from gpt2_engine import GPT2, GPT2EngineError
 from gpt2_engine.cli import main
 from gpt2_engine.compare import long_prompt
-from gpt2_engine.model import linear
-from gpt2_engine.quantize import quantize_linear, quantize_rows
-from gpt2_engine.weights import Int8Matrix, Linear
+from gpt2_engine.core.model import linear
+from gpt2_engine.core.quantize import quantize_linear, quantize_rows
+from gpt2_engine.core.weights import Int8Matrix, Linear
 
 
 def test_quantize_rows_error_is_at_most_half_a_step() -> None:

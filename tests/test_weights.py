@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2, GPT2Config, WeightsError
-from gpt2_engine.config import preset
-from gpt2_engine.model import linear, merge_heads, split_heads
-from gpt2_engine.weights import expected_shapes, load_weights, parameter_count, split_qkv
+from gpt2_engine.core.config import preset
+from gpt2_engine.core.model import linear, merge_heads, split_heads
+from gpt2_engine.core.weights import expected_shapes, load_weights, parameter_count, split_qkv
 
 from conftest import assert_same_weights, edited_copy
 

@@ -12,6 +12,7 @@ from .config import GPT2Config
 from .errors import GenerationError, GPT2EngineError, WeightsError
 from .generate import Completion, Generation, GenerationSettings
 from .model import forward
+from .scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import CONFIG, GPT2Weights, find_weights_file, load_weights
@@ -68,14 +69,36 @@ class GPT2:
         self.check_ids(ids)
         return forward(self.weights, self.config, ids.to(self.device), hidden_states=hidden_states)
 
+    @torch.inference_mode()
+    def token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] ids -> [B, T-1]: the log-probability of each next token given the ones before it."""
+        self.check_ids(ids)
+        if ids.shape[1] < 2:
+            raise GPT2EngineError(f"ids: need at least 2 tokens to score a next token, got shape {list(ids.shape)}")
+        return token_logprobs(self.weights, self.config, ids.to(self.device))
+
+    def score(self, texts: Sequence[str], *, context: int | None = None, stride: int | None = None,
+              bos: bool = True, batch_size: int = 8) -> list[Score]:
+        """Score each text on its own (tokens, nll, ppl, bpb), in sliding windows; see core/scoring.py."""
+        if isinstance(texts, str):
+            raise GPT2EngineError("texts: expected a list of strings, got one string (wrap it in a list)")
+        context = context if context is not None else self.config.n_positions
+        stride = stride if stride is not None else context // 2
+        settings = ScoreSettings(context, stride, bos=bos, batch_size=batch_size)
+        docs = [(f"text{i}", self.encode_prompt(t), len(t.encode("utf-8"))) for i, t in enumerate(texts)]
+        return list(score_documents(self.weights, self.config, self.tokenizer.eot_id, docs, settings))
+
     # --- generation: keyword arguments are GenerationSettings' and SamplingParams' fields ---------------------
 
     def settings(self, **kwargs: Any) -> GenerationSettings:
         """GenerationSettings from keyword arguments (max_new_tokens, temperature, top_k, top_p, seed, stop, ...)."""
-        sampling_keys = {"temperature", "top_k", "top_p", "repetition_penalty"}
+        sampling_keys = {"temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                         "logit_bias"}
         allowed = sampling_keys | (set(GenerationSettings.__dataclass_fields__) - {"sampling"})
         if unknown := set(kwargs) - allowed:
             raise GenerationError(f"unknown generation option(s): {', '.join(sorted(unknown))}; expected {', '.join(sorted(allowed))}")
+        if isinstance(kwargs.get("logit_bias"), dict):
+            kwargs["logit_bias"] = tuple(kwargs["logit_bias"].items())
         sampling = SamplingParams(**{k: kwargs.pop(k) for k in sampling_keys & set(kwargs)})
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = (kwargs["stop"],)

@@ -8,12 +8,14 @@ x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)); the final ln_f comes after the last
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .config import GPT2Config
+from .kernels import cpu, decode_kernels
 from .weights import Block, GPT2Weights, Int8Matrix, LayerNorm, Linear, split_qkv
 
 
@@ -43,9 +45,13 @@ def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, eps)
 
 
-# Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV, which MKL runs
-# on one core at about half the machine's read bandwidth. For such inputs we split the reduction over the cores with
-# one bmm on zero-copy views of the weight, then add the partial sums (float32 rounding differs, nothing else).
+# Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
+# DECODE_ROWS rows, float32 projections and the head run on the native kernels (kernels/decode.cpp): every output
+# element is reduced in a fixed order whatever the row count, so a sequence's logits do not depend on what else
+# shares its decode step (batch invariance), and the weight is read once for all rows. Without them (no compiler),
+# the fallback below: MKL runs a GEMV on one core at about half the machine's read bandwidth, so the reduction is
+# split over the cores with one bmm on zero-copy views of the weight (not batch-invariant).
+DECODE_ROWS = 16
 FEW_ROWS = 8
 
 
@@ -70,6 +76,9 @@ def as_float32(w: torch.Tensor | Int8Matrix, rows: slice = slice(None)) -> torch
 def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T)."""
     x2 = x.reshape(-1, x.shape[-1])  # [B*T, in]
+    float32 = isinstance(p.weight, torch.Tensor) and p.weight.dtype == torch.float32 and p.weight.is_contiguous()
+    if float32 and x2.shape[0] <= DECODE_ROWS and (native := decode_kernels()) is not None:
+        return native.conv1d_rows(x2, p.weight, p.bias, cpu().avx512).view(*x.shape[:-1], p.weight.shape[1])
     w = as_float32(p.weight)  # the weight itself when it is already float32
     if (flat := split_matmul(x2, w)) is not None:
         flat += p.bias
@@ -89,6 +98,8 @@ def lm_head(x: torch.Tensor, head: torch.Tensor | Int8Matrix) -> torch.Tensor:
         parts = [x2 @ as_float32(head, slice(r, r + HEAD_ROWS)).t() for r in range(0, V, HEAD_ROWS)]
         return torch.cat(parts, dim=1).view(*x.shape[:-1], V)
     (M, C), V, chunks = x2.shape, head.shape[0], torch.get_num_threads()
+    if M <= DECODE_ROWS and head.is_contiguous() and (native := decode_kernels()) is not None:
+        return native.dot_rows(x2, head, cpu().avx512).view(*x.shape[:-1], V)
     if M > FEW_ROWS or chunks < 2:
         return (x2 @ head.t()).view(*x.shape[:-1], V)
     # the same split for decoding, over the vocabulary rows: chunks of h rows, plus the V % chunks left over
@@ -164,15 +175,31 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.
     return linear(merge_heads(y), blk.attn_c_proj)  # [B, T, C]
 
 
+def self_attention_rows(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: list[int], positions: list[int]) -> torch.Tensor:
+    """[B, 1, C] -> [B, 1, C]: one new token per row, row b in cache slot slots[b] at position positions[b].
+
+    The decode step of a continuous batch, whose sequences sit at different positions. Each row's key and value
+    are written at its own position of the layer's cache [slots, nh, max_len, hs], and each row attends to exactly
+    its own keys [0, position]: no padding, no mask, and nothing that depends on the other rows.
+    """
+    q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [B, 1, C]
+    q, k, v = split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head)  # 3 x [B, nh, 1, hs]
+    k_cache[slots, :, positions] = k[:, :, 0]  # [B, nh, hs] written at (slot, position) of each row
+    v_cache[slots, :, positions] = v[:, :, 0]
+    y = torch.cat([attention(q[b : b + 1], k_cache[s : s + 1, :, : p + 1], v_cache[s : s + 1, :, : p + 1], None)
+                   for b, (s, p) in enumerate(zip(slots, positions))])  # [B, nh, 1, hs]
+    return linear(merge_heads(y), blk.attn_c_proj)  # [B, 1, C]
+
+
 def mlp(x: torch.Tensor, blk: Block) -> torch.Tensor:
     """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer."""
     return linear(gelu(linear(x, blk.c_fc)), blk.mlp_c_proj)
 
 
-def block(x: torch.Tensor, blk: Block, config: GPT2Config, mask: torch.Tensor | None,
-          cache: tuple[torch.Tensor, torch.Tensor] | None, start: int) -> torch.Tensor:
-    """[B, T, C] -> [B, T, C]: one pre-LN transformer block."""
-    x = x + causal_self_attention(layer_norm(x, blk.ln_1, config.layer_norm_epsilon), blk, config.n_head, mask, cache, start)
+def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C]: one pre-LN transformer block; `attend` is its self-attention on ln_1(x)."""
+    x = x + attend(layer_norm(x, blk.ln_1, config.layer_norm_epsilon))
     return x + mlp(layer_norm(x, blk.ln_2, config.layer_norm_epsilon), blk)
 
 
@@ -192,10 +219,10 @@ def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: to
     return mask
 
 
-def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
-            cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
-            last_only: bool = False, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Logits for ids [B, T] -> [B, T, V] (or [B, 1, V] with last_only).
+def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                    cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
+                    hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """ids [B, T] -> [B, T, C]: the residual stream after the last block (before ln_f).
 
     positions [B, T] default to start..start+T-1. With a cache, the tokens occupy cache slots [start, start+T) and
     attend to every earlier slot that key_mask [B, max_len] marks as a real token (False for left padding).
@@ -208,9 +235,36 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
     mask = attention_mask(T, start, key_mask, ids.device)
     for i, blk in enumerate(w.blocks):
         layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-        x = block(x, blk, config, mask, layer_cache, start)  # [B, T, C]
+        x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, mask, layer_cache, start))
         if hidden_states is not None:
-            hidden_states.append(x)
+            hidden_states.append(x)  # [B, T, C]
+    return x
+
+
+def decode_rows(w: GPT2Weights, config: GPT2Config, ids: list[int], slots: list[int], positions: list[int],
+                cache: KVCache) -> torch.Tensor:
+    """One decode step of a continuous batch: token ids[b] at positions[b] of cache slot slots[b] -> logits [B, V].
+
+    Every matmul here is row-invariant for up to DECODE_ROWS rows (native kernels) and attention is per row, so a
+    row's logits are the same bits whatever else shares the step.
+    """
+    x = (w.wte[ids].float() + w.wpe[positions])[:, None]  # [B, 1, C]
+    for i, blk in enumerate(w.blocks):
+        x = block(x, blk, config, lambda h: self_attention_rows(h, blk, config.n_head, cache.k[i], cache.v[i], slots, positions))
+    return logits(w, config, x[:, 0])  # [B, V]
+
+
+def logits(w: GPT2Weights, config: GPT2Config, x: torch.Tensor) -> torch.Tensor:
+    """[..., C] residual stream -> [..., V] logits: the final layer norm, then the tied head."""
+    return lm_head(layer_norm(x, w.ln_f, config.layer_norm_epsilon), w.head)
+
+
+def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+            cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
+            last_only: bool = False, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits for ids [B, T] -> [B, T, V] (or [B, 1, V] with last_only); the arguments are residual_stream's."""
+    x = residual_stream(w, config, ids, positions=positions, cache=cache, start=start, key_mask=key_mask,
+                        hidden_states=hidden_states)  # [B, T, C]
     if last_only:
         x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
-    return lm_head(layer_norm(x, w.ln_f, config.layer_norm_epsilon), w.head)  # [B, T, V]
+    return logits(w, config, x)  # [B, T, V]

@@ -1,0 +1,1 @@
+"""The engine core: config, weights, tokenizer, the forward math, sampling and generation. Tools import from here."""

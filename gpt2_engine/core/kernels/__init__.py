@@ -1,0 +1,75 @@
+"""Native kernels and the CPU facts that choose them.
+
+decode.cpp holds matmuls for decode-sized inputs whose results do not depend on the number of rows (see its header).
+It is compiled on first use by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from
+there afterwards. The pure-torch path in model.py stays the reference and the fallback: if the build fails, one
+warning line says so and decoding runs on torch's kernels (correct, but not batch-invariant).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class CPU:
+    """What the CPU can do, from /proc/cpuinfo (Linux); all False where that cannot be read."""
+
+    model: str
+    avx2: bool
+    avx512: bool  # AVX-512 F
+    avx512_bf16: bool
+    amx: bool  # AMX tiles with bf16
+
+    @property
+    def best_isa(self) -> str | None:
+        return "avx512" if self.avx512 else "avx2" if self.avx2 else None
+
+    def summary(self) -> str:
+        caps = [name for name, have in (("AVX2", self.avx2), ("AVX-512", self.avx512),
+                                        ("AVX512-BF16", self.avx512_bf16), ("AMX", self.amx)) if have]
+        return f"{self.model} ({', '.join(caps) or 'no AVX2'})"
+
+
+@functools.cache
+def cpu() -> CPU:
+    """This machine's CPU (read once per process)."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return CPU(model, "avx2" in flags and "fma" in flags, "avx512f" in flags, "avx512_bf16" in flags,
+               "amx_bf16" in flags and "amx_tile" in flags)
+
+
+@functools.cache
+def decode_kernels() -> ModuleType | None:
+    """The compiled decode.cpp, built on first use; None (after one warning line) where it cannot be built or run."""
+    if cpu().best_isa is None:
+        print("gpt2-engine: warning: this CPU has no AVX2+FMA; decoding uses torch's kernels (not batch-invariant)",
+              file=sys.stderr)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="gpt2_engine_decode", sources=[str(HERE / "decode.cpp")], extra_cflags=["-O3"],
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
+        reason = " ".join(str(e).split())[:200]
+        print(f"gpt2-engine: warning: the native decode kernels could not be built ({reason}); decoding uses torch's "
+              "kernels (not batch-invariant)", file=sys.stderr)
+        return None

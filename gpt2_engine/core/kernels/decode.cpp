@@ -1,0 +1,226 @@
+// Decode-sized matmuls (a few rows against a large weight) whose results do not depend on the number of rows.
+//
+// Why: a server batches the decode steps of unrelated requests. With a BLAS GEMM the kernel, its blocking and so
+// the reduction order change with the row count M, so a request's logits (and then its greedy tokens) would depend
+// on what else is running. Here every output element is one chain of fused multiply-adds in a fixed order,
+// computed the same way for any M; the weight is still read once per call for all rows, which is what decode's
+// memory-bound GEMV needs. Each output element is computed by one thread (at::parallel_for over column blocks),
+// so the thread count does not change results either.
+//
+// Two routines, each with an AVX-512 and an AVX2+FMA body; the caller chooses (kernels.py: the CPU's best, or a
+// named one in tests, so that both run wherever the CPU has AVX-512):
+//   conv1d_rows: y[M, N] = x[M, K] @ w[K, N] + b[N]   (GPT-2's Conv1D (in, out) layout)
+//   dot_rows:    y[M, V] = x[M, C] @ w[V, C]^T        (the tied output head, wte (V, C))
+// conv1d_rows accumulates each element over k = 0..K-1 in order, one vector lane per column, so its AVX-512 and AVX2
+// bodies (and the scalar tail) give identical bits. dot_rows reduces over C in vector lanes and then across them,
+// so its bits differ between the two instruction sets (never between row counts).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <string>
+
+namespace {
+
+constexpr int MR = 4;  // rows of x sharing one pass over a block of the weight
+
+// ---- conv1d_rows ------------------------------------------------------------------------------------------------
+
+// Columns [n0, n0 + nv * W) for rows [m0, m0 + R): acc[r][j] += x[m0 + r, k] * w[k, n0 + j * W ...] for k in order.
+template <int R>
+__attribute__((target("avx512f,fma"))) void conv1d_block_avx512(const float* x, const float* w, const float* b,
+                                                               float* y, int64_t K, int64_t N, int64_t m0,
+                                                               int64_t n0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * N + n0;
+    __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
+           w3 = _mm512_loadu_ps(wk + 48);
+    for (int r = 0; r < R; ++r) {
+      __m512 xr = _mm512_set1_ps(x[(m0 + r) * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xr, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xr, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) {
+      float* out = y + (m0 + r) * N + n0 + 16 * j;
+      _mm512_storeu_ps(out, _mm512_add_ps(acc[r][j], _mm512_loadu_ps(b + n0 + 16 * j)));
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void conv1d_block_avx2(const float* x, const float* w, const float* b, float* y,
+                                                          int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  // 16 columns (2 ymm) x 4 rows = 8 accumulators: AVX2 has 16 registers.
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * N + n0;
+    __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+    for (int r = 0; r < R; ++r) {
+      __m256 xr = _mm256_set1_ps(x[(m0 + r) * K + k]);
+      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) {
+      float* out = y + (m0 + r) * N + n0 + 8 * j;
+      _mm256_storeu_ps(out, _mm256_add_ps(acc[r][j], _mm256_loadu_ps(b + n0 + 8 * j)));
+    }
+}
+
+// The same chain for columns the vector blocks do not cover: fmaf rounds exactly as a vector FMA lane does.
+void conv1d_tail(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t n_begin) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n_begin; n < N; ++n) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(x[m * K + k], w[k * N + n], acc);
+      y[m * N + n] = acc + b[n];
+    }
+}
+
+// Rows in groups of MR, then the 1 to 3 left over: each row's arithmetic is the same in every group size.
+template <typename Block1, typename Block2, typename Block3, typename Block4>
+void for_rows(int64_t M, Block1 b1, Block2 b2, Block3 b3, Block4 b4) {
+  int64_t m0 = 0;
+  for (; m0 + MR <= M; m0 += MR) b4(m0);
+  switch (M - m0) {
+    case 3: b3(m0); break;
+    case 2: b2(m0); break;
+    case 1: b1(m0); break;
+    default: break;
+  }
+}
+
+torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && b.dim() == 1, "conv1d_rows: expected x [M, K], w [K, N], b [N]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat,
+              "conv1d_rows: float32 tensors only");
+  TORCH_CHECK(x.size(1) == w.size(0) && w.size(1) == b.size(0), "conv1d_rows: shapes do not chain");
+  x = x.contiguous();
+  TORCH_CHECK(w.is_contiguous() && b.is_contiguous(), "conv1d_rows: w and b must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t NB = avx512 ? 64 : 16;  // columns per block
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * NB;
+      if (avx512)
+        for_rows(M,
+                 [&](int64_t m0) { conv1d_block_avx512<1>(xp, wp, bp, yp, K, N, m0, n0); },
+                 [&](int64_t m0) { conv1d_block_avx512<2>(xp, wp, bp, yp, K, N, m0, n0); },
+                 [&](int64_t m0) { conv1d_block_avx512<3>(xp, wp, bp, yp, K, N, m0, n0); },
+                 [&](int64_t m0) { conv1d_block_avx512<4>(xp, wp, bp, yp, K, N, m0, n0); });
+      else
+        for_rows(M,
+                 [&](int64_t m0) { conv1d_block_avx2<1>(xp, wp, bp, yp, K, N, m0, n0); },
+                 [&](int64_t m0) { conv1d_block_avx2<2>(xp, wp, bp, yp, K, N, m0, n0); },
+                 [&](int64_t m0) { conv1d_block_avx2<3>(xp, wp, bp, yp, K, N, m0, n0); },
+                 [&](int64_t m0) { conv1d_block_avx2<4>(xp, wp, bp, yp, K, N, m0, n0); });
+    }
+  });
+  if (blocks * NB < N) conv1d_tail(xp, wp, bp, yp, M, K, N, blocks * NB);
+  return y;
+}
+
+// ---- dot_rows (the tied head) -----------------------------------------------------------------------------------
+
+constexpr int VB = 4;  // vocabulary rows per pass: 4 x MR accumulators
+
+template <int R>
+__attribute__((target("avx512f,fma"))) void dot_block_avx512(const float* x, const float* w, float* y, int64_t C,
+                                                            int64_t V, int64_t m0, int64_t v0, int64_t nv) {
+  __m512 acc[VB][R];
+  for (int i = 0; i < VB; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) {
+    __m512 xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(x + (m0 + r) * C + c);
+    for (int i = 0; i < nv; ++i) {
+      __m512 wv = _mm512_loadu_ps(w + (v0 + i) * C + c);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(xs[r], wv, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < nv; ++i)
+    for (int r = 0; r < R; ++r) {
+      float s = _mm512_reduce_add_ps(acc[i][r]);
+      for (int64_t cc = c; cc < C; ++cc) s = __builtin_fmaf(x[(m0 + r) * C + cc], w[(v0 + i) * C + cc], s);
+      y[(m0 + r) * V + v0 + i] = s;
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void dot_block_avx2(const float* x, const float* w, float* y, int64_t C, int64_t V,
+                                                       int64_t m0, int64_t v0, int64_t nv) {
+  __m256 acc[VB][R];
+  for (int i = 0; i < VB; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= C; c += 8) {
+    __m256 xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (m0 + r) * C + c);
+    for (int i = 0; i < nv; ++i) {
+      __m256 wv = _mm256_loadu_ps(w + (v0 + i) * C + c);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(xs[r], wv, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < nv; ++i)
+    for (int r = 0; r < R; ++r) {
+      // a fixed pairwise reduction of the 8 lanes
+      __m128 lo = _mm256_castps256_ps128(acc[i][r]), hi = _mm256_extractf128_ps(acc[i][r], 1);
+      __m128 s4 = _mm_add_ps(lo, hi);
+      __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+      for (int64_t cc = c; cc < C; ++cc) s = __builtin_fmaf(x[(m0 + r) * C + cc], w[(v0 + i) * C + cc], s);
+      y[(m0 + r) * V + v0 + i] = s;
+    }
+}
+
+torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dot_rows: expected x [M, C], w [V, C]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "dot_rows: float32 tensors only");
+  TORCH_CHECK(w.is_contiguous(), "dot_rows: w must be contiguous");
+  x = x.contiguous();
+  const int64_t M = x.size(0), C = x.size(1), V = w.size(0);
+  auto y = torch::empty({M, V}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (V + VB - 1) / VB;
+  at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t v0 = blk * VB, nv = std::min<int64_t>(VB, V - v0);
+      if (avx512)
+        for_rows(M,
+                 [&](int64_t m0) { dot_block_avx512<1>(xp, wp, yp, C, V, m0, v0, nv); },
+                 [&](int64_t m0) { dot_block_avx512<2>(xp, wp, yp, C, V, m0, v0, nv); },
+                 [&](int64_t m0) { dot_block_avx512<3>(xp, wp, yp, C, V, m0, v0, nv); },
+                 [&](int64_t m0) { dot_block_avx512<4>(xp, wp, yp, C, V, m0, v0, nv); });
+      else
+        for_rows(M,
+                 [&](int64_t m0) { dot_block_avx2<1>(xp, wp, yp, C, V, m0, v0, nv); },
+                 [&](int64_t m0) { dot_block_avx2<2>(xp, wp, yp, C, V, m0, v0, nv); },
+                 [&](int64_t m0) { dot_block_avx2<3>(xp, wp, yp, C, V, m0, v0, nv); },
+                 [&](int64_t m0) { dot_block_avx2<4>(xp, wp, yp, C, V, m0, v0, nv); });
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order");
+  m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order");
+}

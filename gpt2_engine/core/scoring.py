@@ -1,0 +1,212 @@
+"""Scoring text: the log-probability of every token under the model, over sliding windows for long documents.
+
+A document of N token ids (with <|endoftext|> prepended when bos is on, so that its first real token is scored too)
+is cut into windows of at most `context` consecutive positions. A window is fed as a sequence of its own (positions
+from 0) and scores positions from its own earlier tokens:
+- the first window is [0, min(context, N)) and scores positions 1 .. end - 1;
+- each next window ends `stride` positions after the previous one (or at N), starts `context` positions before its
+  end (or at 0), and scores the positions from the previous window's end to its own end - 1.
+So every position after the first is scored exactly once, with at least context - stride tokens of context outside
+the first window. This is transformers' sliding-window perplexity recipe with its off-by-one made exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import GPT2Config
+from .errors import GPT2EngineError
+from .model import logits, residual_stream
+from .weights import GPT2Weights
+
+HEAD_ROWS = 256  # positions sent through the head at once: [256, 50257] float32 logits are 51 MB
+
+
+@dataclass(frozen=True)
+class Window:
+    """Positions [begin, end) of a document fed as one sequence; positions [first, end) are scored."""
+
+    begin: int
+    end: int
+    first: int
+
+
+def windows(n: int, context: int, stride: int) -> list[Window]:
+    """The windows that score positions 1 .. n-1 of an n-token sequence exactly once (none when n < 2)."""
+    if not 1 <= stride < context:
+        raise ValueError(f"stride must be in 1..context-1 = 1..{context - 1}, got {stride}")
+    if n < 2:
+        return []
+    end = min(context, n)
+    out = [Window(0, end, 1)]
+    while end < n:
+        new_end = min(end + stride, n)
+        out.append(Window(max(0, new_end - context), new_end, end))
+        end = new_end
+    return out
+
+
+@dataclass
+class TokenStats:
+    """What the model thought of N actual next tokens: each a row of the next-token distribution and its target."""
+
+    logprob: torch.Tensor  # [N] float32, natural log
+    rank: torch.Tensor | None = None  # [N] long: how many tokens scored strictly higher (0 = the argmax, as GLTR)
+    entropy: torch.Tensor | None = None  # [N] nats, of the full distribution
+    top_ids: torch.Tensor | None = None  # [N, k] the k most likely tokens
+    top_logprobs: torch.Tensor | None = None  # [N, k]
+
+    @staticmethod
+    def cat(parts: list[TokenStats]) -> TokenStats:
+        def join(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if not values or values[0] is None else torch.cat(values)
+
+        return TokenStats(*(join(n) for n in ("logprob", "rank", "entropy", "top_ids", "top_logprobs")))
+
+
+def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: torch.Tensor, *, top: int = 0,
+                details: bool = False) -> TokenStats:
+    """Residual rows x [N, C] and next tokens targets [N] -> their log-probabilities under the full vocabulary,
+    with (details) rank and entropy, and the `top` most likely alternatives. The head runs HEAD_ROWS rows at a time."""
+    parts = []
+    for i in range(0, x.shape[0], HEAD_ROWS):
+        lg = logits(w, config, x[i : i + HEAD_ROWS])  # [n, V]
+        tgt = targets[i : i + HEAD_ROWS, None]  # [n, 1]
+        lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
+        chosen = lg.gather(-1, tgt)  # [n, 1]
+        part = TokenStats((chosen - lse)[:, 0])
+        if details:
+            part.rank = (lg > chosen).sum(-1)  # [n]
+            lg64 = lg.double()  # a float32 sum over 50,257 terms is off by ~1e-4 nats; float64 is exact enough
+            part.entropy = (torch.logsumexp(lg64, -1) - (torch.softmax(lg64, -1) * lg64).sum(-1)).float()  # lse - E[l]
+        if top:
+            values, part.top_ids = lg.topk(top, dim=-1)  # [n, top]
+            part.top_logprobs = values - lse
+        parts.append(part)
+    return TokenStats.cat(parts)
+
+
+def token_logprobs(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor) -> torch.Tensor:
+    """ids [B, T] -> [B, T-1]: the log-probability of each next token given the tokens before it."""
+    B, T = ids.shape
+    x = residual_stream(w, config, ids)[:, :-1]  # [B, T-1, C]
+    return token_stats(w, config, x.reshape(-1, x.shape[-1]), ids[:, 1:].reshape(-1)).logprob.view(B, T - 1)
+
+
+@dataclass
+class Score:
+    """One document's score. tokens counts the scored tokens; bytes its UTF-8 length; nll is in nats."""
+
+    name: str
+    tokens: int
+    bytes: int
+    nll: float
+    token_ids: list[int] = field(default_factory=list, repr=False)  # the document's ids, <|endoftext|> excluded
+    first_scored: int = 0  # index into token_ids of the first scored token (1 with bos off, else 0)
+    stats: TokenStats | None = field(default=None, repr=False)  # per scored token, when asked for
+
+    @property
+    def ppl(self) -> float:
+        """Perplexity exp(nll / tokens); NaN when nothing was scored."""
+        return math.exp(self.nll / self.tokens) if self.tokens else math.nan
+
+    @property
+    def bpb(self) -> float:
+        """Bits per UTF-8 byte: nll / ln 2 / bytes; NaN for an empty document."""
+        return self.nll / math.log(2) / self.bytes if self.bytes else math.nan
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    context: int
+    stride: int
+    bos: bool = True  # prepend <|endoftext|> so that the first token is scored too (as lm-eval does)
+    batch_size: int = 8  # windows per forward pass
+    top: int = 0  # alternatives kept per token (with details)
+    details: bool = False  # rank, entropy and alternatives per token
+
+    def check(self, config: GPT2Config) -> None:
+        if not 2 <= self.context <= config.n_positions:
+            raise GPT2EngineError(f"context must be in 2..{config.n_positions} (the model's n_positions), got {self.context}")
+        if not 1 <= self.stride < self.context:
+            raise GPT2EngineError(f"stride must be in 1..context-1 = 1..{self.context - 1}, got {self.stride}")
+        if self.batch_size < 1:
+            raise GPT2EngineError(f"batch size must be at least 1, got {self.batch_size}")
+
+
+@dataclass
+class _Pending:
+    score: Score
+    seq: list[int]  # what the windows index: [eot] + ids with bos, else ids
+    windows: list[Window]
+    results: dict[int, TokenStats] = field(default_factory=dict)
+
+
+POOL = 8  # batches' worth of windows sorted by length together, so that short documents share a batch
+
+
+def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: Iterable[tuple[str, list[int], int]],
+                    settings: ScoreSettings, progress: Callable[[int], None] | None = None) -> Iterator[Score]:
+    """Score (name, token ids, UTF-8 bytes) documents; yields one Score per document, in input order.
+
+    Windows of different documents share a forward pass, right-padded: under the causal mask a real token never
+    attends to the padding after it, so each row equals running that window alone (up to float32 rounding of the
+    larger matmuls). Only the scored positions go through the head.
+    """
+    settings.check(config)
+    pending: list[_Pending] = []  # documents not yet yielded, in input order
+    pool: list[tuple[_Pending, int]] = []  # (document, window index) not yet run
+
+    def run(jobs: list[tuple[_Pending, int]]) -> None:
+        L = max(d.windows[i].end - d.windows[i].begin for d, i in jobs)
+        ids = torch.full((len(jobs), L), eot_id, dtype=torch.long)  # [B, L], right-padded
+        rows, targets = [], []
+        for b, (d, i) in enumerate(jobs):
+            win = d.windows[i]
+            ids[b, : win.end - win.begin] = torch.tensor(d.seq[win.begin : win.end])
+            # the logits at local index p - begin - 1 predict the token at position p
+            rows.append(b * L + torch.arange(win.first - win.begin - 1, win.end - win.begin - 1))
+            targets.extend(d.seq[win.first : win.end])
+        with torch.inference_mode():
+            x = residual_stream(w, config, ids).view(-1, config.n_embd)  # [B * L, C]
+            stats = token_stats(w, config, x[torch.cat(rows)], torch.tensor(targets), top=settings.top,
+                                details=settings.details)
+        offset = 0
+        for d, i in jobs:
+            n = d.windows[i].end - d.windows[i].first
+            d.results[i] = TokenStats(*(None if t is None else t[offset : offset + n] for t in
+                                        (stats.logprob, stats.rank, stats.entropy, stats.top_ids, stats.top_logprobs)))
+            offset += n
+        if progress is not None:
+            progress(offset)
+
+    def drain(all_of_it: bool) -> Iterator[Score]:
+        pool.sort(key=lambda job: job[0].windows[job[1]].end - job[0].windows[job[1]].begin, reverse=True)
+        while len(pool) >= settings.batch_size or (all_of_it and pool):
+            batch, pool[:] = pool[: settings.batch_size], pool[settings.batch_size :]
+            run(batch)
+        while pending and len(pending[0].results) == len(pending[0].windows):
+            d = pending.pop(0)
+            parts = [d.results[i] for i in range(len(d.windows))]
+            if parts:
+                d.score.stats = TokenStats.cat(parts)
+                d.score.nll = -float(d.score.stats.logprob.double().sum())
+                d.score.tokens = len(d.score.stats.logprob)
+            if not (settings.details or settings.top):
+                d.score.stats = None
+            yield d.score
+
+    for name, ids, nbytes in documents:
+        seq = [eot_id, *ids] if settings.bos else list(ids)
+        d = _Pending(Score(name, 0, nbytes, 0.0, list(ids), 0 if settings.bos else 1), seq,
+                     windows(len(seq), settings.context, settings.stride))
+        pending.append(d)
+        pool.extend((d, i) for i in range(len(d.windows)))
+        if len(pool) >= POOL * settings.batch_size:
+            yield from drain(False)
+    yield from drain(True)

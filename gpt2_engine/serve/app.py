@@ -1,0 +1,219 @@
+"""The HTTP routes: thin. Validation is protocol.py's, engine work serving.py's, the model the engine thread's.
+
+Routes: POST /v1/completions, GET /v1/models, GET /health (503 while loading), GET /metrics, POST /tokenize,
+POST /detokenize, and the playground page at /. Every error is an OpenAI-shaped JSON body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import AsyncEngine
+from .protocol import APIError, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .serving import CompletionRun, engine_requests, prompts_of
+
+
+@dataclass
+class ServerSettings:
+    model_name: str = "gpt2"
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the loaded model and its engine (None while loading), or why loading failed."""
+
+    settings: ServerSettings
+    model: Any = None
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    started: float = field(default_factory=time.time)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class Gate:
+    """ASGI middleware in front of every route: the API key (all routes but /health and the page at /), then the body
+    size limit (413, by Content-Length or as the body streams in). Pure ASGI on purpose: Starlette's
+    BaseHTTPMiddleware reports a disconnect to streaming responses it wraps, which would cut streams short."""
+
+    def __init__(self, app: Callable, api_key: str | None, limit: int) -> None:
+        self.app, self.api_key, self.limit = app, api_key, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"] not in ("/health", "/") and scope["method"] != "OPTIONS":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                denied = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                  type="authentication_error", code="invalid_api_key")
+                return await error_response(denied)(scope, receive, send)
+        too_large = APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await error_response(too_large)(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise too_large
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | None = None) -> Gate:
+    """The FastAPI app over `state`. With `load`, the model loads in a thread at startup (/health is 503 until then)."""
+    settings = state.settings
+
+    async def lifespan(app: FastAPI):
+        if load is not None:
+            def run() -> None:
+                try:
+                    state.model, state.engine = load()
+                except Exception as e:  # noqa: BLE001 - reported by /health and every route
+                    state.load_error = " ".join(str(e).split())[:300]
+
+            threading.Thread(target=run, name="gpt2-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.stop()
+
+    app = FastAPI(title="gpt2-engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if isinstance(first.get("ctx", {}).get("error"), APIError):  # raised inside a model validator
+            return error_response(first["ctx"]["error"])
+        param = loc[0] if loc else None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown field {param!r}"
+        elif first.get("type") == "json_invalid":
+            message, param = "the body is not valid JSON", None
+        where = ".".join(loc)
+        return error_response(APIError(400, f"{where}: {message}" if where else message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
+        message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
+        return error_response(APIError(err.status_code, message, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, err: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {type(err).__name__}", type="server_error"))
+
+    def ready() -> tuple[Any, AsyncEngine]:
+        if state.load_error:
+            raise APIError(503, f"the model failed to load: {state.load_error}", type="service_unavailable",
+                           code="load_failed")
+        if state.engine is None:
+            raise APIError(503, "the model is loading; retry shortly", type="service_unavailable", code="loading",
+                           headers={"Retry-After": "1"})
+        return state.model, state.engine
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine is None:
+            ready()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": int(state.started),
+                                            "owned_by": "gpt2-engine"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        _, engine = ready()
+        return PlainTextResponse(engine.metrics.render(engine.gauges()), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        model, _ = ready()
+        tokens = model.tokenizer.encode(body.prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": model.config.n_positions}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        model, _ = ready()
+        if any(not 0 <= t < model.tokenizer.n_vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {model.tokenizer.n_vocab})", param="tokens")
+        return {"prompt": model.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        model, engine = ready()
+        prompts = prompts_of(body, model.tokenizer, model.config.vocab_size)
+        run = CompletionRun(engine, model.tokenizer, body, settings.model_name,
+                            engine_requests(body, prompts, model.config))
+        if body.stream:
+            return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await watch_disconnect(request, run)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        page = resources.files("gpt2_engine.serve") / "playground.html"
+        return HTMLResponse(page.read_text(encoding="utf-8") if page.is_file() else "<!doctype html><title>gpt2-engine</title>")
+
+    return Gate(app, settings.api_key, settings.max_body_bytes)
+
+
+async def watch_disconnect(request: Request, run: CompletionRun) -> Any:
+    """Wait for a whole completion, cancelling it (freeing its slots) if the client disconnects first."""
+    import asyncio
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(run.whole()), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        run.cancel()
+        work.cancel()
+        return JSONResponse({"error": "client disconnected"}, status_code=499)
+    finally:
+        watch.cancel()

@@ -1,0 +1,100 @@
+"""`gpt2 serve`: load a checkpoint and serve it over HTTP (127.0.0.1:8000 unless told otherwise)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..core.errors import GPT2EngineError
+from .app import ServerSettings, ServerState, build_app
+
+
+class ServeError(GPT2EngineError):
+    """Bad server options."""
+
+
+def read_api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key and args.api_key_file:
+        raise ServeError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is None:
+        return args.api_key or None
+    try:
+        key = args.api_key_file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ServeError(f"cannot read API key file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
+    if not key:
+        raise ServeError(f"{args.api_key_file}: the API key file is empty")
+    return key
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..cli import load_model
+    from ..core.kernels import decode_kernels
+    from ..core.scheduler import Scheduler
+    from .engine import AsyncEngine
+
+    for name in ("parallel", "max_queue", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise ServeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.queue_timeout <= 0:
+        raise ServeError(f"--queue-timeout must be a positive number of seconds, got {args.queue_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ServeError(f"--port must be in 0..65535, got {args.port}")
+    if not args.weights.is_dir():
+        raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights` or pass --weights DIR)")
+    settings = ServerSettings(args.model_name, read_api_key(args), tuple(args.cors_origin), args.max_body_bytes)
+    state = ServerState(settings)
+
+    def load():
+        model = load_model(args)
+        decode_kernels()  # built (once per machine) before the first request, not during it
+        engine = AsyncEngine(Scheduler(model.weights, model.config, model.tokenizer, slots=args.parallel),
+                             max_queue=args.max_queue, queue_timeout=args.queue_timeout)
+        engine.start()
+        print(f"gpt2 serve: ready: {args.weights} as {settings.model_name!r}, {args.parallel} slots, "
+              f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+        return model, engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # in-flight streams end with an error chunk, then we stop
+            if state.engine is not None:
+                state.engine.stop()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(build_app(state, load), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    Server(config).run()
+    return 0
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    from ..cli import add_model_options
+
+    p = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="An OpenAI-compatible completions server with continuous batching: POST /v1/completions, "
+                    "GET /v1/models, /health, /metrics, POST /tokenize, /detokenize, and a playground page at /.",
+        epilog="examples:\n  gpt2 serve --weights weights/\n  gpt2 serve --port 8080 --parallel 16 --api-key-file key.txt\n"
+               "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+               "       -d '{\"model\": \"gpt2\", \"prompt\": \"Hello\", \"max_tokens\": 20}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model-name", default="gpt2", metavar="NAME", help="the model name clients ask for (default gpt2)")
+    p.add_argument("--parallel", type=int, default=8, metavar="N", help="KV-cache slots: sequences decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="sequences that may wait for a slot; beyond it requests get 429 (default 64)")
+    p.add_argument("--queue-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a sequence may wait for a slot before its request gets 503 (default 60)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the API key from FILE (keeps it out of ps)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; CORS is off by default)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body (default 1 MiB)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    add_model_options(p)
+    p.set_defaults(run=run_serve)

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Benchmark `gpt2 serve` under concurrent streaming clients (`make bench-serve`).
+
+    python scripts/bench_serve.py [--weights DIR] [--clients 1,4,8,16] [--max-tokens 64] [--requests 2]
+
+Starts the real server on 127.0.0.1 (default: the full-size fixture, 8 slots), then for each client count runs that
+many clients at once, each sending --requests streaming completions one after another (fixed prompts, greedy,
+ignore_eos, so every request generates exactly --max-tokens tokens). Reports aggregate generated tokens/s, time to
+first token p50/p99 and inter-token latency p50/p99, and the ratios the targets are stated in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "In the beginning", "The weather today",
+           "Dear friend,", "import numpy as np", "Chapter 1."]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def one_client(url: str, index: int, requests: int, max_tokens: int) -> tuple[list[float], list[float], int]:
+    """(times to first token, inter-token gaps, tokens) of one client's requests, in seconds."""
+    ttft, gaps, tokens = [], [], 0
+    body = {"model": "gpt2", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=300) as client:
+        for r in range(requests):
+            t0 = last = time.perf_counter()
+            first = True
+            with client.stream("POST", f"{url}/v1/completions",
+                               json={**body, "prompt": PROMPTS[(index + r) % len(PROMPTS)]}) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if not json.loads(line[6:])["choices"]:
+                        continue
+                    now = time.perf_counter()
+                    (ttft.append(now - t0) if first else gaps.append(now - last))
+                    first, last = False, now
+                    tokens += 1
+    return ttft, gaps, tokens
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture)")
+    p.add_argument("--clients", default="1,4,8,16", help="concurrent client counts (default 1,4,8,16)")
+    p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--parallel", type=int, default=8, help="server slots (default 8)")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fixtures
+    from gpt2_engine.core.kernels import cpu
+
+    weights = args.weights or fixtures.ensure("small")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(weights), "--port",
+                               str(port), "--parallel", str(args.parallel), "--threads", "2"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        one_client(url, 0, 1, 8)  # warm-up
+        rows = []
+        for n in [int(c) for c in args.clients.split(",")]:
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                results = list(pool.map(lambda i: one_client(url, i, args.requests, args.max_tokens), range(n)))
+            wall = time.perf_counter() - t0
+            ttft = [x for r in results for x in r[0]]
+            gaps = [x for r in results for x in r[1]]
+            rows.append({"clients": n, "tokens_per_s": sum(r[2] for r in results) / wall,
+                         "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+                         "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99)})
+            print(f"  {n} clients: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    base = rows[0]
+    print(f"\ngpt2 serve, {weights.name}, {args.parallel} slots, {args.max_tokens} tokens x {args.requests} requests per "
+          f"client, greedy; {cpu().summary()}, 2 threads")
+    print("| clients | aggregate tok/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) | p99 TTFT vs 1 | ITL p50 (ms) | ITL p99 (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+              f"{r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | {r['ttft_p99'] / base['ttft_p99']:.2f}x | "
+              f"{r['itl_p50'] * 1e3:.1f} | {r['itl_p99'] * 1e3:.1f} |")
+    out = ROOT / "bench-results" / "bench_serve.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cpu": cpu().summary(), "weights": str(weights), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""`gpt2 serve`: the real server on 127.0.0.1 driven by the `openai` client, errors in OpenAI's shape, back-pressure,
+cancellation, and outputs that do not depend on what else is running."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from gpt2_engine import GPT2
+from gpt2_engine.cli import main
+from gpt2_engine.core.scheduler import Scheduler
+from gpt2_engine.serve.app import ServerSettings, ServerState, build_app
+from gpt2_engine.serve.engine import AsyncEngine
+from gpt2_engine.serve.metrics import parse
+
+openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
+
+START_TIMEOUT = 180  # seconds for the server to load (the native kernels are built once per machine)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(trained_dir: Path) -> Iterator[str]:
+    """`gpt2 serve` on the trained checkpoint, 127.0.0.1 only; stopped (SIGTERM) at the end."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(trained_dir), "--port",
+                             str(port), "--parallel", "8", "--threads", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)  # polling for start-up, not timing anything
+        else:
+            proc.kill()
+            pytest.fail("the server did not become healthy in time")
+    yield url
+    proc.terminate()
+    # uvicorn shuts down gracefully, then re-raises the signal: the exit status is that of SIGTERM
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert "Traceback" not in proc.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def client(server: str):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_greedy_completion_equals_gpt2_generate(client, trained_model: GPT2) -> None:
+    for prompt in ["Return the number of", "The default value of", "Zoë — 東京"]:
+        out = client.completions.create(model="gpt2", prompt=prompt, max_tokens=24, temperature=0)
+        expected = trained_model.complete([prompt], max_new_tokens=24, temperature=0)[0]
+        assert out.choices[0].text == expected.text
+        assert out.usage.prompt_tokens == len(trained_model.tokenizer.encode(prompt))
+        assert out.usage.completion_tokens == len(expected.token_ids)
+        assert out.choices[0].finish_reason == ("length" if expected.finish_reason == "length" else "stop")
+        assert out.object == "text_completion" and out.model == "gpt2" and out.id.startswith("cmpl-")
+
+
+def test_streamed_chunks_join_to_the_whole_text(client) -> None:
+    kwargs = dict(model="gpt2", prompt="If the argument is", max_tokens=30, temperature=0.9, seed=5)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("length", "stop") and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_n_with_a_seed_is_reproducible(client) -> None:
+    kwargs = dict(model="gpt2", prompt="Return a new", max_tokens=20, temperature=1.0, n=3, seed=11)
+    a, b = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert len({c.text for c in a.choices}) > 1  # each choice draws with its own seed
+
+
+def test_prompt_forms(client, trained_model: GPT2) -> None:
+    ids = trained_model.tokenizer.encode("The file")
+    by_text = client.completions.create(model="gpt2", prompt="The file", max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model="gpt2", prompt=ids, max_tokens=8, temperature=0)
+    many = client.completions.create(model="gpt2", prompt=["The file", "Return"], max_tokens=8, temperature=0)
+    many_ids = client.completions.create(model="gpt2", prompt=[ids, [464]], max_tokens=8, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text == many.choices[0].text == many_ids.choices[0].text
+    assert many.choices[1].text == client.completions.create(model="gpt2", prompt="Return", max_tokens=8,
+                                                             temperature=0).choices[0].text
+    assert many.usage.prompt_tokens == len(ids) + 1
+
+
+def test_stop_and_logit_bias(client, trained_model: GPT2) -> None:
+    token = trained_model.tokenizer.encode(" file")[0]
+    out = client.completions.create(model="gpt2", prompt="The", max_tokens=5, temperature=0,
+                                    logit_bias={str(token): 100})
+    assert out.choices[0].text == " file" * 5
+    stopped = client.completions.create(model="gpt2", prompt="The", max_tokens=5, temperature=0,
+                                        logit_bias={str(token): 100}, stop=["e fi"])
+    assert stopped.choices[0].text == " fil" and stopped.choices[0].finish_reason == "stop"  # cut before the stop
+
+
+def test_echo_logprobs_score_the_prompt_like_gpt2_score(client, trained_dir: Path, tmp_path: Path, capsys) -> None:
+    text = "The default value of the argument is returned."
+    out = client.completions.create(model="gpt2", prompt=text, max_tokens=0, echo=True, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == text and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == text and lp.text_offset[0] == 0
+    assert all(len(t) == 3 for t in lp.top_logprobs[1:])
+    (tmp_path / "doc.txt").write_text(text, encoding="utf-8")
+    assert main(["score", str(tmp_path / "doc.txt"), "--no-bos", "--per-token", str(tmp_path / "t.jsonl"),
+                 "--weights", str(trained_dir)]) == 0
+    capsys.readouterr()
+    scored = [json.loads(line)["logprob"] for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert lp.token_logprobs[1:] == pytest.approx(scored, abs=1e-5)
+    assert out.usage.completion_tokens == 0
+
+
+def test_logprobs_of_generated_tokens(client) -> None:
+    out = client.completions.create(model="gpt2", prompt="The", max_tokens=6, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text and len(lp.token_logprobs) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # greedy: the chosen token is the most likely one, unless the most likely is the end-of-text ignore_eos bans
+        assert max(top.values()) == pytest.approx(logprob) or max(top, key=top.get) == "<|endoftext|>"
+        assert max(top.values()) >= logprob - 1e-6
+
+
+def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
+    with httpx.Client(base_url=server, timeout=30) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["gpt2"]
+        tokens = c.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+        assert tokens == trained_model.tokenizer.encode("Hello world")
+        assert c.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hello world"}
+
+
+@pytest.mark.parametrize("body,status,param,fragment", [
+    ({"prompt": "x", "temperature": 5}, 400, "temperature", "less than or equal to 2"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4 stop sequences"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix is not supported"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of", "best_of other than n"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
+    ({"prompt": [], "max_tokens": 1}, 400, "prompt", "must not be an empty list"),
+    ({"prompt": [70000]}, 400, "prompt", "token ids must be in [0, 50257)"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "keys must be token ids"),
+    ({"prompt": "x " * 600, "max_tokens": 100}, 400, "max_tokens", "exceeds the context of 512 tokens"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+])
+def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: int, param: str, fragment: str) -> None:
+    body = {"model": "gpt2", **body}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and fragment in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_unknown_route_and_invalid_json(server: str) -> None:
+    r = httpx.get(f"{server}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def metrics(server: str) -> dict[str, float]:
+    return parse(httpx.get(f"{server}/metrics", timeout=10).text)
+
+
+def test_concurrent_clients_get_exactly_their_alone_outputs(client, server: str) -> None:
+    """16 streaming clients with mixed parameters, all at once, against each one alone."""
+    params = [dict(prompt=p, max_tokens=12 + 3 * (i % 5), temperature=[0, 0.7, 1.0, 1.3][i % 4], seed=100 + i,
+                   top_p=[1.0, 0.9][i % 2], stop=["."] if i % 3 == 0 else None)
+              for i, p in enumerate(["The file", "Return the", "If the", "This module", "Raises an", "The default",
+                                     "A new", "The number of"] * 2)]
+
+    def run(kw: dict) -> str:
+        return "".join(c.choices[0].text for c in client.completions.create(model="gpt2", stream=True, **kw)
+                       if c.choices)
+
+    alone = [run(kw) for kw in params]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, params))
+    assert together == alone
+    m = metrics(server)
+    assert m["gpt2_requests_running"] == 0 and m["gpt2_requests_waiting"] == 0
+    assert m["gpt2_time_to_first_token_seconds_count"] >= 32
+
+
+def test_a_client_that_goes_away_frees_its_slot(server: str) -> None:
+    body = {"model": "gpt2", "prompt": "The", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", f"{server}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(l for l in lines if l.startswith("data:"))
+            assert metrics(server)["gpt2_requests_running"] == 1
+        deadline = time.monotonic() + 10
+        while metrics(server)["gpt2_requests_running"] != 0:  # freed within one engine step of the disconnect
+            assert time.monotonic() < deadline, "the slot was not freed"
+        assert metrics(server)['gpt2_requests_finished_total{reason="cancelled"}'] >= 1
+        ok = c.post(f"{server}/v1/completions", json={"model": "gpt2", "prompt": "The", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+# --- a server in a thread with small limits: back-pressure and the API key ----------------------------------------
+
+
+@contextlib.contextmanager
+def live(model: GPT2, *, parallel: int = 1, max_queue: int = 1, queue_timeout: float = 60,
+         api_key: str | None = None) -> Iterator[tuple[str, AsyncEngine]]:
+    """The app on a real uvicorn server on 127.0.0.1, in a thread of this process, over `model`."""
+    engine = AsyncEngine(Scheduler(model.weights, model.config, model.tokenizer, slots=parallel),
+                         max_queue=max_queue, queue_timeout=queue_timeout)
+    engine.start()
+    state = ServerState(ServerSettings(api_key=api_key), model=model, engine=engine)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=free_port(), log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.stop()
+
+
+LONG = {"model": "gpt2", "prompt": "The", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+def wait_for(condition, what: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_a_full_queue_answers_429_with_retry_after(trained_model: GPT2) -> None:
+    with live(trained_model, parallel=1, max_queue=1) as (url, engine), httpx.Client(base_url=url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=LONG) as first:
+            lines = first.iter_lines()  # kept alive: closing it would close the connection (a disconnect)
+            next(line for line in lines if line.startswith("data:"))  # it holds the only slot
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                second = pool.submit(c.post, "/v1/completions", json={**LONG, "stream": False, "max_tokens": 2})
+                wait_for(lambda: engine.queued == 1, "the second request to queue")
+                third = c.post("/v1/completions", json={"model": "gpt2", "prompt": "x", "max_tokens": 1})
+                assert third.status_code == 429 and third.headers["retry-after"] == "1"
+                assert third.json()["error"]["type"] == "rate_limit_error" and third.json()["error"]["code"] == "queue_full"
+        assert second.result().status_code == 200  # served once the first request's client went away
+        assert c.get("/health").status_code == 200
+        wait_for(lambda: engine.scheduler.running == 0, "the slots to empty")
+        m = parse(c.get("/metrics").text)
+        assert m['gpt2_requests_rejected_total{reason="queue_full"}'] == 1 and m["gpt2_requests_running"] == 0
+
+
+def test_a_request_that_waits_too_long_gets_503(trained_model: GPT2) -> None:
+    with live(trained_model, parallel=1, max_queue=4, queue_timeout=0.05) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=LONG) as first:
+            lines = first.iter_lines()  # kept alive: closing it would close the connection (a disconnect)
+            next(line for line in lines if line.startswith("data:"))
+            late = c.post("/v1/completions", json={"model": "gpt2", "prompt": "x", "max_tokens": 1})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout"
+            assert late.headers["retry-after"] == "1"
+
+
+def test_api_key_guards_every_route_but_health(trained_model: GPT2) -> None:
+    with live(trained_model, parallel=2, max_queue=4, api_key="s3cret") as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        body = {"model": "gpt2", "prompt": "x", "max_tokens": 1}
+        for path, method in [("/v1/completions", "POST"), ("/v1/models", "GET"), ("/metrics", "GET"),
+                             ("/tokenize", "POST")]:
+            r = c.request(method, path, json=body if method == "POST" else None)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+        assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_a_body_over_the_limit_is_413(trained_model: GPT2) -> None:
+    with live(trained_model) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"model": "gpt2", "prompt": "x" * (2 << 20)})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_health_is_503_while_loading() -> None:
+    async def scenario() -> None:
+        app = build_app(ServerState(ServerSettings()))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            r = await client.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+            r = await client.post("/v1/completions", json={"model": "gpt2", "prompt": "x"})
+            assert r.status_code == 503
+
+    asyncio.run(scenario())
+
+
+def test_serve_option_errors_are_one_line(capsys, tmp_path: Path) -> None:
+    assert main(["serve", "--weights", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    (tmp_path / "key").write_text("")
+    assert main(["serve", "--api-key-file", str(tmp_path / "key"), "--weights", str(tmp_path)]) == 2
+    assert "the API key file is empty" in capsys.readouterr().err
+    assert main(["serve", "--parallel", "0", "--weights", str(tmp_path)]) == 2
+    assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
