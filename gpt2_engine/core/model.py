@@ -175,21 +175,21 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.
     return linear(merge_heads(y), blk.attn_c_proj)  # [B, T, C]
 
 
-def self_attention_rows(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slots: list[int], positions: list[int]) -> torch.Tensor:
-    """[B, 1, C] -> [B, 1, C]: one new token per row, row b in cache slot slots[b] at position positions[b].
-
-    The decode step of a continuous batch, whose sequences sit at different positions. Each row's key and value
-    are written at its own position of the layer's cache [slots, nh, max_len, hs], and each row attends to exactly
-    its own keys [0, position]: no padding, no mask, and nothing that depends on the other rows.
-    """
-    q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [B, 1, C]
-    q, k, v = split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head)  # 3 x [B, nh, 1, hs]
-    k_cache[slots, :, positions] = k[:, :, 0]  # [B, nh, hs] written at (slot, position) of each row
-    v_cache[slots, :, positions] = v[:, :, 0]
-    y = torch.cat([attention(q[b : b + 1], k_cache[s : s + 1, :, : p + 1], v_cache[s : s + 1, :, : p + 1], None)
-                   for b, (s, p) in enumerate(zip(slots, positions))])  # [B, nh, 1, hs]
-    return linear(merge_heads(y), blk.attn_c_proj)  # [B, 1, C]
+def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """[1, R, C] -> [1, R, C] for the rows of several sequences back to back; segment (slot, start, n) holds n new
+    tokens of the sequence in cache slot `slot` at positions [start, start + n): a running sequence's next token
+    (n = 1) or a new prompt (start = 0). One projection over all R rows; each segment writes its keys and values
+    into its slot and attends causally to its own slot's keys only, so nothing depends on the other segments."""
+    q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [1, R, C]
+    out, row = [], 0
+    for slot, start, n in segments:
+        qi, ki, vi = (split_heads(t[:, row : row + n], n_head) for t in (q, k, v))  # 3 x [1, nh, n, hs]
+        k_cache[slot, :, start : start + n], v_cache[slot, :, start : start + n] = ki[0], vi[0]
+        keys, values = k_cache[slot : slot + 1, :, : start + n], v_cache[slot : slot + 1, :, : start + n]  # [1, nh, S, hs]
+        out.append(merge_heads(attention(qi, keys, values, attention_mask(n, start, None, x.device))))  # [1, n, C]
+        row += n
+    return linear(torch.cat(out, dim=1), blk.attn_c_proj)  # [1, R, C]
 
 
 def mlp(x: torch.Tensor, blk: Block) -> torch.Tensor:
@@ -241,19 +241,6 @@ def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, po
     return x
 
 
-def decode_rows(w: GPT2Weights, config: GPT2Config, ids: list[int], slots: list[int], positions: list[int],
-                cache: KVCache) -> torch.Tensor:
-    """One decode step of a continuous batch: token ids[b] at positions[b] of cache slot slots[b] -> logits [B, V].
-
-    Every matmul here is row-invariant for up to DECODE_ROWS rows (native kernels) and attention is per row, so a
-    row's logits are the same bits whatever else shares the step.
-    """
-    x = (w.wte[ids].float() + w.wpe[positions])[:, None]  # [B, 1, C]
-    for i, blk in enumerate(w.blocks):
-        x = block(x, blk, config, lambda h: self_attention_rows(h, blk, config.n_head, cache.k[i], cache.v[i], slots, positions))
-    return logits(w, config, x[:, 0])  # [B, V]
-
-
 def logits(w: GPT2Weights, config: GPT2Config, x: torch.Tensor) -> torch.Tensor:
     """[..., C] residual stream -> [..., V] logits: the final layer norm, then the tied head."""
     return lm_head(layer_norm(x, w.ln_f, config.layer_norm_epsilon), w.head)
@@ -268,3 +255,21 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
     if last_only:
         x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
     return logits(w, config, x)  # [B, T, V]
+
+
+def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[tuple[int, int, list[int]]],
+                     cache: KVCache) -> torch.Tensor:
+    """One step of continuous batching: segments (slot, start, token ids) -> the logits after each one's last token
+    [n, V]. Running sequences contribute their next token, new short prompts their whole text, all in one pass over
+    the weights. With at most DECODE_ROWS rows every matmul runs on the row-invariant kernels and attention stays
+    within each segment's slot, so a sequence's logits are the same bits whatever else shares the step.
+    """
+    lengths = [len(ids) for _, _, ids in segments]
+    ids = torch.tensor([t for _, _, seg in segments for t in seg])  # [R]
+    positions = torch.cat([torch.arange(start, start + n) for (_, start, _), n in zip(segments, lengths)])  # [R]
+    x = (w.wte[ids].float() + w.wpe[positions])[None]  # [1, R, C]
+    spans = [(slot, start, n) for (slot, start, _), n in zip(segments, lengths)]
+    for i, blk in enumerate(w.blocks):
+        x = block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], spans))
+    last = torch.tensor(lengths).cumsum(0) - 1  # [n]: each segment's last row
+    return logits(w, config, x[0, last])  # [n, V]

@@ -1,10 +1,11 @@
 """Continuous batching: one loop owns the model and a slot-based KV cache; sequences join and leave between steps.
 
-Each step first admits waiting sequences into free slots, prefilling each alone into its slot (so a prompt's
-prefill never depends on other requests) and choosing its first token; then it runs one batched decode over every
-sequence that was already running, each at its own position (model.decode_rows). Projections and the head are
-row-invariant and attention is per row, so a sequence's tokens depend only on its own prompt, parameters and seed,
-never on what else shares the steps. A finished or cancelled sequence frees its slot at once.
+Each step admits waiting sequences into free slots, then runs one pass over the weights for up to DECODE_ROWS rows:
+every running sequence's next token at its own position, and the whole text of each new short prompt
+(model.forward_segments). A prompt longer than that, or one whose tokens are scored, is prefilled alone. Projections
+and the head are row-invariant and attention stays within each sequence's slot, so a sequence's tokens depend only on
+its own prompt, parameters and seed, never on what else shares the steps. A finished or cancelled sequence frees its
+slot at once.
 
 The scheduler is single-threaded: `gpt2 generate` drives it directly, the server from its engine thread.
 """
@@ -20,7 +21,7 @@ import torch
 
 from .config import GPT2Config
 from .errors import GenerationError
-from .model import KVCache, decode_rows, forward, logits, residual_stream
+from .model import DECODE_ROWS, KVCache, forward, forward_segments, logits, residual_stream
 from .sampling import SamplingParams, apply_penalties, choose
 from .scoring import TokenStats, token_stats
 from .tokenizer import Tokenizer
@@ -185,16 +186,33 @@ class Scheduler:
         seq.cancelled = reason
 
     def step(self) -> bool:
-        """Admit and prefill what fits, then one decode over the sequences already running. True while work remains."""
+        """Admit what fits, then one pass per DECODE_ROWS rows of running and new sequences. True while work remains."""
         self._drop_cancelled()
         running = [s for s in self.slots if s is not None and not s.finished]
+        new: list[Sequence] = []
         while self.waiting and None in self.slots:
             seq = self.waiting.popleft()
             seq.slot = self.slots.index(None)
             self.slots[seq.slot] = seq
-            self._prefill(seq)
-        if running:
-            self._decode(running)
+            if len(seq.request.prompt) > DECODE_ROWS or seq.request.prompt_logprobs or seq.request.max_new_tokens == 0:
+                self._prefill(seq)  # alone, through the whole-sequence forward
+            else:
+                new.append(seq)
+        # new short prompts first (their first token is what their clients wait for), then the running sequences'
+        # next tokens, in passes of at most DECODE_ROWS rows
+        work = [(s, s.request.prompt, 0) for s in new] + [(s, [s.next_token], s.position) for s in running]
+        passes: list[list[tuple[Sequence, list[int], int]]] = []
+        for item in work:
+            if not passes or sum(len(ids) for _, ids, _ in passes[-1]) + len(item[1]) > DECODE_ROWS:
+                passes.append([])
+            passes[-1].append(item)
+        for chunk in passes:
+            with torch.inference_mode():
+                rows = forward_segments(self.weights, self.config, [(s.slot, start, ids) for s, ids, start in chunk],
+                                        self.cache)  # [n, V]
+            for (seq, ids, start), row in zip(chunk, rows):
+                seq.position = start + len(ids)
+                self._advance(seq, row)
         return bool(self.waiting) or self.running > 0
 
     # --- internals ------------------------------------------------------------------------------------------------
@@ -234,14 +252,6 @@ class Scheduler:
             self._finish(seq, "length", Event(None, "", prompt_stats=prompt_stats))
             return
         self._advance(seq, next_logits, prompt_stats)
-
-    def _decode(self, running: list[Sequence]) -> None:
-        with torch.inference_mode():
-            rows = decode_rows(self.weights, self.config, [s.next_token for s in running], [s.slot for s in running],
-                               [s.position for s in running], self.cache)  # [B, V]
-        for seq, row in zip(running, rows):
-            seq.position += 1
-            self._advance(seq, row)
 
     def _advance(self, seq: Sequence, raw: torch.Tensor, prompt_stats: TokenStats | None = None) -> None:
         """Choose the next token from raw logits [V], emit it, and finish the sequence if it is done."""

@@ -23,69 +23,9 @@
 
 namespace {
 
-constexpr int MR = 4;  // rows of x sharing one pass over a block of the weight
+constexpr int MR = 4;  // rows of x sharing one pass over a block of the head
 
 // ---- conv1d_rows ------------------------------------------------------------------------------------------------
-
-// Columns [n0, n0 + nv * W) for rows [m0, m0 + R): acc[r][j] += x[m0 + r, k] * w[k, n0 + j * W ...] for k in order.
-template <int R>
-__attribute__((target("avx512f,fma"))) void conv1d_block_avx512(const float* x, const float* w, const float* b,
-                                                               float* y, int64_t K, int64_t N, int64_t m0,
-                                                               int64_t n0) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * N + n0;
-    __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
-           w3 = _mm512_loadu_ps(wk + 48);
-    for (int r = 0; r < R; ++r) {
-      __m512 xr = _mm512_set1_ps(x[(m0 + r) * K + k]);
-      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xr, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xr, w3, acc[r][3]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) {
-      float* out = y + (m0 + r) * N + n0 + 16 * j;
-      _mm512_storeu_ps(out, _mm512_add_ps(acc[r][j], _mm512_loadu_ps(b + n0 + 16 * j)));
-    }
-}
-
-template <int R>
-__attribute__((target("avx2,fma"))) void conv1d_block_avx2(const float* x, const float* w, const float* b, float* y,
-                                                          int64_t K, int64_t N, int64_t m0, int64_t n0) {
-  // 16 columns (2 ymm) x 4 rows = 8 accumulators: AVX2 has 16 registers.
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * N + n0;
-    __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-    for (int r = 0; r < R; ++r) {
-      __m256 xr = _mm256_set1_ps(x[(m0 + r) * K + k]);
-      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 2; ++j) {
-      float* out = y + (m0 + r) * N + n0 + 8 * j;
-      _mm256_storeu_ps(out, _mm256_add_ps(acc[r][j], _mm256_loadu_ps(b + n0 + 8 * j)));
-    }
-}
-
-// The same chain for columns the vector blocks do not cover: fmaf rounds exactly as a vector FMA lane does.
-void conv1d_tail(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
-                 int64_t n_begin) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n_begin; n < N; ++n) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(x[m * K + k], w[k * N + n], acc);
-      y[m * N + n] = acc + b[n];
-    }
-}
 
 // Rows in groups of MR, then the 1 to 3 left over: each row's arithmetic is the same in every group size.
 template <typename Block1, typename Block2, typename Block3, typename Block4>
@@ -100,6 +40,99 @@ void for_rows(int64_t M, Block1 b1, Block2 b2, Block3 b3, Block4 b4) {
   }
 }
 
+// Columns [c0, c1) (whole tiles) of every row: y = x @ w + b. The weight streams row by row: KB rows at a time,
+// each tile's accumulators are loaded once, take KB fused multiply-adds in k order, and are stored back, so every
+// output element is still one FMA chain over k = 0..K-1 (the same order for any M), while the hardware prefetchers
+// see KB contiguous streams instead of one short strided read per row and page.
+constexpr int KB = 8;
+
+// R rows share each load of the weight vectors (register blocking); every row's chain is the same for any R.
+template <int R>
+__attribute__((target("avx512f,fma"))) inline void conv1d_tile_avx512(const float* x, const float* w, float* y,
+                                                                      int64_t K, int64_t N, int64_t m0, int64_t n,
+                                                                      int64_t k0, int64_t kn) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(y + (m0 + r) * N + n + 16 * j);
+  for (int64_t k = k0; k < k0 + kn; ++k) {
+    const float* wk = w + k * N + n;
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
+                 w3 = _mm512_loadu_ps(wk + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
+      a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + (m0 + r) * N + n + 16 * j, a[r][j]);
+}
+
+__attribute__((target("avx512f,fma"))) void conv1d_cols_avx512(const float* x, const float* w, float* y, int64_t M,
+                                                               int64_t K, int64_t N, int64_t c0, int64_t c1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = c0; n < c1; n += 16) _mm512_storeu_ps(y + m * N + n, _mm512_setzero_ps());
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t kn = std::min<int64_t>(KB, K - k0);
+    for (int64_t n = c0; n < c1; n += 64)
+      for_rows(M, [&](int64_t m0) { conv1d_tile_avx512<1>(x, w, y, K, N, m0, n, k0, kn); },
+               [&](int64_t m0) { conv1d_tile_avx512<2>(x, w, y, K, N, m0, n, k0, kn); },
+               [&](int64_t m0) { conv1d_tile_avx512<3>(x, w, y, K, N, m0, n, k0, kn); },
+               [&](int64_t m0) { conv1d_tile_avx512<4>(x, w, y, K, N, m0, n, k0, kn); });
+  }
+}
+
+// AVX2 has 16 registers: a 64-column tile goes as two halves of 4 vectors, 2 rows at a time (8 accumulators).
+template <int R>
+__attribute__((target("avx2,fma"))) inline void conv1d_half_avx2(const float* x, const float* w, float* y, int64_t K,
+                                                                 int64_t N, int64_t m0, int64_t n, int64_t k0,
+                                                                 int64_t kn) {
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_loadu_ps(y + (m0 + r) * N + n + 8 * j);
+  for (int64_t k = k0; k < k0 + kn; ++k) {
+    const float* wk = w + k * N + n;
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16),
+                 w3 = _mm256_loadu_ps(wk + 24);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[(m0 + r) * K + k]);
+      a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
+      a[r][3] = _mm256_fmadd_ps(xv, w3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + (m0 + r) * N + n + 8 * j, a[r][j]);
+}
+
+__attribute__((target("avx2,fma"))) void conv1d_cols_avx2(const float* x, const float* w, float* y, int64_t M,
+                                                         int64_t K, int64_t N, int64_t c0, int64_t c1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = c0; n < c1; n += 8) _mm256_storeu_ps(y + m * N + n, _mm256_setzero_ps());
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t kn = std::min<int64_t>(KB, K - k0);
+    for (int64_t n = c0; n < c1; n += 32) {
+      int64_t m0 = 0;
+      for (; m0 + 2 <= M; m0 += 2) conv1d_half_avx2<2>(x, w, y, K, N, m0, n, k0, kn);
+      if (m0 < M) conv1d_half_avx2<1>(x, w, y, K, N, m0, n, k0, kn);
+    }
+  }
+}
+
+// The same chain for columns the vector blocks do not cover: fmaf rounds exactly as a vector FMA lane does.
+void conv1d_tail(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t n_begin) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n_begin; n < N; ++n) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(x[m * K + k], w[k * N + n], acc);
+      y[m * N + n] = acc + b[n];
+    }
+}
+
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && b.dim() == 1, "conv1d_rows: expected x [M, K], w [K, N], b [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat,
@@ -111,26 +144,16 @@ torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, boo
   auto y = torch::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = b.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t NB = avx512 ? 64 : 16;  // columns per block
-  const int64_t blocks = N / NB;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * NB;
-      if (avx512)
-        for_rows(M,
-                 [&](int64_t m0) { conv1d_block_avx512<1>(xp, wp, bp, yp, K, N, m0, n0); },
-                 [&](int64_t m0) { conv1d_block_avx512<2>(xp, wp, bp, yp, K, N, m0, n0); },
-                 [&](int64_t m0) { conv1d_block_avx512<3>(xp, wp, bp, yp, K, N, m0, n0); },
-                 [&](int64_t m0) { conv1d_block_avx512<4>(xp, wp, bp, yp, K, N, m0, n0); });
-      else
-        for_rows(M,
-                 [&](int64_t m0) { conv1d_block_avx2<1>(xp, wp, bp, yp, K, N, m0, n0); },
-                 [&](int64_t m0) { conv1d_block_avx2<2>(xp, wp, bp, yp, K, N, m0, n0); },
-                 [&](int64_t m0) { conv1d_block_avx2<3>(xp, wp, bp, yp, K, N, m0, n0); },
-                 [&](int64_t m0) { conv1d_block_avx2<4>(xp, wp, bp, yp, K, N, m0, n0); });
-    }
+  const int64_t tiles = N / 64;  // whole 64-column tiles; each thread takes a contiguous run of them
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    if (avx512)
+      conv1d_cols_avx512(xp, wp, yp, M, K, N, begin * 64, end * 64);
+    else
+      conv1d_cols_avx2(xp, wp, yp, M, K, N, begin * 64, end * 64);
+    for (int64_t m = 0; m < M; ++m)  // the bias after the whole chain, as the tail does
+      for (int64_t n = begin * 64; n < end * 64; ++n) yp[m * N + n] += bp[n];
   });
-  if (blocks * NB < N) conv1d_tail(xp, wp, bp, yp, M, K, N, blocks * NB);
+  if (tiles * 64 < N) conv1d_tail(xp, wp, bp, yp, M, K, N, tiles * 64);
   return y;
 }
 
