@@ -52,6 +52,7 @@ class Event:
     text: str
     logprob: float | None = None  # log p(token) under the raw distribution
     top: list[tuple[int, float]] | None = None  # the most likely alternatives (token id, logprob)
+    rank: int | None = None  # with top_logprobs: how many tokens were likelier (0 = the argmax, as GLTR counts)
     finish_reason: str | None = None
     prompt_stats: TokenStats | None = None  # with prompt_logprobs, on the first event: one row per prompt token after the first
 
@@ -263,11 +264,12 @@ class Scheduler:
         token = choose(processed, r.sampling, seq.generator)
         lse = torch.logsumexp(raw, -1)
         logprob = float(raw[token] - lse)
-        top = None
+        top = rank = None
         if r.top_logprobs:
             values, ids = raw.topk(r.top_logprobs)
             top = list(zip(ids.tolist(), (values - lse).tolist()))
-        event = Event(token, "", logprob, top, prompt_stats=prompt_stats)
+            rank = int((raw > raw[token]).sum())
+        event = Event(token, "", logprob, top, rank=rank, prompt_stats=prompt_stats)
         if token == eot:
             self._finish(seq, "eos", event)
             return

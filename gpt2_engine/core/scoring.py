@@ -72,7 +72,8 @@ class TokenStats:
 def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: torch.Tensor, *, top: int = 0,
                 details: bool = False) -> TokenStats:
     """Residual rows x [N, C] and next tokens targets [N] -> their log-probabilities under the full vocabulary,
-    with (details) rank and entropy, and the `top` most likely alternatives. The head runs HEAD_ROWS rows at a time."""
+    with the `top` most likely alternatives and their ranks, and (details) ranks and entropy. The head runs HEAD_ROWS
+    rows at a time."""
     parts = []
     for i in range(0, x.shape[0], HEAD_ROWS):
         lg = logits(w, config, x[i : i + HEAD_ROWS])  # [n, V]
@@ -80,8 +81,9 @@ def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: to
         lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
         chosen = lg.gather(-1, tgt)  # [n, 1]
         part = TokenStats((chosen - lse)[:, 0])
-        if details:
+        if details or top:
             part.rank = (lg > chosen).sum(-1)  # [n]
+        if details:
             lg64 = lg.double()  # a float32 sum over 50,257 terms is off by ~1e-4 nats; float64 is exact enough
             part.entropy = (torch.logsumexp(lg64, -1) - (torch.softmax(lg64, -1) * lg64).sum(-1)).float()  # lse - E[l]
         if top:

@@ -118,12 +118,15 @@ class DetokenizeRequest(BaseModel):
 
 
 class Logprobs(BaseModel):
-    """The legacy completions logprobs: one entry per token of the choice's text (prompt tokens first with echo)."""
+    """The legacy completions logprobs: one entry per token of the choice's text (prompt tokens first with echo).
+    `token_ranks` is this server's extension: each token's rank in the model's distribution (0 = the most likely;
+    null for the first prompt token), which top_logprobs (at most 20) cannot give; the playground colours by it."""
 
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+    token_ranks: list[int | None] = []
 
 
 class Choice(BaseModel):

@@ -73,6 +73,7 @@ class ChoiceState:
     finish_reason: str | None = None
     logprobs: Logprobs | None = None
     offset: int = 0  # characters of text so far, for text_offset
+    echoed: bool = False
 
 
 class CompletionRun:
@@ -104,49 +105,66 @@ class CompletionRun:
     def _token_text(self, token: int) -> str:
         return self.tok.token_bytes(token).decode("utf-8", errors="replace")
 
-    def _add_logprob(self, c: ChoiceState, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+    def _add_logprob(self, c: ChoiceState, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+                     rank: int | None) -> None:
         text = self._token_text(token)
         lp = c.logprobs
         lp.tokens.append(text)
         lp.token_logprobs.append(logprob)
         lp.top_logprobs.append(None if top is None else {self._token_text(t): v for t, v in top})
         lp.text_offset.append(c.offset)
+        lp.token_ranks.append(rank)
         c.offset += len(text)
 
-    def _apply(self, i: int, e: Event) -> tuple[str, Logprobs | None]:
-        """Fold an event into choice i; returns the text and logprobs it adds (for a stream chunk)."""
+    def _apply(self, i: int, e: Event) -> list[tuple[str, Logprobs | None]]:
+        """Fold an event into choice i; returns the (text, logprobs) pieces it adds, for stream chunks: with echo,
+        the prompt first as a piece of its own, then the new token."""
         c = self.choices[i]
-        before = len(c.logprobs.tokens) if c.logprobs is not None else 0
-        text = ""
-        if c.finish_reason is None and not c.tokens and self.req.echo and (e.token is not None or e.finish_reason):
+        pieces: list[tuple[str, Logprobs | None]] = []
+        failed = e.finish_reason in ("shutdown", "queue_timeout", "cancelled")
+        if c.finish_reason is None and not c.echoed and self.req.echo and not failed:
+            c.echoed = True
+            before = self._mark(c)
             text = self.tok.decode(c.prompt)  # the prompt comes first, once
             if c.logprobs is not None:
                 stats = e.prompt_stats
-                self._add_logprob(c, c.prompt[0], None, None)
+                self._add_logprob(c, c.prompt[0], None, None, None)
                 for j, t in enumerate(c.prompt[1:]):
-                    top = None
+                    top = rank = None
                     if stats.top_ids is not None:
                         top = list(zip(stats.top_ids[j].tolist(), stats.top_logprobs[j].tolist()))
-                    self._add_logprob(c, t, float(stats.logprob[j]), top)
+                        rank = int(stats.rank[j])
+                    self._add_logprob(c, t, float(stats.logprob[j]), top, rank)
             else:
                 c.offset += len(text)
+            c.text += text
+            pieces.append((text, self._since(c, before)))
+        before = self._mark(c)
         if e.token is not None and e.token != self.tok.eot_id:
             c.tokens.append(e.token)
             if c.logprobs is not None:
-                self._add_logprob(c, e.token, e.logprob, e.top)
-        text += e.text
-        c.text += text
+                self._add_logprob(c, e.token, e.logprob, e.top, e.rank)
+        c.text += e.text
+        pieces.append((e.text, self._since(c, before)))
         if e.finish_reason is not None:
-            if e.finish_reason in ("shutdown", "queue_timeout", "cancelled"):
+            if failed:
                 c.finish_reason = e.finish_reason
             else:
                 c.finish_reason = "length" if e.finish_reason == "length" else "stop"  # eos and stop strings: "stop"
-        added = None
-        if c.logprobs is not None:
-            lp = c.logprobs
-            added = Logprobs(tokens=lp.tokens[before:], token_logprobs=lp.token_logprobs[before:],
-                             top_logprobs=lp.top_logprobs[before:], text_offset=lp.text_offset[before:])
-        return text, added
+        return pieces
+
+    @staticmethod
+    def _mark(c: ChoiceState) -> int:
+        return len(c.logprobs.tokens) if c.logprobs is not None else 0
+
+    @staticmethod
+    def _since(c: ChoiceState, before: int) -> Logprobs | None:
+        if c.logprobs is None:
+            return None
+        lp = c.logprobs
+        return Logprobs(tokens=lp.tokens[before:], token_logprobs=lp.token_logprobs[before:],
+                        top_logprobs=lp.top_logprobs[before:], text_offset=lp.text_offset[before:],
+                        token_ranks=lp.token_ranks[before:])
 
     @staticmethod
     def _check_failure(reason: str | None) -> None:
@@ -179,15 +197,18 @@ class CompletionRun:
         try:
             while any(c.finish_reason is None for c in self.choices):
                 i, e = await self.handle.events.get()
-                text, added = self._apply(i, e)
+                pieces = self._apply(i, e)
                 c = self.choices[i]
                 try:
                     self._check_failure(c.finish_reason)
                 except APIError as err:
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
-                if text or added and added.tokens or c.finish_reason is not None:
-                    yield self._chunk([Choice(index=i, text=text, logprobs=added, finish_reason=c.finish_reason)])
+                for n, (text, added) in enumerate(pieces):
+                    last = n == len(pieces) - 1
+                    if text or added and added.tokens or last and c.finish_reason is not None:
+                        yield self._chunk([Choice(index=i, text=text, logprobs=added,
+                                                  finish_reason=c.finish_reason if last else None)])
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 yield self._chunk([], self.usage())
             yield "data: [DONE]\n\n"
