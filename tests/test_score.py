@@ -17,7 +17,7 @@ from gpt2_engine.cli import main
 from gpt2_engine.core.scoring import ScoreSettings, Window, score_documents, windows
 
 EOT = 50256
-# Text the trained checkpoint did not see in this form (prose and code from the README of this project).
+# Docstring prose of the kind the trained checkpoint learned from (argparse's is in its corpus, json's is not), and code.
 PROSE = (argparse.__doc__ or "") + " " + (json.__doc__ or "")
 CODE = Path(__file__).read_text(encoding="utf-8")[:3000]
 

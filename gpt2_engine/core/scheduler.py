@@ -13,6 +13,7 @@ The scheduler is single-threaded: `gpt2 generate` drives it directly, the server
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ class Sequence:
         self.next_token: int | None = None  # chosen, not yet fed through the model
         self.finished = False
         self.cancelled: str | None = None  # the reason, once cancelled
+        self.queued_at = time.perf_counter()  # when it started waiting for a slot
         s = request.sampling
         self.seen = self.counts = None
         if s.repetition_penalty != 1.0:  # prompt and generated tokens, as transformers counts them

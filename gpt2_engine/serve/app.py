@@ -214,6 +214,6 @@ async def watch_disconnect(request: Request, run: CompletionRun) -> Any:
             return work.result()
         run.cancel()
         work.cancel()
-        return JSONResponse({"error": "client disconnected"}, status_code=499)
+        return error_response(APIError(499, "the client disconnected", code="client_disconnected"))  # nobody reads it
     finally:
         watch.cancel()

@@ -119,13 +119,9 @@ class AsyncEngine:
 
     def _expire(self) -> None:
         now = time.perf_counter()
-        for seq in list(self.scheduler.waiting):
-            handle = self._handle_of(seq)
-            if handle is not None and now - handle.arrived > self.queue_timeout:
+        for seq in self.scheduler.waiting:
+            if now - seq.queued_at > self.queue_timeout:
                 self.scheduler.cancel(seq, "queue_timeout")
-
-    def _handle_of(self, seq: Sequence) -> Handle | None:
-        return next((h for h in self.live if seq in h.seqs), None)
 
     def _deliver(self, handle: Handle, i: int, event: Event) -> None:
         """Runs on the engine thread for every event: metrics, then into the handler's queue."""

@@ -7,7 +7,6 @@ GIL, and each value is a single attribute.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PREFIX = "gpt2_"
@@ -84,5 +83,3 @@ def parse(text: str) -> dict[str, float]:
             out[name] = float(value)
     return out
 
-
-GaugeReader = Callable[[], dict[str, tuple[float, str]]]
