@@ -85,3 +85,53 @@ def test_model_projections_are_batch_invariant(model: GPT2) -> None:
             assert torch.equal(linear(x[:rows], blk.c_fc), fc[:rows])
             assert torch.equal(lm_head(x[:rows], model.weights.head), head[:rows])
             assert torch.equal(lm_head(x[rows - 1 : rows], model.weights.head), head[rows - 1 : rows])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_int8_rows_matches_the_widened_reference_and_is_row_invariant(native, isa: str, K: int, N: int) -> None:
+    """Weight-only int8: (x @ q) * s + b against x @ (q * s) + b, the torch path that widens the weights first."""
+    from gpt2_engine.core.model import as_float32
+    from gpt2_engine.core.quantize import quantize_linear
+    from gpt2_engine.core.weights import Linear as Lin
+
+    g = torch.Generator().manual_seed(K * N)
+    lin = quantize_linear(Lin(torch.randn(K, N, generator=g) * 0.05, torch.randn(N, generator=g)))
+    q, s = lin.weight.values, lin.weight.scales.view(-1)
+    x = torch.randn(DECODE_ROWS, K, generator=g)
+    full = native.int8_rows(x, q, s, lin.bias, isa == "avx512")
+    widened = as_float32(lin.weight).double()
+    ref = x.double() @ widened + lin.bias.double()
+    bound = K * torch.finfo(torch.float32).eps * (x.abs().double() @ widened.abs()).max().item()
+    assert (full.double() - ref).abs().max().item() <= bound
+    for m in range(1, DECODE_ROWS + 1):
+        assert torch.equal(native.int8_rows(x[:m], q, s, lin.bias, isa == "avx512"), full[:m]), m
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_head_matches_the_widened_reference_and_is_row_invariant(native, isa: str) -> None:
+    from gpt2_engine.core.quantize import quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    q, s = quantize_rows(torch.randn(1001, 64, generator=g) * 0.1)
+    x = torch.randn(DECODE_ROWS, 64, generator=g)
+    full = native.int8_dot_rows(x, q, s.view(-1), isa == "avx512")
+    widened = q.double() * s.double()
+    ref = x.double() @ widened.t()
+    assert (full.double() - ref).abs().max().item() <= 64 * torch.finfo(torch.float32).eps * (x.abs().double() @ widened.abs().t()).max().item()
+    for m in (1, 2, 5, 16):
+        assert torch.equal(native.int8_dot_rows(x[:m], q, s.view(-1), isa == "avx512"), full[:m])
+
+
+def test_int8_model_decode_uses_the_native_kernels(small_dir) -> None:
+    """An int8 model's decode-sized projections go through int8_rows (not the widening path), batch-invariantly."""
+    from gpt2_engine import GPT2
+
+    model = GPT2.from_pretrained(small_dir, quantize="int8")
+    x = torch.randn(DECODE_ROWS, 1, 768, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        full = lm_head(x, model.weights.head)
+        proj = linear(x, model.weights.blocks[0].c_fc)
+        for rows in (1, 3, 16):
+            assert torch.equal(lm_head(x[:rows], model.weights.head), full[:rows])
+            assert torch.equal(linear(x[:rows], model.weights.blocks[0].c_fc), proj[:rows])

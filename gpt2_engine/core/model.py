@@ -76,9 +76,13 @@ def as_float32(w: torch.Tensor | Int8Matrix, rows: slice = slice(None)) -> torch
 def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T)."""
     x2 = x.reshape(-1, x.shape[-1])  # [B*T, in]
-    float32 = isinstance(p.weight, torch.Tensor) and p.weight.dtype == torch.float32 and p.weight.is_contiguous()
-    if float32 and x2.shape[0] <= DECODE_ROWS and (native := decode_kernels()) is not None:
-        return native.conv1d_rows(x2, p.weight, p.bias, cpu().avx512).view(*x.shape[:-1], p.weight.shape[1])
+    w = p.weight
+    if x2.shape[0] <= DECODE_ROWS and (native := decode_kernels()) is not None:
+        if isinstance(w, Int8Matrix):  # int8 read as int8, widened in registers; scale after the reduction
+            flat = native.int8_rows(x2, w.values, w.scales.view(-1), p.bias, cpu().avx512)
+            return flat.view(*x.shape[:-1], flat.shape[-1])
+        if w.dtype == torch.float32 and w.is_contiguous():
+            return native.conv1d_rows(x2, w, p.bias, cpu().avx512).view(*x.shape[:-1], w.shape[1])
     w = as_float32(p.weight)  # the weight itself when it is already float32
     if (flat := split_matmul(x2, w)) is not None:
         flat += p.bias
@@ -93,6 +97,8 @@ HEAD_ROWS = 4096  # rows of a narrow head widened at a time: 12 MiB of float32, 
 def lm_head(x: torch.Tensor, head: torch.Tensor | Int8Matrix) -> torch.Tensor:
     """[..., C] -> [..., V] float32 logits. GPT-2 has no separate output matrix: the head is wte (V, C), transposed."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, C]
+    if isinstance(head, Int8Matrix) and x2.shape[0] <= DECODE_ROWS and (native := decode_kernels()) is not None:
+        return native.int8_dot_rows(x2, head.values, head.scales.view(-1), cpu().avx512).view(*x.shape[:-1], -1)
     if isinstance(head, Int8Matrix) or head.dtype != torch.float32:
         V = head.values.shape[0] if isinstance(head, Int8Matrix) else head.shape[0]
         parts = [x2 @ as_float32(head, slice(r, r + HEAD_ROWS)).t() for r in range(0, V, HEAD_ROWS)]
