@@ -159,7 +159,7 @@ torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, boo
 
 // ---- dot_rows (the tied head) -----------------------------------------------------------------------------------
 
-constexpr int VB = 4;  // vocabulary rows per pass: 4 x MR accumulators
+constexpr int VB = 8;  // vocabulary rows per pass: up to 8 x MR accumulators
 
 template <int R>
 __attribute__((target("avx512f,fma"))) void dot_block_avx512(const float* x, const float* w, float* y, int64_t C,
