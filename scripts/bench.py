@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -244,13 +243,9 @@ def main() -> int:
     add("peak RSS of a generate run (MiB)", "lower", statistics.median(ref_rss),
         {v: statistics.median(x) for v, x in rss.items()})
 
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " \
-              f"{args.threads} threads"
-    try:
-        machine = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")) + \
-                  f" ({os.cpu_count()} cores), torch {torch.__version__}, {args.threads} threads"
-    except (OSError, StopIteration):
-        pass
+    from gpt2_engine.core.kernels import cpu
+
+    machine = f"{cpu().summary()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads"
     print_table(rows, variants, machine)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "repeats": args.repeats,
