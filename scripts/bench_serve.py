@@ -15,7 +15,6 @@ import argparse
 import concurrent.futures
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import time

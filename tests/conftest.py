@@ -29,6 +29,20 @@ def make_fixture(directory: Path, *args: str) -> Path:
     return directory
 
 
+def engine(directory: Path):
+    """The engine on a checkpoint directory, float32."""
+    from gpt2_engine import GPT2
+
+    return GPT2.from_pretrained(directory)
+
+
+def reference(directory: Path):
+    """The reference: transformers' GPT2LMHeadModel on the same files, float32, eval mode."""
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def small_dir() -> Path:
     """Full GPT-2-small shape, random weights, official layout, model.safetensors. Read-only: tests copy to edit."""
@@ -43,16 +57,12 @@ def trained_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def trained_model(trained_dir: Path):
-    from gpt2_engine import GPT2
-
-    return GPT2.from_pretrained(trained_dir)
+    return engine(trained_dir)
 
 
 @pytest.fixture(scope="session")
 def trained_hf_model(trained_dir: Path):
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel.from_pretrained(trained_dir, dtype=torch.float32).eval()
+    return reference(trained_dir)
 
 
 @pytest.fixture(scope="session")
@@ -69,31 +79,22 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def model(small_dir: Path):
-    from gpt2_engine import GPT2
-
-    return GPT2.from_pretrained(small_dir)
+    return engine(small_dir)
 
 
 @pytest.fixture(scope="session")
 def hf_model(small_dir: Path):
-    """The reference: transformers' GPT2LMHeadModel on the same files, float32, eval mode."""
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel.from_pretrained(small_dir, dtype=torch.float32).eval()
+    return reference(small_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir: Path):
-    from gpt2_engine import GPT2
-
-    return GPT2.from_pretrained(tiny_dir)
+    return engine(tiny_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_hf_model(tiny_dir: Path):
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    return reference(tiny_dir)
 
 
 def assert_same_weights(a, b) -> None:

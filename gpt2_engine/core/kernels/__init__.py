@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import torch
 
 HERE = Path(__file__).resolve().parent
 
