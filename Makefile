@@ -10,7 +10,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test generate weights compare bench bench-serve serve fixtures clean
+.PHONY: install test generate weights compare bench bench-serve bench-inspect serve fixtures clean
 
 install: $(STAMP)
 
@@ -42,14 +42,18 @@ bench: install
 bench-serve: install
 	$(PY) scripts/bench_serve.py $(ARGS)
 
+bench-inspect: install
+	$(PY) scripts/bench_inspect.py $(ARGS)
+
 # An OpenAI-compatible server on 127.0.0.1:8000 (gpt2 serve --help for the options).
 serve: install
 	$(VENV)/bin/gpt2 serve --weights $(WEIGHTS) $(ARGS)
 
-# The test checkpoints (random full-size, and the small trained one), built once into .cache/fixtures/.
+# The test checkpoints (random full-size, the small trained one, the 2-layer copier), built once into .cache/fixtures/.
 fixtures: install
 	$(PY) scripts/fixtures.py small
 	$(PY) scripts/fixtures.py trained
+	$(PY) scripts/fixtures.py induction
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-results *.egg-info .cache

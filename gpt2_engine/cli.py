@@ -1,4 +1,4 @@
-"""`gpt2 generate | score | serve | compare | download`: a thin command line over the library.
+"""`gpt2 generate | score | serve | inspect | compare | download`: a thin command line over the library.
 
 Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
 """
@@ -140,11 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     from .compare import add_compare
     from .download import add_download
+    from .inspect.cli import add_inspect
     from .score import add_score
     from .serve.cli import add_serve
 
     add_score(sub)
     add_serve(sub)
+    add_inspect(sub)
     add_compare(sub)
     add_download(sub)
     return parser

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Test and benchmark checkpoints, written once into the git-ignored `.cache/fixtures/` and reused.
 
-    python scripts/fixtures.py small|trained    # prints the checkpoint's directory, building it if needed
+    python scripts/fixtures.py small|trained|induction    # prints the checkpoint's directory, building it if needed
 
 Each checkpoint's directory name carries a hash of the scripts that write it, so a changed recipe is rebuilt and an
 unchanged one is reused across test runs and `make bench`. A build goes to a temporary directory that is renamed
@@ -24,6 +24,7 @@ CACHE = SCRIPTS.parent / ".cache" / "fixtures"
 RECIPES: dict[str, tuple[str, list[str], list[str]]] = {
     "small": ("make_fixture.py", [], ["make_fixture.py"]),  # random weights, full GPT-2-small shape
     "trained": ("train_fixture.py", [], ["train_fixture.py", "make_fixture.py"]),  # 4 layers trained on docstrings
+    "induction": ("train_induction.py", [], ["train_induction.py", "make_fixture.py"]),  # 2 layers that copy a repeated run
 }
 
 

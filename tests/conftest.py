@@ -36,11 +36,12 @@ def engine(directory: Path):
     return GPT2.from_pretrained(directory)
 
 
-def reference(directory: Path):
-    """The reference: transformers' GPT2LMHeadModel on the same files, float32, eval mode."""
+def reference(directory: Path, **kwargs):
+    """The reference: transformers' GPT2LMHeadModel on the same files, float32, eval mode (kwargs: from_pretrained's,
+    e.g. attn_implementation="eager", the one that returns attention weights)."""
     from transformers import GPT2LMHeadModel
 
-    return GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
+    return GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
 
 
 @pytest.fixture(scope="session")
@@ -129,3 +130,33 @@ def edited_copy(src: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]],
         edit(tensors)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
+
+
+@pytest.fixture(scope="session")
+def induction_dir() -> Path:
+    """The 2-layer GPT-2 trained to copy a repeated token run (scripts/train_induction.py). Read-only."""
+    return fixtures.ensure("induction")
+
+
+CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+ARTIFACTS = ROOT / ".cache" / "artifacts"  # screenshots of the browser tests, for a person to look at
+needs_chromium = pytest.mark.skipif(not (CHROMIUM.exists() and DRIVER.exists()),
+                                    reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory):
+    """Headless Debian chromium through selenium (never a downloaded browser)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
+    driver.set_window_size(1100, 1000)
+    yield driver
+    driver.quit()

@@ -4,7 +4,6 @@ through selenium (no browser is downloaded). A screenshot of each state is saved
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -12,29 +11,10 @@ import pytest
 from gpt2_engine import GPT2
 from gpt2_engine.serve.metrics import parse
 
+from conftest import ARTIFACTS, needs_chromium
 from test_serve import live, wait_for
 
-CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-ARTIFACTS = Path(__file__).resolve().parent.parent / ".cache" / "artifacts"
-pytestmark = pytest.mark.skipif(not (CHROMIUM.exists() and DRIVER.exists()),
-                                reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
-    driver.set_window_size(1100, 1000)
-    yield driver
-    driver.quit()
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")

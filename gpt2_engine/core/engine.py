@@ -11,6 +11,7 @@ import torch
 from .config import GPT2Config
 from .errors import GenerationError, GPT2EngineError, WeightsError
 from .generate import Completion, Generation, GenerationSettings
+from .hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
 from .model import forward
 from .scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .sampling import SamplingParams
@@ -68,6 +69,36 @@ class GPT2:
         """Logits [B, T, V]; if `hidden_states` is a list, the output of each block is appended to it."""
         self.check_ids(ids)
         return forward(self.weights, self.config, ids.to(self.device), hidden_states=hidden_states)
+
+    @torch.inference_mode()
+    def run_with_cache(self, ids: torch.Tensor, names: NameFilter = None, *,
+                       attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ActivationCache]:
+        """(logits [B, T, V], cache): the activations at every hook point `names` selects (a list of names or a
+        predicate; None: all), named as in TransformerLens (core/hooks.py). The logits are model(ids)'s bits.
+
+        attention_mask [B, T] (1 for a token, 0 for padding) runs a left-padded batch: each row's positions count
+        its own tokens only and no token attends to padding, so a row's activations equal its prompt's alone.
+        """
+        recorder = Recorder(name_predicate(names, self.config))
+        logits = self.run_with_hooks(ids, {}, attention_mask=attention_mask, recorder=recorder)
+        return logits, ActivationCache(recorder.activations, self, ids, attention_mask)
+
+    @torch.inference_mode()
+    def run_with_hooks(self, ids: torch.Tensor, hooks: dict[str, Hook], *, attention_mask: torch.Tensor | None = None,
+                       recorder: Recorder | None = None) -> torch.Tensor:
+        """Logits [B, T, V] with `hooks` {name: fn(activation, name)} applied during the forward: a function that
+        returns a tensor replaces the activation there (patching, ablation); one that returns None only looks."""
+        self.check_ids(ids)
+        recorder = recorder or Recorder()
+        name_predicate(list(hooks), self.config)  # a hook on a misspelt point would silently never run
+        recorder.hooks = hooks
+        positions, key_mask = None, None
+        if attention_mask is not None:
+            if attention_mask.shape != ids.shape:
+                raise GPT2EngineError(f"attention_mask: expected shape {list(ids.shape)} like ids, got {list(attention_mask.shape)}")
+            key_mask = attention_mask.to(self.device).bool()  # [B, T]
+            positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]: a left-padded row starts at position 0
+        return forward(self.weights, self.config, ids.to(self.device), positions=positions, key_mask=key_mask, tap=recorder)
 
     @torch.inference_mode()
     def token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,47 @@ class KVCache:
         return self.k.shape[3]
 
 
-def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float) -> torch.Tensor:
-    """[..., C] -> [..., C]: (x - mean) / sqrt(var + eps) * weight + bias; GPT-2's eps is 1e-5, not torch's default."""
-    return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, eps)
+class Tap(Protocol):
+    """Hook points on the forward pass, named as TransformerLens names them for GPT-2 (core/hooks.py records and
+    patches through one). Every function below takes `tap=None`, which costs one `is None` test per hook point."""
+
+    def wants(self, name: str) -> bool:
+        """Whether hook point `name` is cached or hooked: the points that cost work to produce ask first."""
+        ...
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The activation at hook point `name`; returns it, or a replacement of the same shape."""
+        ...
+
+
+@dataclass(frozen=True)
+class ScopedTap:
+    """A tap seen from inside block i: names get the prefix "blocks.{i}."."""
+
+    tap: Tap
+    prefix: str
+
+    def wants(self, name: str) -> bool:
+        return self.tap.wants(self.prefix + name)
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self.tap(self.prefix + name, x)
+
+
+def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float, tap: Tap | None = None, name: str = "") -> torch.Tensor:
+    """[..., C] -> [..., C]: (x - mean) / sqrt(var + eps) * weight + bias; GPT-2's eps is 1e-5, not torch's default.
+
+    Hook points `{name}hook_scale` [..., 1] (sqrt(var + eps), recomputed only when asked for; replacing it
+    renormalises with the new scale) and `{name}hook_normalized` [..., C] (the output, weight and bias applied).
+    """
+    y = F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, eps)  # [..., C]
+    if tap is None:
+        return y
+    if tap.wants(name + "hook_scale"):
+        scale = (x.var(dim=-1, keepdim=True, unbiased=False) + eps).sqrt()  # [..., 1]
+        if (patched := tap(name + "hook_scale", scale)) is not scale:
+            y = (x - x.mean(dim=-1, keepdim=True)) / patched * p.weight + p.bias
+    return tap(name + "hook_normalized", y)
 
 
 # Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
@@ -77,7 +116,8 @@ def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
     """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T)."""
     x2 = x.reshape(-1, x.shape[-1])  # [B*T, in]
     w = p.weight
-    if x2.shape[0] <= DECODE_ROWS and (native := decode_kernels()) is not None:
+    # the native kernels have no autograd: attribution (inspect) differentiates through the torch path
+    if x2.shape[0] <= DECODE_ROWS and not x2.requires_grad and (native := decode_kernels()) is not None:
         if isinstance(w, Int8Matrix):  # int8 read as int8, widened in registers; scale after the reduction
             flat = native.int8_rows(x2, w.values, w.scales.view(-1), p.bias, cpu().avx512)
             return flat.view(*x.shape[:-1], flat.shape[-1])
@@ -97,14 +137,15 @@ HEAD_ROWS = 4096  # rows of a narrow head widened at a time: 12 MiB of float32, 
 def lm_head(x: torch.Tensor, head: torch.Tensor | Int8Matrix) -> torch.Tensor:
     """[..., C] -> [..., V] float32 logits. GPT-2 has no separate output matrix: the head is wte (V, C), transposed."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, C]
-    if isinstance(head, Int8Matrix) and x2.shape[0] <= DECODE_ROWS and (native := decode_kernels()) is not None:
+    native = decode_kernels() if x2.shape[0] <= DECODE_ROWS and not x2.requires_grad else None
+    if isinstance(head, Int8Matrix) and native is not None:
         return native.int8_dot_rows(x2, head.values, head.scales.view(-1), cpu().avx512).view(*x.shape[:-1], -1)
     if isinstance(head, Int8Matrix) or head.dtype != torch.float32:
         V = head.values.shape[0] if isinstance(head, Int8Matrix) else head.shape[0]
         parts = [x2 @ as_float32(head, slice(r, r + HEAD_ROWS)).t() for r in range(0, V, HEAD_ROWS)]
         return torch.cat(parts, dim=1).view(*x.shape[:-1], V)
     (M, C), V, chunks = x2.shape, head.shape[0], torch.get_num_threads()
-    if M <= DECODE_ROWS and head.is_contiguous() and (native := decode_kernels()) is not None:
+    if native is not None and head.is_contiguous():
         return native.dot_rows(x2, head, cpu().avx512).view(*x.shape[:-1], V)
     if M > FEW_ROWS or chunks < 2:
         return (x2 @ head.t()).view(*x.shape[:-1], V)
@@ -131,53 +172,98 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs)) with masked scores excluded: q [B, nh, T, hs], k [B, nh, S, hs] -> [B, nh, T, S].
+def attention_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q k^T / sqrt(hs), masked: q [B, nh, T, hs], k [B, nh, S, hs] -> [B, nh, T, S].
 
     `mask` [B|1, 1, T, S] is True where a query may attend. Masked scores become the dtype's most negative finite
-    value rather than -inf, so that a row with nothing to attend to (a padding query) gives a harmless uniform row,
-    not NaN. The softmax (exp(s - rowmax) / sum, numerically stable) runs in at least float32.
+    value rather than -inf, so that a row with nothing to attend to (a padding query) gives a harmless uniform row
+    after the softmax, not NaN.
     """
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, nh, T, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    return scores if mask is None else scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+
+
+def softmax(scores: torch.Tensor) -> torch.Tensor:
+    """[..., S] -> [..., S]: exp(s - rowmax) / sum (numerically stable), computed in at least float32."""
+    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs)) with masked scores excluded: q [B, nh, T, hs], k [B, nh, S, hs] -> [B, nh, T, S]."""
+    return softmax(attention_scores(q, k, mask))
 
 
 QUERY_BLOCK = 128  # queries per block in a long prefill: [B, nh, 128, S] scores stay in cache
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def query_blocks(T: int, S: int) -> list[tuple[int, int, int]]:
+    """(first query, end query, keys seen) per block of at most QUERY_BLOCK of the T queries, which are the last T of
+    the S positions: a block sees keys up to its own last query only, since the causal mask hides every later one."""
+    return [(i, min(i + QUERY_BLOCK, T), S - T + min(i + QUERY_BLOCK, T)) for i in range(0, T, QUERY_BLOCK)]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              tap: Tap | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs), masked) v: q [B, nh, T, hs], k and v [B, nh, S, hs] -> [B, nh, T, hs].
 
-    The T new queries are the last T of the S positions. A long prompt goes in blocks of queries; a block attends to
-    keys up to its own last query only, since the mask hides every later one: half the work of a causal prefill,
-    and each block's scores fit in cache. Every row's softmax is unchanged.
+    The T new queries are the last T of the S positions. A long prompt goes in blocks of queries (query_blocks):
+    half the work of a causal prefill, and each block's scores fit in cache. Every row's softmax is unchanged.
     """
     T, S = q.shape[2], k.shape[2]
+    if tap is not None and (tap.wants("attn.hook_attn_scores") or tap.wants("attn.hook_pattern")):
+        return tapped_attention(q, k, v, mask, tap)
     if T <= QUERY_BLOCK:
         return attention_weights(q, k, mask) @ v  # [B, nh, T, hs]
     out = torch.empty_like(q)
-    for i in range(0, T, QUERY_BLOCK):
-        j = min(i + QUERY_BLOCK, T)
-        keys = S - T + j  # the block's last query sits at slot S - T + j - 1
+    for i, j, keys in query_blocks(T, S):
         block_mask = None if mask is None else mask[:, :, i:j, :keys]
         out[:, :, i:j] = attention_weights(q[:, :, i:j], k[:, :, :keys], block_mask) @ v[:, :, :keys]
     return out
 
 
+def tapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     tap: Tap) -> torch.Tensor:
+    """attention() with hook points `attn.hook_attn_scores` and `attn.hook_pattern`, each the whole [B, nh, T, S]
+    (scores a block does not compute are masked ones: the dtype's minimum, weights 0). The blocks are the same as
+    attention()'s, on the same values, so the output is the same bits; a hook's replacement is used as it is."""
+    T, S = q.shape[2], k.shape[2]
+    blocks = query_blocks(T, S)
+    scores = q.new_full((q.shape[0], q.shape[1], T, S), torch.finfo(q.dtype).min)  # [B, nh, T, S]
+    for i, j, keys in blocks:
+        scores[:, :, i:j, :keys] = attention_scores(q[:, :, i:j], k[:, :, :keys], None if mask is None else mask[:, :, i:j, :keys])
+    scores = tap("attn.hook_attn_scores", scores)
+    pattern = torch.zeros_like(scores)  # [B, nh, T, S]
+    for i, j, keys in blocks:
+        pattern[:, :, i:j, :keys] = softmax(scores[:, :, i:j, :keys].contiguous())
+    pattern = tap("attn.hook_pattern", pattern)
+    out = torch.empty_like(q)  # [B, nh, T, hs]
+    for i, j, keys in blocks:
+        out[:, :, i:j] = pattern[:, :, i:j, :keys].contiguous() @ v[:, :, :keys]
+    return out
+
+
 def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.Tensor | None,
-                          cache: tuple[torch.Tensor, torch.Tensor] | None, start: int) -> torch.Tensor:
-    """[B, T, C] -> [B, T, C]. With a cache, this call's keys/values are written at [start, start+T) first."""
+                          cache: tuple[torch.Tensor, torch.Tensor] | None, start: int, tap: Tap | None = None) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C]. With a cache, this call's keys/values are written at [start, start+T) first.
+
+    Hook points (TransformerLens's layout, heads before head size): attn.hook_q|hook_k|hook_v|hook_z [B, T, nh, hs],
+    attn.hook_attn_scores|hook_pattern [B, nh, T, S].
+    """
     q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [B, T, C]: one matmul over the fused Q/K/V weights
-    q, k, v = split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head)  # 3 x [B, nh, T, hs]
+    if tap is None:
+        q, k, v = split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head)  # 3 x [B, nh, T, hs]
+    else:
+        B, T, C = x.shape
+        q, k, v = (tap(f"attn.hook_{n}", t.view(B, T, n_head, C // n_head)).transpose(1, 2) for n, t in zip("qkv", (q, k, v)))
     if cache is not None:
         k_cache, v_cache = cache  # [B, nh, max_len, hs] each
         end = start + x.shape[1]
         k_cache[:, :, start:end] = k
         v_cache[:, :, start:end] = v
         k, v = k_cache[:, :, :end], v_cache[:, :, :end]  # [B, nh, S, hs], S = start + T
-    y = attention(q, k, v, mask)  # [B, nh, T, hs]
+    y = attention(q, k, v, mask, tap)  # [B, nh, T, hs]
+    if tap is not None:
+        y = tap("attn.hook_z", y.transpose(1, 2)).transpose(1, 2)  # hooked as [B, T, nh, hs]
     return linear(merge_heads(y), blk.attn_c_proj)  # [B, T, C]
 
 
@@ -198,15 +284,28 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
     return linear(torch.cat(out, dim=1), blk.attn_c_proj)  # [1, R, C]
 
 
-def mlp(x: torch.Tensor, blk: Block) -> torch.Tensor:
-    """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer."""
-    return linear(gelu(linear(x, blk.c_fc)), blk.mlp_c_proj)
+def mlp(x: torch.Tensor, blk: Block, tap: Tap | None = None) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer; hook points mlp.hook_pre|hook_post [B, T, 4C]."""
+    if tap is None:
+        return linear(gelu(linear(x, blk.c_fc)), blk.mlp_c_proj)
+    h = tap("mlp.hook_post", gelu(tap("mlp.hook_pre", linear(x, blk.c_fc))))  # [B, T, 4C]
+    return linear(h, blk.mlp_c_proj)
 
 
-def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """[B, T, C] -> [B, T, C]: one pre-LN transformer block; `attend` is its self-attention on ln_1(x)."""
-    x = x + attend(layer_norm(x, blk.ln_1, config.layer_norm_epsilon))
-    return x + mlp(layer_norm(x, blk.ln_2, config.layer_norm_epsilon), blk)
+def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[torch.Tensor], torch.Tensor],
+          tap: Tap | None = None) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C]: one pre-LN transformer block; `attend` is its self-attention on ln_1(x).
+
+    Hook points, in TransformerLens's names within the block: hook_resid_pre, ln1.*, hook_attn_out, hook_resid_mid,
+    ln2.*, mlp.*, hook_mlp_out, hook_resid_post (all [B, T, C] but the mlp's).
+    """
+    eps = config.layer_norm_epsilon
+    if tap is None:
+        x = x + attend(layer_norm(x, blk.ln_1, eps))
+        return x + mlp(layer_norm(x, blk.ln_2, eps), blk)
+    x = tap("hook_resid_pre", x)
+    x = tap("hook_resid_mid", x + tap("hook_attn_out", attend(layer_norm(x, blk.ln_1, eps, tap, "ln1."))))
+    return tap("hook_resid_post", x + tap("hook_mlp_out", mlp(layer_norm(x, blk.ln_2, eps, tap, "ln2."), blk, tap)))
 
 
 def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -227,40 +326,46 @@ def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: to
 
 def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                     cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
-                    hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+                    hidden_states: list[torch.Tensor] | None = None, tap: Tap | None = None) -> torch.Tensor:
     """ids [B, T] -> [B, T, C]: the residual stream after the last block (before ln_f).
 
-    positions [B, T] default to start..start+T-1. With a cache, the tokens occupy cache slots [start, start+T) and
-    attend to every earlier slot that key_mask [B, max_len] marks as a real token (False for left padding).
-    If `hidden_states` is a list, the residual stream after each block is appended to it.
+    positions [B, T] default to start..start+T-1. Tokens attend to every earlier slot that key_mask [B, S] marks as
+    a real token (False for left padding); with a cache, they occupy cache slots [start, start+T).
+    If `hidden_states` is a list, the residual stream after each block is appended to it. Hook points: hook_embed,
+    hook_pos_embed [B, T, C], then blocks.{i}.* (see block()).
     """
     B, T = ids.shape
     if positions is None:
         positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-    x = w.wte[ids].float() + w.wpe[positions]  # [B, T, C]: the residual stream is float32 whatever the weights
+    tokens, pos = w.wte[ids].float(), w.wpe[positions]  # [B, T, C] each: the residual stream is float32 whatever the weights
+    if tap is not None:
+        tokens, pos = tap("hook_embed", tokens), tap("hook_pos_embed", pos)
+    x = tokens + pos  # [B, T, C]
     mask = attention_mask(T, start, key_mask, ids.device)
     for i, blk in enumerate(w.blocks):
         layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-        x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, mask, layer_cache, start))
+        t = None if tap is None else ScopedTap(tap, f"blocks.{i}.")
+        x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, mask, layer_cache, start, t), t)
         if hidden_states is not None:
             hidden_states.append(x)  # [B, T, C]
     return x
 
 
-def logits(w: GPT2Weights, config: GPT2Config, x: torch.Tensor) -> torch.Tensor:
-    """[..., C] residual stream -> [..., V] logits: the final layer norm, then the tied head."""
-    return lm_head(layer_norm(x, w.ln_f, config.layer_norm_epsilon), w.head)
+def logits(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
+    """[..., C] residual stream -> [..., V] logits: the final layer norm (hook points ln_final.*), then the tied head."""
+    return lm_head(layer_norm(x, w.ln_f, config.layer_norm_epsilon, tap, "ln_final."), w.head)
 
 
 def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
             cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
-            last_only: bool = False, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+            last_only: bool = False, hidden_states: list[torch.Tensor] | None = None,
+            tap: Tap | None = None) -> torch.Tensor:
     """Logits for ids [B, T] -> [B, T, V] (or [B, 1, V] with last_only); the arguments are residual_stream's."""
     x = residual_stream(w, config, ids, positions=positions, cache=cache, start=start, key_mask=key_mask,
-                        hidden_states=hidden_states)  # [B, T, C]
+                        hidden_states=hidden_states, tap=tap)  # [B, T, C]
     if last_only:
         x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
-    return logits(w, config, x)  # [B, T, V]
+    return logits(w, config, x, tap)  # [B, T, V]
 
 
 def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[tuple[int, int, list[int]]],
