@@ -79,10 +79,6 @@ def score_texts(model: Any, docs: list[tuple[str, str]], settings: ScoreSettings
                            progress=progress.update if progress is not None else None)
 
 
-def total_of(scores: list[Score]) -> Score:
-    return Score("total", sum(s.tokens for s in scores), sum(s.bytes for s in scores), sum(s.nll for s in scores))
-
-
 def figures(s: Score) -> dict[str, Any]:
     """The JSON figures of a Score; NaN (nothing scored) becomes null."""
     def num(x: float) -> float | None:
@@ -107,7 +103,8 @@ def per_token_records(s: Score, tokenizer: Any) -> Iterator[dict[str, Any]]:
                "top": [{"token_id": t, "token": text(t), "logprob": l} for t, l in zip(top_ids, top_lps)]}
 
 
-def print_table(scores: list[Score], total: Score, seconds: float, out: IO[str]) -> None:
+def print_table(scores: list[Score], total: Score, documents: int, seconds: float, out: IO[str]) -> None:
+    """The per-document rows (none when they went to --output), the total, and the throughput."""
     width = max([len("document"), *(len(s.name) for s in scores)])
     width = min(width, 60)
     head = f"{'document':<{width}} {'tokens':>9} {'bytes':>10} {'nll':>12} {'ppl':>10} {'bpb':>7}"
@@ -119,62 +116,119 @@ def print_table(scores: list[Score], total: Score, seconds: float, out: IO[str])
         name = s.name if len(s.name) <= width else "…" + s.name[-(width - 1):]
         print(f"{name:<{width}} {s.tokens:>9,} {s.bytes:>10,} {s.nll:>12.2f} {s.ppl:>10.3f} {s.bpb:>7.4f}", file=out)
     rate = total.tokens / seconds if seconds > 0 else math.nan
-    print(f"{len(scores)} document(s), {total.tokens:,} tokens scored in {seconds:.2f} s ({rate:,.0f} tokens/s)", file=out)
+    print(f"{documents} document(s), {total.tokens:,} tokens scored in {seconds:.2f} s ({rate:,.0f} tokens/s)", file=out)
 
 
-def run_score(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+class AtomicWriter:
+    """A text file written beside its destination and renamed over it when complete: an interrupted run leaves the
+    destination as it was (or absent), never half-written."""
 
+    def __init__(self, dest: Path) -> None:
+        directory = dest.parent if str(dest.parent) else Path(".")
+        try:
+            fd, self.tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=directory)
+        except OSError as e:
+            raise InputError(f"{dest}: cannot write ({e.strerror or e})") from None
+        self.dest, self.file = dest, os.fdopen(fd, "w", encoding="utf-8")
+
+    def write_json(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def commit(self) -> None:
+        self.file.close()
+        os.replace(self.tmp, self.dest)
+
+    def discard(self) -> None:
+        self.file.close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+def checked_settings(args: argparse.Namespace, config: Any) -> ScoreSettings:
+    context = args.context if args.context is not None else config.n_positions
+    stride = args.stride if args.stride is not None else context // 2
+    settings = ScoreSettings(context, stride, bos=not args.no_bos, batch_size=args.batch_size,
+                             top=TOP_ALTERNATIVES if args.per_token else 0, details=args.per_token is not None)
+    settings.check(config)
+    return settings
+
+
+def local_scores(args: argparse.Namespace, progress: Any) -> tuple[Any, ScoreSettings, Iterator[Score]]:
+    """(tokenizer, settings, scores in input order) on this machine."""
     from .cli import load_model
 
     docs = read_documents(args.files, sys.stdin.buffer)  # every input is read and checked before the model loads
     if not docs:
         raise InputError("nothing to score: the input holds no documents")
     model = load_model(args)
-    context = args.context if args.context is not None else model.config.n_positions
-    stride = args.stride if args.stride is not None else context // 2
-    settings = ScoreSettings(context, stride, bos=not args.no_bos, batch_size=args.batch_size,
-                             top=TOP_ALTERNATIVES if args.per_token else 0, details=args.per_token is not None)
-    settings.check(model.config)
-    out_tmp = None
-    if args.per_token is not None:  # written beside the destination and renamed when complete
-        directory = args.per_token.parent if str(args.per_token.parent) else Path(".")
-        try:
-            fd, out_tmp = tempfile.mkstemp(prefix=args.per_token.name + ".", suffix=".part", dir=directory)
-        except OSError as e:
-            raise InputError(f"{args.per_token}: cannot write ({e.strerror or e})") from None
+    settings = checked_settings(args, model.config)
+    return model.tokenizer, settings, score_texts(model, docs, settings, progress=progress)
+
+
+def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[Score]]:
+    """(None, settings, scores in input order) from Ray Data actors (distributed/score.py)."""
+    from .core.config import GPT2Config
+    from .core.weights import CONFIG, find_weights_file
+    from .distributed.score import score_on_ray
+
+    if args.per_token is not None:
+        raise InputError("--per-token is not available with --ray; use --output for one line per document")
+    stdin_docs = read_documents(["-"], sys.stdin.buffer) if "-" in args.files else []
+    find_weights_file(args.weights)  # the loader's error for a missing or empty directory, before Ray starts
+    settings = checked_settings(args, GPT2Config.from_json(args.weights / CONFIG))
+    return None, settings, score_on_ray(args, args.files, stdin_docs, settings)
+
+
+def run_score(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    if not args.ray and (args.address is not None or args.workers is not None):
+        raise InputError("--address and --workers need --ray")
+    if args.workers is not None and args.workers < 1:
+        raise InputError(f"--workers must be at least 1, got {args.workers}")
+    writers = {name: AtomicWriter(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
+               if dest is not None}
     scores: list[Score] = []
+    total, documents = Score("total", 0, 0, 0.0), 0
     t0 = time.perf_counter()
     try:
-        per_token = os.fdopen(fd, "w", encoding="utf-8") if out_tmp else None
         bar = tqdm(total=None, unit="tok", unit_scale=True, file=sys.stderr, desc="scoring",
                    disable=args.quiet or not sys.stderr.isatty())
         with bar:
-            for s in score_texts(model, docs, settings, progress=bar):
-                if per_token is not None:
-                    for record in per_token_records(s, model.tokenizer):
-                        per_token.write(json.dumps(record, ensure_ascii=False) + "\n")
-                s.stats = None  # the per-token details are written; keep only the figures
-                scores.append(s)
-        if per_token is not None:
-            per_token.close()
-            os.replace(out_tmp, args.per_token)
-            out_tmp = None
+            tokenizer, settings, stream = ray_scores(args) if args.ray else local_scores(args, bar)
+            for s in stream:
+                if "per_token" in writers:
+                    for record in per_token_records(s, tokenizer):
+                        writers["per_token"].write_json(record)
+                if "output" in writers:
+                    writers["output"].write_json({"name": s.name, **figures(s)})
+                else:
+                    scores.append(Score(s.name, s.tokens, s.bytes, s.nll))  # the figures only, not the details
+                total = Score("total", total.tokens + s.tokens, total.bytes + s.bytes, total.nll + s.nll)
+                documents += 1
+                if args.ray:
+                    bar.update(s.tokens)
+        if total.tokens == 0:
+            raise InputError("nothing to score: every document is empty" + (" or one token long (--no-bos scores "
+                                                                             "from the second token on)" if args.no_bos else ""))
+        for writer in writers.values():
+            writer.commit()
+        writers.clear()
     finally:
-        if out_tmp is not None:
-            Path(out_tmp).unlink(missing_ok=True)
+        for writer in writers.values():
+            writer.discard()
     seconds = time.perf_counter() - t0
-    total = total_of(scores)
-    if total.tokens == 0:
-        raise InputError("nothing to score: every document is empty" + (" or one token long (--no-bos scores from the "
-                                                                         "second token on)" if args.no_bos else ""))
     if args.json:
-        print(json.dumps({
-            "documents": [{"name": s.name, **figures(s)} for s in scores], "total": figures(total),
-            "settings": {"context": context, "stride": stride, "bos": not args.no_bos, "dtype": args.dtype,
-                         "quantize": args.quantize, "weights": str(args.weights)}}, ensure_ascii=False))
+        report = {"documents": [{"name": s.name, **figures(s)} for s in scores], "total": figures(total),
+                  "settings": {"context": settings.context, "stride": settings.stride, "bos": not args.no_bos,
+                               "dtype": args.dtype, "quantize": args.quantize, "weights": str(args.weights)}}
+        if args.output is not None:  # the documents are in the file, not repeated here
+            del report["documents"]
+            report["output"] = str(args.output)
+        print(json.dumps(report, ensure_ascii=False))
     else:
-        print_table(scores, total, seconds, sys.stdout)
+        print_table(scores, total, documents, seconds, sys.stdout)
+        if args.output is not None:
+            print(f"per-document figures: {args.output}", file=sys.stdout)
     return 0
 
 
@@ -199,7 +253,17 @@ def add_score(sub: argparse._SubParsersAction) -> None:
                    help="do not prepend <|endoftext|>; the first token of each document is then not scored")
     p.add_argument("--per-token", type=Path, metavar="OUT.jsonl",
                    help="write one line per scored token: logprob, rank, entropy, top 5 alternatives")
+    p.add_argument("--output", type=Path, metavar="FILE.jsonl",
+                   help="write one line per document (name, tokens, bytes, nll, ppl, bpb) to FILE instead of "
+                        "listing them on stdout, for corpora too large to print")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    ray = p.add_argument_group("scaling out on Ray (pip install 'gpt2-engine[distributed]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="score with Ray Data: files read by Ray tasks, documents scored by actors that load the model once")
+    ray.add_argument("--address", metavar="ADDR",
+                     help="a running Ray cluster to join (e.g. 10.0.0.1:6379; default: start Ray on this machine)")
+    ray.add_argument("--workers", type=int, metavar="N",
+                     help="scoring actors (default: the cluster's CPUs divided by --threads)")
     add_model_options(p)
     p.set_defaults(run=run_score)

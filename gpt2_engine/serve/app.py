@@ -31,6 +31,7 @@ class ServerSettings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
+    replica: str | None = None  # under Ray Serve: this replica's id, sent as the x-gpt2-replica response header
 
 
 @dataclass
@@ -53,12 +54,21 @@ class Gate:
     size limit (413, by Content-Length or as the body streams in). Pure ASGI on purpose: Starlette's
     BaseHTTPMiddleware reports a disconnect to streaming responses it wraps, which would cut streams short."""
 
-    def __init__(self, app: Callable, api_key: str | None, limit: int) -> None:
+    def __init__(self, app: Callable, api_key: str | None, limit: int, replica: str | None = None) -> None:
         self.app, self.api_key, self.limit = app, api_key, limit
+        self.replica = replica.encode() if replica else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.replica is not None:  # which replica answered: for clients and tests of a Ray deployment
+            inner_send = send
+
+            async def send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), (b"x-gpt2-replica", self.replica)]}
+                await inner_send(message)
+
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"] not in ("/health", "/") and scope["method"] != "OPTIONS":
             given = headers.get(b"authorization", b"")
@@ -196,7 +206,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         page = resources.files("gpt2_engine.serve") / "playground.html"
         return HTMLResponse(page.read_text(encoding="utf-8") if page.is_file() else "<!doctype html><title>gpt2-engine</title>")
 
-    return Gate(app, settings.api_key, settings.max_body_bytes)
+    return Gate(app, settings.api_key, settings.max_body_bytes, settings.replica)
 
 
 async def watch_disconnect(request: Request, run: CompletionRun) -> Any:

@@ -28,14 +28,23 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+def start_engine(args: argparse.Namespace):
+    """(model, running AsyncEngine) from the parsed model and slot options: one server's, or one Ray replica's."""
     from ..cli import load_model
     from ..core.kernels import decode_kernels
     from ..core.scheduler import Scheduler
     from .engine import AsyncEngine
 
+    model = load_model(args)
+    decode_kernels()  # built (once per machine) before the first request, not during it
+    engine = AsyncEngine(Scheduler(model.weights, model.config, model.tokenizer, slots=args.parallel),
+                         max_queue=args.max_queue, queue_timeout=args.queue_timeout)
+    engine.start()
+    return model, engine
+
+
+def check_options(args: argparse.Namespace) -> ServerSettings:
+    """The server settings, after checking every option a user can get wrong."""
     for name in ("parallel", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ServeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -45,15 +54,23 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.is_dir():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights` or pass --weights DIR)")
-    settings = ServerSettings(args.model_name, read_api_key(args), tuple(args.cors_origin), args.max_body_bytes)
+    return ServerSettings(args.model_name, read_api_key(args), tuple(args.cors_origin), args.max_body_bytes)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    settings = check_options(args)
+    if args.ray:
+        from ..distributed.serve import run_ray_serve
+
+        return run_ray_serve(args, settings)
+    if args.replicas != "1" or args.max_replicas is not None or args.address is not None:
+        raise ServeError("--replicas, --max-replicas and --address need --ray")
     state = ServerState(settings)
 
     def load():
-        model = load_model(args)
-        decode_kernels()  # built (once per machine) before the first request, not during it
-        engine = AsyncEngine(Scheduler(model.weights, model.config, model.tokenizer, slots=args.parallel),
-                             max_queue=args.max_queue, queue_timeout=args.queue_timeout)
-        engine.start()
+        model, engine = start_engine(args)
         print(f"gpt2 serve: ready: {args.weights} as {settings.model_name!r}, {args.parallel} slots, "
               f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
         return model, engine
@@ -96,5 +113,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body (default 1 MiB)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
+    ray = p.add_argument_group("scaling out on Ray (pip install 'gpt2-engine[distributed]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve the same app as a Ray Serve deployment: replicas, each with its own engine and slots")
+    ray.add_argument("--replicas", default="1", metavar="N|auto",
+                     help="replicas with --ray: a number, or 'auto' to scale with the load (default 1)")
+    ray.add_argument("--max-replicas", type=int, metavar="M", help="the most replicas --replicas auto may start (default 4)")
+    ray.add_argument("--address", metavar="ADDR",
+                     help="a running Ray cluster to join (e.g. 10.0.0.1:6379; default: start Ray on this machine)")
     add_model_options(p)
     p.set_defaults(run=run_serve)

@@ -52,6 +52,10 @@ class AsyncEngine:
     def start(self) -> None:
         self.thread.start()
 
+    def alive(self) -> bool:
+        """Whether the engine thread runs (a replica's health check)."""
+        return self.thread.is_alive() and not self.stopped.is_set()
+
     # --- called from the event loop -----------------------------------------------------------------------------
 
     def submit(self, requests: list[Request]) -> Handle:

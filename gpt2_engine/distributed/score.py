@@ -1,0 +1,88 @@
+"""`gpt2 score --ray`: documents through Ray Data, scored by actors that each load the model once.
+
+Reading: each input file is read by a Ray Data task with the local command's reader (the same documents, names and
+errors); every input is read and checked before any model loads. Scoring: `map_batches` with `Scorer`, a callable
+class, on `--workers` actors; each batch of documents goes through core/scoring.py exactly as `gpt2 score` runs it,
+so every document's windows, and its NLL, are the local command's. Rows come back in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import GPT2EngineError
+from ..core.scoring import Score, ScoreSettings
+
+DOCUMENTS_PER_BATCH = 16
+
+
+def read_file(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Ray Data flat_map: one input file -> its documents, or one row holding the reader's error message."""
+    from ..score import InputError, read_documents
+
+    try:
+        docs = read_documents([row["path"]], sys.stdin.buffer)
+    except InputError as e:
+        return [{"file": row["file"], "line": 0, "name": row["path"], "text": "", "error": str(e)}]
+    return [{"file": row["file"], "line": n, "name": name, "text": text, "error": ""} for n, (name, text) in enumerate(docs)]
+
+
+class Scorer:
+    """Ray Data map_batches callable: loads the model once per actor, then scores batches of documents."""
+
+    def __init__(self, args: argparse.Namespace, settings: ScoreSettings) -> None:
+        from ..cli import load_model
+
+        self.model = load_model(args)
+        self.settings = settings
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from ..score import score_texts
+
+        scores = list(score_texts(self.model, list(zip(batch["name"].tolist(), batch["text"].tolist())), self.settings))
+        return {"file": batch["file"], "line": batch["line"], "name": batch["name"],
+                "tokens": np.array([s.tokens for s in scores]), "bytes": np.array([s.bytes for s in scores]),
+                "nll": np.array([s.nll for s in scores], dtype=np.float64)}
+
+
+def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tuple[str, str]],
+                 settings: ScoreSettings) -> Iterator[Score]:
+    """Scores of every document of `paths` (stdin, '-', read by the caller into `stdin_docs`), in input order."""
+    try:
+        import ray
+    except ImportError:
+        raise GPT2EngineError("--ray needs Ray: pip install 'gpt2-engine[distributed]' (ray[serve,data])") from None
+    from ..score import InputError
+
+    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+             ignore_reinit_error=True)
+    # Ray Data's own setting (read at every execution): its INFO lines to its log file, not to our stderr
+    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(Path(__file__).with_name("ray_data_logging.yaml")))
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # results in input order
+    context.enable_progress_bars = not args.quiet and sys.stderr.isatty()
+    threads = args.threads or 1
+    workers = args.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
+    files = ray.data.from_items([{"file": i, "path": p} for i, p in enumerate(paths) if p != "-"])
+    docs = files.flat_map(read_file).materialize()  # read and checked before the scorers load the model
+    errors = [row for row in docs.select_columns(["error"]).take_all() if row["error"]]
+    if errors:
+        raise InputError(errors[0]["error"])
+    if stdin_docs:  # stdin is the driver's: its documents join the dataset with their place in the input
+        where = paths.index("-")
+        docs = docs.union(ray.data.from_items([{"file": where, "line": n, "name": name, "text": text, "error": ""}
+                                               for n, (name, text) in enumerate(stdin_docs)]))
+        docs = docs.sort(["file", "line"])
+    replica_args = argparse.Namespace(**{**vars(args), "threads": threads, "run": None})
+    scored = docs.map_batches(Scorer, fn_constructor_args=(replica_args, settings), batch_size=DOCUMENTS_PER_BATCH,
+                              compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=threads)
+    for row in scored.iter_rows():
+        yield Score(str(row["name"]), int(row["tokens"]), int(row["bytes"]), float(row["nll"]))

@@ -1,0 +1,106 @@
+"""`gpt2 serve --ray`: the same FastAPI app (serve/app.py) as a Ray Serve deployment with N replicas.
+
+Each replica loads the model and runs its own engine thread with its own KV-cache slots, exactly as `gpt2 serve` does
+on one machine; Ray Serve's proxy spreads requests over the replicas. A replica takes at most `--parallel` running
+plus `--max-queue` waiting requests (max_ongoing_requests), so its own bounded queue answers 429 / 503 as the single
+server does; beyond that Ray's router holds up to `--max-queue` more per replica and then answers 503 itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from ..core.errors import GPT2EngineError
+from ..serve.app import ServerSettings, ServerState, build_app
+from ..serve.cli import ServeError, start_engine
+
+APP_NAME = "gpt2"
+
+
+def ray_modules() -> tuple[Any, Any]:
+    """(ray, ray.serve), or a one-line error naming the extra to install."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise GPT2EngineError("--ray needs Ray: pip install 'gpt2-engine[distributed]' (ray[serve,data])") from None
+    return ray, serve
+
+
+class Replica:
+    """One replica: the model, its engine thread and the app over them (built after the constructor, by Ray)."""
+
+    def __init__(self, args: argparse.Namespace, settings: ServerSettings) -> None:
+        from ray import serve
+
+        replica = serve.get_replica_context().replica_id.unique_id
+        model, engine = start_engine(args)  # loaded before Ray marks the replica ready: no 503-while-loading here
+        self.state = ServerState(ServerSettings(**{**settings.__dict__, "replica": replica}), model=model, engine=engine)
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.state)
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose engine thread has died."""
+        engine = self.state.engine
+        if engine is None or not engine.alive():
+            raise RuntimeError("the engine thread is not running")
+
+
+def deployment(args: argparse.Namespace, settings: ServerSettings):
+    """The bound Ray Serve application: Replica behind ingress, with the replica count and request limits."""
+    _, serve = ray_modules()
+    threads = args.threads or 1
+    options: dict[str, Any] = {
+        "max_ongoing_requests": args.parallel + args.max_queue,
+        "max_queued_requests": args.max_queue,
+        "ray_actor_options": {"num_cpus": threads},
+        "health_check_period_s": 2,
+    }
+    if args.replicas == "auto":
+        options["autoscaling_config"] = {"min_replicas": 1, "max_replicas": args.max_replicas or 4,
+                                         "target_ongoing_requests": args.parallel}
+    else:
+        options["num_replicas"] = int(args.replicas)
+    replica_args = argparse.Namespace(**{**vars(args), "threads": threads})
+    replica_args.run = None  # the parser's callback is not needed (nor picklable by value) in a replica
+    cls = serve.deployment(name="GPT2Replica")(serve.ingress()(Replica))
+    return cls.options(**options).bind(replica_args, settings)
+
+
+def check_replicas(args: argparse.Namespace) -> None:
+    if args.replicas == "auto":
+        if args.max_replicas is not None and args.max_replicas < 1:
+            raise ServeError(f"--max-replicas must be at least 1, got {args.max_replicas}")
+        return
+    if not args.replicas.isdigit() or int(args.replicas) < 1:
+        raise ServeError(f"--replicas: expected a positive number or 'auto', got {args.replicas!r}")
+    if args.max_replicas is not None:
+        raise ServeError("--max-replicas goes with --replicas auto")
+
+
+def run_ray_serve(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """Start (or join) Ray, deploy, print the address, and serve until SIGINT or SIGTERM."""
+    check_replicas(args)
+    ray, serve = ray_modules()
+    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+             ignore_reinit_error=True)
+    serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
+    serve.run(deployment(args, settings), name=APP_NAME, route_prefix="/")
+    replicas = args.replicas if args.replicas != "auto" else f"1..{args.max_replicas or 4} (auto)"
+    print(f"gpt2 serve: ready on Ray: {args.weights} as {settings.model_name!r}, {replicas} replica(s) of "
+          f"{args.parallel} slots, http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    return 0
