@@ -170,8 +170,6 @@ def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[S
     from .core.weights import CONFIG, find_weights_file
     from .distributed.score import score_on_ray
 
-    if args.per_token is not None:
-        raise InputError("--per-token is not available with --ray; use --output for one line per document")
     stdin_docs = read_documents(["-"], sys.stdin.buffer) if "-" in args.files else []
     find_weights_file(args.weights)  # the loader's error for a missing or empty directory, before Ray starts
     settings = checked_settings(args, GPT2Config.from_json(args.weights / CONFIG))
@@ -185,6 +183,8 @@ def run_score(args: argparse.Namespace) -> int:
         raise InputError("--address and --workers need --ray")
     if args.workers is not None and args.workers < 1:
         raise InputError(f"--workers must be at least 1, got {args.workers}")
+    if args.ray and args.per_token is not None:
+        raise InputError("--per-token is not available with --ray; use --output for one line per document")
     writers = {name: AtomicWriter(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
                if dest is not None}
     scores: list[Score] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -81,8 +82,13 @@ def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tu
         docs = docs.union(ray.data.from_items([{"file": where, "line": n, "name": name, "text": text, "error": ""}
                                                for n, (name, text) in enumerate(stdin_docs)]))
         docs = docs.sort(["file", "line"])
+    # one block per batch of documents, made now: a .jsonl file is read into one block, which one actor would score
+    # alone; and left lazy, the repartition's tasks would wait forever for the CPUs the scoring actors hold
+    docs = docs.repartition(max(1, math.ceil(docs.count() / DOCUMENTS_PER_BATCH))).materialize()
     replica_args = argparse.Namespace(**{**vars(args), "threads": threads, "run": None})
     scored = docs.map_batches(Scorer, fn_constructor_args=(replica_args, settings), batch_size=DOCUMENTS_PER_BATCH,
-                              compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=threads)
+                              num_cpus=threads,
+                              # one batch at a time per actor: the first actor up would otherwise queue them all
+                              compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))
     for row in scored.iter_rows():
         yield Score(str(row["name"]), int(row["tokens"]), int(row["bytes"]), float(row["nll"]))

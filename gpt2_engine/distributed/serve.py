@@ -1,9 +1,10 @@
 """`gpt2 serve --ray`: the same FastAPI app (serve/app.py) as a Ray Serve deployment with N replicas.
 
 Each replica loads the model and runs its own engine thread with its own KV-cache slots, exactly as `gpt2 serve` does
-on one machine; Ray Serve's proxy spreads requests over the replicas. A replica takes at most `--parallel` running
-plus `--max-queue` waiting requests (max_ongoing_requests), so its own bounded queue answers 429 / 503 as the single
-server does; beyond that Ray's router holds up to `--max-queue` more per replica and then answers 503 itself.
+on one machine; Ray Serve's proxy spreads requests over the replicas. A replica is given at most `--parallel`
+requests at a time (max_ongoing_requests follows the slots), so they decode together at once; the rest wait in Ray's
+router, which holds up to `--max-queue` of them and answers 503 (Ray's plain-text body, with Retry-After) beyond.
+A request of n > 1 sequences can still fill a replica's own waiting queue, which answers 429 as the single server.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def deployment(args: argparse.Namespace, settings: ServerSettings):
     _, serve = ray_modules()
     threads = args.threads or 1
     options: dict[str, Any] = {
-        "max_ongoing_requests": args.parallel + args.max_queue,
+        "max_ongoing_requests": args.parallel,
         "max_queued_requests": args.max_queue,
         "ray_actor_options": {"num_cpus": threads},
         "health_check_period_s": 2,
