@@ -91,17 +91,19 @@ def run_ray_serve(args: argparse.Namespace, settings: ServerSettings) -> int:
     ray, serve = ray_modules()
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
              ignore_reinit_error=True)
-    serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
-    serve.run(deployment(args, settings), name=APP_NAME, route_prefix="/")
-    replicas = args.replicas if args.replicas != "auto" else f"1..{args.max_replicas or 4} (auto)"
-    print(f"gpt2 serve: ready on Ray: {args.weights} as {settings.model_name!r}, {replicas} replica(s) of "
-          f"{args.parallel} slots, http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
-    serve.delete(APP_NAME)
-    serve.shutdown()
+    try:  # Ctrl-C while deploying ends as "interrupted" (exit 130), after the cleanup below
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
+        serve.run(deployment(args, settings), name=APP_NAME, route_prefix="/")
+        replicas = args.replicas if args.replicas != "auto" else f"1..{args.max_replicas or 4} (auto)"
+        print(f"gpt2 serve: ready on Ray: {args.weights} as {settings.model_name!r}, {replicas} replica(s) of "
+              f"{args.parallel} slots, http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:  # Ctrl-C while serving: a normal stop, as uvicorn's
+            pass
+    finally:
+        serve.shutdown()  # the replicas end their in-flight streams with an error chunk as they stop
+        ray.shutdown()
     return 0
