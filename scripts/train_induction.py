@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixture import causal_mask, write_checkpoint  # noqa: E402
+from make_fixture import write_trained  # noqa: E402
 
 SHAPE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
 SEQ = 64  # the longest sequence (1 + 12 + 2 * 20) and random filler after it
@@ -111,15 +109,6 @@ def train(steps: int, seed: int, log=print):
     return full
 
 
-def official_state_dict(model) -> dict[str, torch.Tensor]:
-    """transformers' names without `transformer.`, the mask buffers added, the tied lm_head left out."""
-    sd = {k.removeprefix("transformer."): v.detach().contiguous().clone()
-          for k, v in model.state_dict().items() if k.startswith("transformer.")}
-    for i in range(SHAPE["n_layer"]):
-        sd[f"h.{i}.attn.bias"] = causal_mask(SHAPE["n_positions"])
-    return sd
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where to write the checkpoint (created; replaced only when done)")
@@ -132,12 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 1")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model = train(args.steps, args.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
-    args.directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=args.directory.name + ".", dir=args.directory.parent))
-    write_checkpoint(tmp, SHAPE, official_state_dict(model))
-    if args.directory.exists():
-        shutil.rmtree(args.directory)
-    tmp.rename(args.directory)
+    write_trained(args.directory, SHAPE, model)
     print(f"wrote a 2-layer copying GPT-2 checkpoint to {args.directory}")
     return 0
 
