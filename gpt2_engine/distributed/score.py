@@ -72,16 +72,16 @@ def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tu
     context.enable_progress_bars = not args.quiet and sys.stderr.isatty()
     threads = args.threads or 1
     workers = args.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
-    files = ray.data.from_items([{"file": i, "path": p} for i, p in enumerate(paths) if p != "-"])
-    docs = files.flat_map(read_file).materialize()  # read and checked before the scorers load the model
-    errors = [row for row in docs.select_columns(["error"]).take_all() if row["error"]]
-    if errors:
-        raise InputError(errors[0]["error"])
+    rows = [{"file": i, "path": p} for i, p in enumerate(paths) if p != "-"]
+    docs = ray.data.from_items(rows).flat_map(read_file).materialize() if rows else None  # read and checked first
+    if docs is not None and (errors := [r["error"] for r in docs.select_columns(["error"]).take_all() if r["error"]]):
+        raise InputError(errors[0])
     if stdin_docs:  # stdin is the driver's: its documents join the dataset with their place in the input
-        where = paths.index("-")
-        docs = docs.union(ray.data.from_items([{"file": where, "line": n, "name": name, "text": text, "error": ""}
-                                               for n, (name, text) in enumerate(stdin_docs)]))
-        docs = docs.sort(["file", "line"])
+        typed = ray.data.from_items([{"file": paths.index("-"), "line": n, "name": name, "text": text, "error": ""}
+                                     for n, (name, text) in enumerate(stdin_docs)])
+        docs = typed if docs is None else docs.union(typed).sort(["file", "line"])
+    if docs is None or docs.count() == 0:
+        raise InputError("nothing to score: the input holds no documents")
     # one block per batch of documents, made now: a .jsonl file is read into one block, which one actor would score
     # alone; and left lazy, the repartition's tasks would wait forever for the CPUs the scoring actors hold
     docs = docs.repartition(max(1, math.ceil(docs.count() / DOCUMENTS_PER_BATCH))).materialize()
