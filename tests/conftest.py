@@ -140,8 +140,8 @@ def induction_dir() -> Path:
 
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 ARTIFACTS = ROOT / ".cache" / "artifacts"  # screenshots of the browser tests, for a person to look at
-needs_chromium = pytest.mark.skipif(not (CHROMIUM.exists() and DRIVER.exists()),
-                                    reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+NO_CHROMIUM = "Debian's chromium and chromium-driver are not installed (.ci/run installs them)"
+needs_chromium = pytest.mark.skipif(not (CHROMIUM.exists() and DRIVER.exists()), reason=NO_CHROMIUM)
 
 
 @pytest.fixture(scope="module")
