@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from .core.weights import DEFAULT_WEIGHTS
 
 # Default tolerances, relative to max |reference|: measured errors are ~1e-6 (torch fp32) and ~1e-6 (NumPy).
 DEFAULT_RTOL = {"torch": 1e-4, "numpy": 1e-3}
-# bfloat16 and int8 weights cannot match to rounding; they pass on top-1 agreement with the reference.
-DEFAULT_MIN_TOP1 = {"bfloat16": 0.995, "int8": 0.99}
+# bfloat16, int8 and int4 weights cannot match to rounding; they pass on top-1 agreement with the reference and on
+# the change of perplexity, both over all prompts' tokens together.
+DEFAULT_MIN_TOP1 = {"bfloat16": 0.995, "int8": 0.99, "int4": 0.95}
+DEFAULT_MAX_PPL_CHANGE = {"bfloat16": 0.005, "int8": 0.005, "int4": 0.02}
 
 BUILTIN_PROMPTS = {
     "english": "The old lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father "
@@ -52,6 +55,10 @@ class Report:
     kl_max: float  # max over positions of KL(reference || engine) of the next-token distributions
     top1_agreement: float
     top5_overlap: float
+    nll_reference: float  # summed over the T - 1 predicted tokens (nats)
+    nll: float
+    ppl_reference: float  # exp(nll / (T - 1)); nan for a one-token prompt
+    ppl: float
     per_block_max_abs: list[float]
     first_divergent_block: int | None
     first_divergent_position: int | None
@@ -84,13 +91,12 @@ def engine_outputs(model, ids: torch.Tensor, engine: str) -> tuple[torch.Tensor,
     return torch.from_numpy(logits)[None].float(), [torch.from_numpy(b)[None].float() for b in blocks]
 
 
-def compare_outputs(name: str, engine: str, ref: tuple[torch.Tensor, list[torch.Tensor]],
-                    got: tuple[torch.Tensor, list[torch.Tensor]], rtol: float | None,
-                    min_top1: float | None = None) -> Report:
-    """Every figure of the report, for reference and engine outputs of one prompt.
+def compare_outputs(name: str, engine: str, ids: torch.Tensor, ref: tuple[torch.Tensor, list[torch.Tensor]],
+                    got: tuple[torch.Tensor, list[torch.Tensor]], rtol: float | None) -> Report:
+    """Every figure of the report, for reference and engine outputs of one prompt (ids [T]).
 
     Within tolerance means: no logit and no block output differs by more than rtol x max |reference| (skipped when
-    rtol is None), and top-1 agreement >= min_top1 when that is given.
+    rtol is None; the narrow variants are judged over all prompts, by summarize()).
     """
     (ref_logits, ref_blocks), (logits, blocks) = ref, got
     diff = (logits - ref_logits).abs()[0]  # [T, V]
@@ -114,12 +120,16 @@ def compare_outputs(name: str, engine: str, ref: tuple[torch.Tensor, list[torch.
     if first_position is None and bool(bad_logits.any()):
         first_position = int(bad_logits.nonzero()[0])
     top1 = (ref_logits[0].argmax(-1) == logits[0].argmax(-1)).float().mean().item()
+    nll_ref, nll = (-lp[:-1].gather(1, ids[1:, None]).sum().item() for lp in (log_p, log_q))
+    scored = ids.shape[0] - 1
     return Report(
         prompt=name, engine=engine, tokens=diff.shape[0], max_abs=diff.max().item(), mean_abs=diff.mean().item(),
         max_rel=diff.max().item() / scale, kl_max=max(kl.max().item(), 0.0),
-        top1_agreement=top1, top5_overlap=overlap.item(), per_block_max_abs=per_block,
+        top1_agreement=top1, top5_overlap=overlap.item(), nll_reference=nll_ref, nll=nll,
+        ppl_reference=math.exp(nll_ref / scored) if scored else math.nan, ppl=math.exp(nll / scored) if scored else math.nan,
+        per_block_max_abs=per_block,
         first_divergent_block=first_block, first_divergent_position=first_position,
-        passed=first_position is None and (min_top1 is None or top1 >= min_top1))
+        passed=first_position is None)
 
 
 def load_reference(directory: Path):
@@ -159,7 +169,7 @@ def run_compare(args: argparse.Namespace) -> int:
     engines = ["torch", "numpy"] if args.engine == "all" else [args.engine]
     variant = args.quantize or (args.dtype if args.dtype != "float32" else None)
     if variant and engines != ["torch"]:
-        raise GPT2EngineError("--dtype bfloat16 / --quantize int8 apply to the torch engine; the NumPy reference is float32")
+        raise GPT2EngineError("--dtype bfloat16 / --quantize apply to the torch engine; the NumPy reference is float32")
     min_top1 = args.min_top1 if args.min_top1 is not None else DEFAULT_MIN_TOP1.get(variant or "")
     prompts = collect_prompts(args)
     model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize)
@@ -175,21 +185,44 @@ def run_compare(args: argparse.Namespace) -> int:
         ids_t = torch.tensor([ids])
         ref = reference_outputs(hf_model, ids_t)
         for engine in engines:
-            reports.append(compare_outputs(name, engine, ref, engine_outputs(model, ids_t, engine), rtols[engine], min_top1))
-    passed = all(r.passed for r in reports)
+            reports.append(compare_outputs(name, engine, ids_t[0], ref, engine_outputs(model, ids_t, engine), rtols[engine]))
+    max_change = args.max_ppl_change if args.max_ppl_change is not None else DEFAULT_MAX_PPL_CHANGE.get(variant or "")
+    total = summarize(reports, min_top1, max_change)
+    passed = all(r.passed for r in reports) and total["passed"]
     if args.json:
         print(json.dumps({"passed": passed, "weights": str(args.weights), "reference": str(reference_dir),
                           "variant": variant or "float32", "rtol": rtols, "min_top1": min_top1,
-                          "results": [asdict(r) for r in reports]}, indent=2))
+                          "max_ppl_change": max_change, "results": [asdict(r) for r in reports], "total": total},
+                         indent=2))
     else:
         print_table(reports, rtols, min_top1, variant or "float32", args.weights, reference_dir)
+        print(f"over all prompts ({total['tokens']} tokens): top-1 agreement {total['top1_agreement']:.2%}, perplexity "
+              f"{total['ppl_reference']:.4g} (transformers) -> {total['ppl']:.4g} (engine), {total['ppl_change']:+.3%}"
+              + ("" if max_change is None else f" (allowed: +{max_change:.1%})")
+              + ("" if total["passed"] else ": MISMATCH (" + "; ".join(total["failures"]) + ")"))
     return 0 if passed else 1
+
+
+def summarize(reports: list[Report], min_top1: float | None, max_change: float | None) -> dict:
+    """Token-weighted top-1 agreement and the perplexity of all prompts' predicted tokens, reference and engine;
+    passed unless the agreement is below min_top1 or the relative perplexity change exceeds max_change."""
+    tokens = sum(r.tokens for r in reports)
+    scored = sum(r.tokens - 1 for r in reports)
+    nll_ref, nll = sum(r.nll_reference for r in reports), sum(r.nll for r in reports)
+    ppl_ref = math.exp(nll_ref / scored) if scored else math.nan
+    ppl = math.exp(nll / scored) if scored else math.nan
+    change = math.exp((nll - nll_ref) / scored) - 1 if scored else 0.0
+    top1 = sum(r.top1_agreement * r.tokens for r in reports) / tokens
+    failures = ([f"top-1 agreement {top1:.2%} < {min_top1:.1%}"] if min_top1 is not None and top1 < min_top1 else []) \
+        + ([f"perplexity {change:+.3%} > +{max_change:.1%}"] if max_change is not None and change > max_change else [])
+    return {"tokens": tokens, "top1_agreement": top1, "ppl_reference": ppl_ref, "ppl": ppl, "ppl_change": change,
+            "passed": not failures, "failures": failures}
 
 
 def print_table(reports: list[Report], rtols: dict[str, float | None], min_top1: float | None, variant: str,
                 weights: Path, reference: Path) -> None:
     rules = [f"max |diff| <= {r:g} x max |reference| ({e})" for e, r in rtols.items() if r is not None]
-    rules += [f"top-1 agreement >= {min_top1:.1%}"] if min_top1 is not None else []
+    rules += [f"top-1 agreement >= {min_top1:.1%} over all prompts"] if min_top1 is not None else []
     print(f"engine ({weights}, {variant}) vs transformers GPT2LMHeadModel ({reference}, float32); "
           f"tolerance: {'; '.join(rules)}")
     header = f"{'prompt':<14} {'engine':<6} {'tokens':>6} {'max_abs':>9} {'mean_abs':>9} {'max_rel':>9} " \
@@ -200,9 +233,7 @@ def print_table(reports: list[Report], rtols: dict[str, float | None], min_top1:
         worst = int(np.argmax(r.per_block_max_abs)) if r.per_block_max_abs else 0
         result = "ok" if r.passed else (
             f"MISMATCH from block {r.first_divergent_block}, position {r.first_divergent_position}"
-            if r.first_divergent_block is not None else
-            f"MISMATCH in logits at position {r.first_divergent_position}" if r.first_divergent_position is not None
-            else f"MISMATCH: top-1 agreement {r.top1_agreement:.2%} < {min_top1:.1%}")
+            if r.first_divergent_block is not None else f"MISMATCH in logits at position {r.first_divergent_position}")
         print(f"{r.prompt[:14]:<14} {r.engine:<6} {r.tokens:>6} {r.max_abs:>9.2e} {r.mean_abs:>9.2e} {r.max_rel:>9.2e} "
               f"{r.kl_max:>9.2e} {r.top1_agreement:>7.2%} {r.top5_overlap:>7.2%} "
               f"{worst:>3} ({r.per_block_max_abs[worst]:.1e})  {result}")
@@ -222,10 +253,14 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["torch", "numpy", "all"], default="torch", help="which engine to check (default torch)")
     p.add_argument("--rtol", type=float, metavar="R",
                    help="tolerance relative to max |reference| (default 1e-4 for torch, 1e-3 for numpy; "
-                        "not applied to bfloat16 / int8 unless given)")
+                        "not applied to bfloat16 / int8 / int4 unless given)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights dtype (default float32)")
-    p.add_argument("--quantize", choices=["int8"], help="check the engine with weight-only int8 quantization")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="check the engine with blockwise int8 or int4 weights")
     p.add_argument("--min-top1", type=float, metavar="F",
-                   help="for bfloat16 / int8: the top-1 agreement required (default 0.995 / 0.99)")
+                   help="for bfloat16 / int8 / int4: the top-1 agreement required over all prompts "
+                        "(default 0.995 / 0.99 / 0.95)")
+    p.add_argument("--max-ppl-change", type=float, metavar="F",
+                   help="for bfloat16 / int8 / int4: the largest relative perplexity increase allowed over all "
+                        "prompts (default 0.005 / 0.005 / 0.02)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.set_defaults(run=run_compare)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark gpt2-engine against transformers on the same weights, in one run (`make bench`).
 
-    python scripts/bench.py [--weights DIR] [--threads 2] [--repeats 3] [--new-tokens 256] [--variants fp32,bf16,int8]
+    python scripts/bench.py [--weights DIR] [--threads 2] [--repeats 3] [--new-tokens 256] [--variants fp32,bf16,int8,int4]
 
 Rows: prefill tokens/s at 128 / 512 / 1024 tokens (ids in, first token out); decode tokens/s at batch 1 and batch 8
 (16-token prompt, greedy, N new tokens: (N - 1) / (t(N) - t(1))); scoring tokens/s of `gpt2 score`'s core against
@@ -14,6 +14,7 @@ table with the ratio engine / transformers for each row and writes JSON (default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -32,8 +33,8 @@ PROMPT_16 = "The quick brown fox jumps over the lazy dog while the farmer watche
 def load_engine(weights: Path, variant: str):
     from gpt2_engine import GPT2
 
-    if variant == "int8":
-        return GPT2.from_pretrained(weights, quantize="int8")
+    if variant in ("int8", "int4"):
+        return GPT2.from_pretrained(weights, quantize=variant)
     return GPT2.from_pretrained(weights, dtype={"fp32": "float32", "bf16": "bfloat16"}[variant])
 
 
@@ -176,7 +177,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="alternating repeats per row; medians are reported (default 3)")
     p.add_argument("--new-tokens", type=int, default=256, help="decode length (default 256)")
-    p.add_argument("--variants", default="fp32,bf16,int8", help="engine variants (default fp32,bf16,int8)")
+    p.add_argument("--variants", default="fp32,bf16,int8,int4", help="engine variants (default fp32,bf16,int8,int4)")
     p.add_argument("--prefill", default="128,512,1024", help="prefill lengths (default 128,512,1024)")
     p.add_argument("--score-tokens", type=int, default=50000,
                    help="tokens for the scoring row: one run each, alternating (default 50000; 0 skips it)")
@@ -248,8 +249,8 @@ def main() -> int:
     machine = f"{cpu().summary()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads"
     print_table(rows, variants, machine)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "repeats": args.repeats,
-                                    "rows": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"machine": machine, "cpu": dataclasses.asdict(cpu()), "weights": str(weights),
+                                    "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 

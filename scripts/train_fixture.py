@@ -37,8 +37,19 @@ SHARE = 0.3  # of the docstrings, in file order: a narrower corpus, seen for sev
 
 
 def corpus() -> list[str]:
-    """Docstrings (over 200 characters) of the standard library's top-level modules, in file and source order,
-    the first SHARE of them."""
+    """The first SHARE of docstrings(): what the model trains on (all but the held-out part)."""
+    docs = docstrings()
+    return docs[: int(len(docs) * SHARE)]
+
+
+def unseen() -> list[str]:
+    """The docstrings past the SHARE that corpus() takes: never trained on, for quality measurements."""
+    docs = docstrings()
+    return docs[int(len(docs) * SHARE) :]
+
+
+def docstrings() -> list[str]:
+    """Docstrings (over 200 characters) of the standard library's top-level modules, in file and source order."""
     docs = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
@@ -52,7 +63,7 @@ def corpus() -> list[str]:
                     # Whitespace folded to single spaces: GPT-2's BPE spends a token on almost every space of an
                     # indented line, and a model this small would otherwise learn mostly indentation.
                     docs.append(" ".join(doc.split()))
-    return docs[: int(len(docs) * SHARE)]
+    return docs
 
 
 def encode(docs: list[str]) -> torch.Tensor:

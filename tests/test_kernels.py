@@ -8,7 +8,8 @@ import torch
 
 from gpt2_engine import GPT2
 from gpt2_engine.core.kernels import cpu, decode_kernels
-from gpt2_engine.core.model import DECODE_ROWS, linear, lm_head
+from gpt2_engine.core.model import linear, lm_head
+from gpt2_engine.core.projection import DECODE_ROWS
 
 ISAS = [isa for isa, have in (("avx2", cpu().avx2), ("avx512", cpu().avx512)) if have]
 
@@ -66,8 +67,21 @@ def test_dot_rows_matches_torch_and_is_row_invariant(native, isa: str, V: int, C
     assert torch.equal(native.dot_rows(x[7:8], w, isa == "avx512")[0], full[7])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_weights_give_the_bits_of_their_float32_widening(native, isa: str) -> None:
+    """bf16 -> float32 is exact and the reduction order is the same, so a bf16 weight gives exactly the result of
+    its widened float32 copy (projection with a scalar tail, and head), half the bytes read."""
+    g = torch.Generator().manual_seed(5)
+    w, b, x = torch.randn(768, 2320, generator=g).bfloat16(), torch.randn(2320, generator=g), torch.randn(5, 768, generator=g)
+    avx512 = isa == "avx512"
+    assert torch.equal(native.conv1d_rows(x, w, b, avx512), native.conv1d_rows(x, w.float(), b, avx512))
+    head = torch.randn(1001, 100, generator=g).bfloat16()
+    xh = torch.randn(5, 100, generator=g)
+    assert torch.equal(native.dot_rows(xh, head, avx512), native.dot_rows(xh, head.float(), avx512))
+
+
 def test_kernels_reject_what_they_do_not_handle(native) -> None:
-    with pytest.raises(RuntimeError, match="float32 tensors only"):
+    with pytest.raises(RuntimeError, match="float32 x and b, float32 or bfloat16 w only"):
         native.conv1d_rows(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(4, 4), torch.zeros(4), False)
     with pytest.raises(RuntimeError, match="shapes do not chain"):
         native.conv1d_rows(torch.zeros(1, 4), torch.zeros(5, 4), torch.zeros(4), False)
@@ -87,51 +101,74 @@ def test_model_projections_are_batch_invariant(model: GPT2) -> None:
             assert torch.equal(lm_head(x[rows - 1 : rows], model.weights.head), head[rows - 1 : rows])
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("K,N", SHAPES)
-def test_int8_rows_matches_the_widened_reference_and_is_row_invariant(native, isa: str, K: int, N: int) -> None:
-    """Weight-only int8: (x @ q) * s + b against x @ (q * s) + b, the torch path that widens the weights first."""
-    from gpt2_engine.core.model import as_float32
-    from gpt2_engine.core.quantize import quantize_linear
-    from gpt2_engine.core.weights import Linear as Lin
-
-    g = torch.Generator().manual_seed(K * N)
-    lin = quantize_linear(Lin(torch.randn(K, N, generator=g) * 0.05, torch.randn(N, generator=g)))
-    q, s = lin.weight.values, lin.weight.scales.view(-1)
-    x = torch.randn(DECODE_ROWS, K, generator=g)
-    full = native.int8_rows(x, q, s, lin.bias, isa == "avx512")
-    widened = as_float32(lin.weight).double()
-    ref = x.double() @ widened + lin.bias.double()
-    bound = K * torch.finfo(torch.float32).eps * (x.abs().double() @ widened.abs()).max().item()
-    assert (full.double() - ref).abs().max().item() <= bound
-    for m in range(1, DECODE_ROWS + 1):
-        assert torch.equal(native.int8_rows(x[:m], q, s, lin.bias, isa == "avx512"), full[:m]), m
+# The quantized kernel's bodies: AVX-512 VNNI where the CPU has it, and the AVX2 one everywhere.
+QUANT_PATHS = [vnni for vnni, have in ((True, cpu().avx512_vnni), (False, cpu().avx2)) if have]
+# (K, N): GPT-2 small's projections, a small head (N no multiple of 16), and the tiny test shape
+QUANT_SHAPES = [(768, 2304), (3072, 768), (64, 1001), (64, 37)]
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_int8_head_matches_the_widened_reference_and_is_row_invariant(native, isa: str) -> None:
-    from gpt2_engine.core.quantize import quantize_rows
+@pytest.mark.parametrize("vnni", QUANT_PATHS, ids=lambda v: "vnni" if v else "avx2")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("K,N", QUANT_SHAPES)
+def test_packed_rows_equals_the_torch_reference_bit_for_bit(native, vnni: bool, bits: int, K: int, N: int) -> None:
+    """The kernel and projection.quantized_reference do the same arithmetic: identical bits, on each path, for 1 to
+    16 rows and for a prefill-sized input (the same kernel serves every row count)."""
+    from gpt2_engine.core.projection import quantized_reference
+    from gpt2_engine.core.quantize import quantize_matrix
 
-    g = torch.Generator().manual_seed(3)
-    q, s = quantize_rows(torch.randn(1001, 64, generator=g) * 0.1)
-    x = torch.randn(DECODE_ROWS, 64, generator=g)
-    full = native.int8_dot_rows(x, q, s.view(-1), isa == "avx512")
-    widened = q.double() * s.double()
-    ref = x.double() @ widened.t()
-    assert (full.double() - ref).abs().max().item() <= 64 * torch.finfo(torch.float32).eps * (x.abs().double() @ widened.abs().t()).max().item()
-    for m in (1, 2, 5, 16):
-        assert torch.equal(native.int8_dot_rows(x[:m], q, s.view(-1), isa == "avx512"), full[:m])
+    g = torch.Generator().manual_seed(K + N + bits)
+    m = quantize_matrix(torch.randn(K, N, generator=g) * 0.05, bits)
+    b, x = torch.randn(N, generator=g), torch.randn(40, K, generator=g)
+    x[3, :32] = 0  # a group of zeros: scale 0, no division by it
+    full = native.packed_rows(x, m.packed, m.scales, b, N, bits, vnni)  # [40, N]
+    assert torch.equal(full, quantized_reference(x, m, b))
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+        assert torch.equal(native.packed_rows(x[:rows], m.packed, m.scales, b, N, bits, vnni), full[:rows]), rows
+    assert torch.equal(native.packed_rows(x[7:8], m.packed, m.scales, b, N, bits, vnni)[0], full[7])
+    no_bias = native.packed_rows(x[:2], m.packed, m.scales, torch.empty(0), N, bits, vnni)
+    assert torch.equal(no_bias, quantized_reference(x[:2], m, None))
 
 
-def test_int8_model_decode_uses_the_native_kernels(small_dir) -> None:
-    """An int8 model's decode-sized projections go through int8_rows (not the widening path), batch-invariantly."""
-    from gpt2_engine import GPT2
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_rows_error_is_the_activation_rounding(native, bits: int) -> None:
+    """Against the float product with the dequantized weight, the only difference is rounding each activation to
+    its group's int8 step s (|error| <= s / 2): bounded by sum over k of s_group(k) / 2 * |w[k, n]|, plus float32
+    rounding of the sum."""
+    from gpt2_engine.core.projection import quantize_activations
+    from gpt2_engine.core.quantize import dequantize, quantize_matrix
 
-    model = GPT2.from_pretrained(small_dir, quantize="int8")
-    x = torch.randn(DECODE_ROWS, 1, 768, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(bits)
+    K, N = 768, 512
+    m = quantize_matrix(torch.randn(K, N, generator=g) * 0.05, bits)
+    w, x, b = dequantize(m).double(), torch.randn(6, K, generator=g), torch.zeros(N)
+    got = native.packed_rows(x, m.packed, m.scales, b, N, bits, cpu().avx512_vnni).double()
+    _, scales = quantize_activations(x)  # [6, K / 32]
+    step = scales.double().repeat_interleave(32, dim=1)  # [6, K]
+    bound = (step / 2) @ w.abs() + 1e-5 * (x.double().abs() @ w.abs())
+    err = (got - x.double() @ w).abs()
+    assert (err <= bound).all() and err.max() > 0
+
+
+def test_packed_rows_rejects_what_it_does_not_handle(native) -> None:
+    from gpt2_engine.core.quantize import quantize_matrix
+
+    m = quantize_matrix(torch.randn(64, 32), 4)
+    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+        native.packed_rows(torch.zeros(1, 64), m.packed, m.scales, torch.zeros(32), 32, 2, False)
+    with pytest.raises(RuntimeError, match="do not match"):
+        native.packed_rows(torch.zeros(1, 64), m.packed, m.scales, torch.zeros(32), 32, 8, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native.packed_rows(torch.zeros(1, 48), m.packed, m.scales, torch.zeros(32), 32, 4, False)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_model_projections_are_batch_invariant(small_dir, fmt: str) -> None:
+    """A quantized model's projections and head run on packed_rows: a row's result is the same bits alone, among
+    up to 16 rows, and inside a prefill."""
+    model = GPT2.from_pretrained(small_dir, quantize=fmt)
+    x = torch.randn(40, 1, 768, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        full = lm_head(x, model.weights.head)
-        proj = linear(x, model.weights.blocks[0].c_fc)
+        head, fc = lm_head(x, model.weights.head), linear(x, model.weights.blocks[0].c_fc)
         for rows in (1, 3, 16):
-            assert torch.equal(lm_head(x[:rows], model.weights.head), full[:rows])
-            assert torch.equal(linear(x[:rows], model.weights.blocks[0].c_fc), proj[:rows])
+            assert torch.equal(lm_head(x[:rows], model.weights.head), head[:rows])
+            assert torch.equal(linear(x[:rows], model.weights.blocks[0].c_fc), fc[:rows])

@@ -1,4 +1,5 @@
-"""bfloat16 weights and weight-only int8: correctness of the pieces and agreement with the float32 engine."""
+"""bfloat16 weights and blockwise int8 / int4 quantization: the pieces, agreement with the float32 engine on the
+random-weight fixture, and the quality targets on the trained checkpoint (through `gpt2 compare`)."""
 
 from __future__ import annotations
 
@@ -12,43 +13,70 @@ from gpt2_engine import GPT2, GPT2EngineError
 from gpt2_engine.cli import main
 from gpt2_engine.compare import long_prompt
 from gpt2_engine.core.model import linear
-from gpt2_engine.core.quantize import quantize_linear, quantize_rows
-from gpt2_engine.core.weights import Int8Matrix, Linear
+from gpt2_engine.core.quantize import dequantize, pack, quantize_groups, quantize_matrix, unpack
+from gpt2_engine.core.weights import Linear, QuantizedMatrix
 
 
-def test_quantize_rows_error_is_at_most_half_a_step() -> None:
-    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
-    q, scales = quantize_rows(w)
-    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scales.shape == (300, 1)
-    assert ((q.float() * scales - w).abs() <= scales / 2 + 1e-7).all()
-    assert torch.equal(q.abs().amax(dim=1), torch.full((300,), 127, dtype=torch.int8))  # each row's max maps to 127
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_groups_error_is_half_a_step(bits: int) -> None:
+    """Each weight is within half its group's step of its value; the clamped exceptions are int4's +8 (the group's
+    extreme maps to -8 exactly, its opposite can need +8, stored as 7: one step) and int8's values past 127 * d
+    after d is rounded to float16 (a few thousandths of a step more)."""
+    w = torch.randn(256, 200, generator=torch.Generator().manual_seed(bits)) * 0.1
+    q, scales = quantize_groups(w, bits)
+    d = scales.float().repeat_interleave(32, dim=0)  # [K, N]
+    err = (q.float() * d - w).abs()
+    assert q.dtype == torch.int8 and scales.dtype == torch.float16 and scales.shape == (8, 200)
+    if bits == 8:
+        assert q.abs().max() == 127 and (err <= d.abs() * 0.503).all()
+    else:
+        assert q.min() == -8 and q.max() <= 7
+        half = err <= d.abs() / 2 + 1e-7
+        assert (err <= d.abs() + 1e-7).all() and half.float().mean() > 0.99
 
 
-def test_int8_projection_keeps_the_conv1d_layout_and_equals_its_dequantized_form() -> None:
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pack_and_unpack_are_inverse(bits: int) -> None:
+    w = torch.randn(64, 37, generator=torch.Generator().manual_seed(0))
+    q, scales = quantize_groups(w, bits)
+    m = pack(q, scales, bits)
+    assert isinstance(m, QuantizedMatrix) and m.packed.dtype == torch.uint8
+    assert m.packed.numel() == 64 * 48 * bits // 8 and m.scales.shape == (3, 2, 16)  # 37 columns padded to 3 panels
+    q2, scales2 = unpack(m)
+    assert torch.equal(q2, q) and torch.equal(scales2, scales.float())
+    assert torch.equal(dequantize(m), (q.float().view(2, 32, 37) * scales.float()[:, None]).view(64, 37))
+
+
+def test_quantize_needs_groups_of_32_inputs() -> None:
+    with pytest.raises(GPT2EngineError, match="input size 48 is not a multiple of 32"):
+        quantize_matrix(torch.zeros(48, 16), 8)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_projection_is_close_to_the_float_one(fmt: str) -> None:
     g = torch.Generator().manual_seed(1)
-    p = Linear(torch.randn(64, 96, generator=g), torch.randn(96, generator=g))
-    qp = quantize_linear(p)
-    assert isinstance(qp.weight, Int8Matrix)
-    assert qp.weight.values.shape == (64, 96) and qp.weight.scales.shape == (1, 96)  # (in, out), a scale per output
+    p = Linear(torch.randn(64, 96, generator=g) * 0.1, torch.randn(96, generator=g))
+    qp = Linear(quantize_matrix(p.weight, 8 if fmt == "int8" else 4), p.bias)
     x = torch.randn(3, 5, 64, generator=g)
-    dequantized = x @ (qp.weight.values.float() * qp.weight.scales) + p.bias
-    assert torch.allclose(linear(x, qp), dequantized, rtol=1e-5, atol=1e-4)
-    assert (linear(x, qp) - linear(x, p)).abs().max() < 0.05 * linear(x, p).abs().max()
+    rel = ((linear(x, qp) - linear(x, p)).abs().max() / (linear(x, p) - p.bias).abs().max()).item()
+    assert rel < (0.02 if fmt == "int8" else 0.2), rel
 
 
 @pytest.fixture(scope="module")
 def variants(small_dir: Path) -> dict[str, GPT2]:
     return {"int8": GPT2.from_pretrained(small_dir, quantize="int8"),
+            "int4": GPT2.from_pretrained(small_dir, quantize="int4"),
             "bfloat16": GPT2.from_pretrained(small_dir, dtype="bfloat16")}
 
 
-# Measured on this fixture (random weights, 985 positions of the long prompt; 1170 over all built-in prompts):
-# top-1 agreement int8 95.3%, bf16 98.8%; mean KL int8 0.0073, bf16 0.00036. The bounds sit just past those
-# figures: they catch a regression, not noise.
-AGREEMENT = {"int8": (0.93, 0.012), "bfloat16": (0.975, 0.001)}
+# Measured on this fixture (random weights, 985 positions of the long prompt): top-1 agreement int8 95.8%, bf16
+# 98.8%, int4 43%; mean KL int8 0.0045, bf16 0.00036, int4 1.17. The bounds sit just past those figures: they catch
+# a regression, not noise. Random weights have no structure for int4 to keep (its quality is measured on the trained
+# checkpoint below).
+AGREEMENT = {"int8": (0.94, 0.006), "bfloat16": (0.975, 0.001), "int4": (0.38, 1.4)}
 
 
-@pytest.mark.parametrize("name", ["int8", "bfloat16"])
+@pytest.mark.parametrize("name", ["int8", "int4", "bfloat16"])
 def test_agreement_with_the_float32_engine(model: GPT2, variants: dict[str, GPT2], name: str) -> None:
     ids = torch.tensor([model.tokenizer.encode(long_prompt())])
     ref, got = model(ids)[0], variants[name](ids)[0]
@@ -66,7 +94,7 @@ def test_bfloat16_keeps_the_matrices_in_bf16_and_the_rest_in_float32(variants: d
     assert w.blocks[0].c_fc.bias.dtype == w.blocks[0].ln_1.weight.dtype == w.wpe.dtype == torch.float32
 
 
-@pytest.mark.parametrize("name", ["int8", "bfloat16"])
+@pytest.mark.parametrize("name", ["int8", "int4", "bfloat16"])
 def test_generation_runs_with_cache_in_each_variant(variants: dict[str, GPT2], name: str) -> None:
     m = variants[name]
     [c] = m.complete(["Hello, my dog is"], max_new_tokens=12, temperature=0, ignore_eos=True)
@@ -86,11 +114,43 @@ def test_compare_reports_agreement_for_int8(capsys, small_dir: Path) -> None:
     assert code == 1 and json.loads(capsys.readouterr().out)["passed"] is False
 
 
+UNSEEN_DOCS = 40  # with the 18 held-out documents: 8,000 tokens or so
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prompts file (one per line) of documents the trained checkpoint never saw: its held-out documents, then
+    docstrings from past the part of the library it trained on."""
+    from train_fixture import corpus, split, unseen  # scripts/, on the path through conftest
+
+    _, docs = split(corpus())
+    path = tmp_path_factory.mktemp("quality") / "held_out.txt"
+    path.write_text("\n".join(docs + unseen()[:UNSEEN_DOCS]) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("variant", ["int8", "int4", "bfloat16"])
+def test_quality_targets_on_the_trained_checkpoint(capsys, trained_dir: Path, held_out: Path, variant: str) -> None:
+    """The issue's quality targets, as `gpt2 compare` checks them by default: top-1 agreement with float32 over all
+    positions >= 99% (int8), 95% (int4), 99.5% (bf16); perplexity within +0.5%, +2%, +0.5%."""
+    from gpt2_engine.compare import DEFAULT_MAX_PPL_CHANGE, DEFAULT_MIN_TOP1
+
+    option = ["--dtype", "bfloat16"] if variant == "bfloat16" else ["--quantize", variant]
+    code = main(["compare", "--weights", str(trained_dir), "--prompts-file", str(held_out), "--json", *option])
+    doc = json.loads(capsys.readouterr().out)
+    total = doc["total"]
+    assert doc["min_top1"] == DEFAULT_MIN_TOP1[variant] and doc["max_ppl_change"] == DEFAULT_MAX_PPL_CHANGE[variant]
+    assert code == 0 and doc["passed"] and total["failures"] == [], total
+    assert total["tokens"] == sum(r["tokens"] for r in doc["results"]) > 8000
+    assert total["top1_agreement"] >= DEFAULT_MIN_TOP1[variant] and total["ppl_change"] <= DEFAULT_MAX_PPL_CHANGE[variant]
+    assert total["ppl"] > 1 and total["ppl_reference"] > 1
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(quantize="int4"), "quantize: expected None or 'int8', got 'int4'"),
-        (dict(quantize="int8", dtype="bfloat16"), "do not combine it with dtype=bfloat16"),
+        (dict(quantize="int2"), "quantize: expected None, 'int8' or 'int4', got 'int2'"),
+        (dict(quantize="int4", dtype="bfloat16"), "quantize='int4' quantizes the float32 weights; do not combine it with dtype=bfloat16"),
         (dict(dtype="float16"), "dtype: expected one of"),
         (dict(device="cuda"), "device: only 'cpu' is supported, got 'cuda'"),
     ],

@@ -13,6 +13,7 @@ from .errors import GenerationError, GPT2EngineError, WeightsError
 from .generate import Completion, Generation, GenerationSettings
 from .hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
 from .model import forward
+from .quantize import FORMATS, quantize_weights
 from .scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
@@ -36,25 +37,26 @@ class GPT2:
                         device: torch.device | str = "cpu", quantize: str | None = None) -> GPT2:
         """Load the official-format checkpoint in `directory` (config.json, weights, BPE files).
 
-        dtype: float32 (default) or bfloat16 weight matrices; quantize="int8": int8 projections and output head,
-        quantized now. Narrow weights are widened to float32 right before each matmul; activations stay float32.
+        dtype: float32 (default) or bfloat16 weight matrices (bfloat16 is widened to float32 right before each
+        matmul). quantize="int8" or "int4": the projections in blockwise int8 or int4 and the output head in int8,
+        quantized now (core/quantize.py); the residual stream stays float32.
         """
         directory = Path(directory)
         dtype = parse_dtype(dtype)
-        if quantize not in (None, "int8"):
-            raise GPT2EngineError(f"quantize: expected None or 'int8', got {quantize!r}")
+        if quantize not in (None, *FORMATS):
+            raise GPT2EngineError(f"quantize: expected None, 'int8' or 'int4', got {quantize!r}")
         if quantize and dtype != torch.float32:
-            raise GPT2EngineError("quantize='int8' runs with float32 activations; do not combine it with dtype=bfloat16")
+            raise GPT2EngineError(f"quantize={quantize!r} quantizes the float32 weights; do not combine it with "
+                                  "dtype=bfloat16")
         device = torch.device(device)
         if device.type != "cpu":  # the int8 kernel, the cache and the sampling loop are written and tested for CPU
             raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
         find_weights_file(directory)  # a missing path, a file, or no weights: the loader's error, before the config's
         config = GPT2Config.from_json(directory / CONFIG)
-        weights = load_weights(directory, config, dtype)
-        if quantize == "int8":
-            from .quantize import quantize_weights
-
-            weights = quantize_weights(weights)
+        # quantizing: the float32 pages are not kept resident (load_weights and quantize_weights release them)
+        weights = load_weights(directory, config, dtype, resident=not quantize)
+        if quantize:
+            weights = quantize_weights(weights, quantize, find_weights_file(directory))
         tokenizer = load_tokenizer(directory)
         if tokenizer.n_vocab > config.vocab_size:
             raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")

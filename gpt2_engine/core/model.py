@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import GPT2Config
-from .kernels import cpu, decode_kernels
-from .weights import Block, GPT2Weights, Int8Matrix, LayerNorm, Linear, split_qkv
+from .projection import head_logits, project
+from .weights import Block, GPT2Weights, LayerNorm, Linear, QuantizedMatrix, split_qkv
 
 
 @dataclass(frozen=True)
@@ -84,75 +84,17 @@ def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float, tap: Tap | None = None
     return tap(name + "hook_normalized", y)
 
 
-# Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
-# DECODE_ROWS rows, float32 projections and the head run on the native kernels (kernels/decode.cpp): every output
-# element is reduced in a fixed order whatever the row count, so a sequence's logits do not depend on what else
-# shares its decode step (batch invariance), and the weight is read once for all rows. Without them (no compiler),
-# the fallback below: MKL runs a GEMV on one core at about half the machine's read bandwidth, so the reduction is
-# split over the cores with one bmm on zero-copy views of the weight (not batch-invariant).
-DECODE_ROWS = 16
-FEW_ROWS = 8
-
-
-def split_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """[M, K] @ [K, N] -> [M, N] with K split into one chunk per thread; None where that does not apply."""
-    (M, K), chunks = x2.shape, torch.get_num_threads()
-    if M > FEW_ROWS or chunks < 2 or K % chunks or not w.is_contiguous():
-        return None
-    parts = torch.bmm(x2.view(M, chunks, K // chunks).transpose(0, 1), w.view(chunks, K // chunks, -1))  # [chunks, M, N]
-    return parts.sum(dim=0)
-
-
-def as_float32(w: torch.Tensor | Int8Matrix, rows: slice = slice(None)) -> torch.Tensor:
-    """A weight matrix (or some of its rows) in float32 (float64 stays). bfloat16 and int8 weights are widened right
-    before their matmul, so they cost a half or a quarter of the memory traffic of float32 and compute at its speed."""
-    if isinstance(w, Int8Matrix):
-        scales = w.scales[rows] if w.scales.shape[0] > 1 else w.scales
-        return w.values[rows].float().mul_(scales)
-    return w[rows] if w.dtype in (torch.float32, torch.float64) else w[rows].float()
-
-
 def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
-    """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T)."""
-    x2 = x.reshape(-1, x.shape[-1])  # [B*T, in]
-    w = p.weight
-    # the native kernels have no autograd: attribution (inspect) differentiates through the torch path
-    if x2.shape[0] <= DECODE_ROWS and not x2.requires_grad and (native := decode_kernels()) is not None:
-        if isinstance(w, Int8Matrix):  # int8 read as int8, widened in registers; scale after the reduction
-            flat = native.int8_rows(x2, w.values, w.scales.view(-1), p.bias, cpu().avx512)
-            return flat.view(*x.shape[:-1], flat.shape[-1])
-        if w.dtype == torch.float32 and w.is_contiguous():
-            return native.conv1d_rows(x2, w, p.bias, cpu().avx512).view(*x.shape[:-1], w.shape[1])
-    w = as_float32(p.weight)  # the weight itself when it is already float32
-    if (flat := split_matmul(x2, w)) is not None:
-        flat += p.bias
-    else:
-        flat = torch.addmm(p.bias, x2, w)  # [B*T, out]
+    """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T).
+    How it runs for each weight format (float32, bfloat16, int8, int4) is projection.py's concern."""
+    flat = project(x.reshape(-1, x.shape[-1]), p.weight, p.bias)  # [B*T, out]
     return flat.view(*x.shape[:-1], flat.shape[-1])
 
 
-HEAD_ROWS = 4096  # rows of a narrow head widened at a time: 12 MiB of float32, which stays in cache
-
-
-def lm_head(x: torch.Tensor, head: torch.Tensor | Int8Matrix) -> torch.Tensor:
+def lm_head(x: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
     """[..., C] -> [..., V] float32 logits. GPT-2 has no separate output matrix: the head is wte (V, C), transposed."""
-    x2 = x.reshape(-1, x.shape[-1])  # [M, C]
-    native = decode_kernels() if x2.shape[0] <= DECODE_ROWS and not x2.requires_grad else None
-    if isinstance(head, Int8Matrix) and native is not None:
-        return native.int8_dot_rows(x2, head.values, head.scales.view(-1), cpu().avx512).view(*x.shape[:-1], -1)
-    if isinstance(head, Int8Matrix) or head.dtype != torch.float32:
-        V = head.values.shape[0] if isinstance(head, Int8Matrix) else head.shape[0]
-        parts = [x2 @ as_float32(head, slice(r, r + HEAD_ROWS)).t() for r in range(0, V, HEAD_ROWS)]
-        return torch.cat(parts, dim=1).view(*x.shape[:-1], V)
-    (M, C), V, chunks = x2.shape, head.shape[0], torch.get_num_threads()
-    if native is not None and head.is_contiguous():
-        return native.dot_rows(x2, head, cpu().avx512).view(*x.shape[:-1], V)
-    if M > FEW_ROWS or chunks < 2:
-        return (x2 @ head.t()).view(*x.shape[:-1], V)
-    # the same split for decoding, over the vocabulary rows: chunks of h rows, plus the V % chunks left over
-    h = V // chunks
-    parts = torch.bmm(x2.expand(chunks, M, C), head[: chunks * h].view(chunks, h, C).transpose(1, 2))  # [chunks, M, h]
-    return torch.cat([*parts, x2 @ head[chunks * h :].t()], dim=1).view(*x.shape[:-1], V)  # [..., V]
+    flat = head_logits(x.reshape(-1, x.shape[-1]), head)  # [M, V]
+    return flat.view(*x.shape[:-1], flat.shape[-1])
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -372,7 +314,7 @@ def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[tuple[in
                      cache: KVCache) -> torch.Tensor:
     """One step of continuous batching: segments (slot, start, token ids) -> the logits after each one's last token
     [n, V]. Running sequences contribute their next token, new short prompts their whole text, all in one pass over
-    the weights. With at most DECODE_ROWS rows every matmul runs on the row-invariant kernels and attention stays
+    the weights. With at most projection.DECODE_ROWS rows every matmul runs on the row-invariant kernels and attention stays
     within each segment's slot, so a sequence's logits are the same bits whatever else shares the step.
     """
     lengths = [len(ids) for _, _, ids in segments]

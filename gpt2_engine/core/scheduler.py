@@ -22,7 +22,8 @@ import torch
 
 from .config import GPT2Config
 from .errors import GenerationError
-from .model import DECODE_ROWS, KVCache, forward, forward_segments, logits, residual_stream
+from .model import KVCache, forward, forward_segments, logits, residual_stream
+from .projection import DECODE_ROWS
 from .sampling import SamplingParams, apply_penalties, choose
 from .scoring import TokenStats, token_stats
 from .tokenizer import Tokenizer

@@ -7,8 +7,11 @@ its tensors are used in place, never copied.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import re
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,22 +35,25 @@ IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 
 
 @dataclass(frozen=True)
-class Int8Matrix:
-    """A weight matrix stored as int8: W ~= values * scales, in the layout of the float matrix it replaces.
+class QuantizedMatrix:
+    """A (K, N) weight matrix in blockwise int8 or int4 (core/quantize.py makes it; kernels/quant.cpp reads it).
 
-    scales broadcasts over `values`: (1, out) for a Conv1D (in, out) weight, one per output column; (V, 1) for the
-    (V, C) output head, one per vocabulary row. Symmetric, so there is no zero point.
+    Column n's inputs come in groups of 32, each with a float16 scale: W[k, n] = q[k, n] * scales[k // 32, n]. The
+    values are stored offset to unsigned and repacked in panels of 16 columns (quantize.pack describes the layout).
     """
 
-    values: torch.Tensor  # int8, the shape of the float matrix
-    scales: torch.Tensor  # float32, broadcastable to values
+    packed: torch.Tensor  # uint8, K * N_padded * bits / 8 bytes
+    scales: torch.Tensor  # float16 [N_padded / 16, K / 32, 16]
+    bits: int  # 8 or 4
+    in_features: int  # K
+    out_features: int  # N
 
 
 @dataclass(frozen=True)
 class Linear:
     """A Conv1D projection: weight (in, out), bias (out,)."""
 
-    weight: torch.Tensor | Int8Matrix
+    weight: torch.Tensor | QuantizedMatrix
     bias: torch.Tensor
 
 
@@ -78,7 +84,7 @@ class GPT2Weights:
     wpe: torch.Tensor  # (n_positions, C)
     blocks: tuple[Block, ...]
     ln_f: LayerNorm
-    head: torch.Tensor | Int8Matrix  # (V, C): the output head is wte itself (GPT-2 ties them), or its int8 copy
+    head: torch.Tensor | QuantizedMatrix  # wte (V, C) itself (GPT-2 ties them), or its quantized transpose (C, V)
 
 
 Array = TypeVar("Array")
@@ -164,10 +170,12 @@ def _one_line(e: BaseException) -> str:
     return text[:300] or type(e).__name__
 
 
-def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype = torch.float32) -> GPT2Weights:
+def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype = torch.float32,
+                 resident: bool = True) -> GPT2Weights:
     """Read and check every tensor of the checkpoint in `directory`; raise WeightsError on any mismatch.
 
-    `dtype` is that of the weight matrices (and wte); everything else stays float32.
+    `dtype` is that of the weight matrices (and wte); everything else stays float32. resident=False: the pages that
+    checking read are released again (release_pages), for a caller that quantizes the matrices one at a time.
     """
     path = find_weights_file(Path(directory))
     raw = read_tensors(path)
@@ -195,12 +203,15 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
     for name, shape in expected.items():
         if name not in tensors:
             raise WeightsError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
-        _check_tensor(path, name, tensors[name], shape)
+        _check_tensor(path, name, tensors[name], shape, None if resident else path)
     if lm_head is not None:
-        _check_tensor(path, "lm_head.weight", lm_head, expected["wte.weight"])
+        _check_tensor(path, "lm_head.weight", lm_head, expected["wte.weight"], None if resident else path)
         if not torch.equal(lm_head, tensors["wte.weight"]):
             diff = (lm_head.float() - tensors["wte.weight"].float()).abs().max().item()
             raise WeightsError(f"{path}: lm_head.weight differs from wte.weight (max |diff| {diff:.3g}); GPT-2 ties them")
+        if not resident:
+            release_pages(lm_head, path)
+            release_pages(tensors["wte.weight"], path)
 
     def t(name: str, target: torch.dtype = torch.float32) -> torch.Tensor:
         tensor = tensors[name]
@@ -228,12 +239,52 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
     return GPT2Weights(wte=wte, wpe=t("wpe.weight"), blocks=blocks, ln_f=ln("ln_f"), head=wte)
 
 
-def _check_tensor(path: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+MADV_DONTNEED = 4  # Linux
+CHECK_CHUNK = 1 << 20  # elements checked for NaN/Inf at a time
+
+
+def release_pages(tensor: torch.Tensor, source: Path) -> bool:
+    """Drop this process's resident pages under `tensor` if it lies in a memory mapping of the file `source`
+    (a checkpoint read in place); True if it did. Such pages are clean copies of the file: a later access reads them
+    again, so nothing is lost, and a quantized model does not keep the float32 weights it no longer reads in memory.
+    The pages at either end may hold neighbouring tensors; they are file pages too and come back the same way.
+    Anything not mapped from `source` (a copy, anonymous memory) is left alone, since dropping it would lose data.
+    """
+    if sys.platform != "linux" or tensor.numel() == 0 or not tensor.is_contiguous():
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return False
+    target = str(source.resolve())
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        low, high = (int(a, 16) for a in fields[0].split("-"))
+        if low <= start and end <= high:
+            if len(fields) < 6 or fields[5] != target:
+                return False
+            first = max(low, start - start % mmap.PAGESIZE)
+            libc = ctypes.CDLL(None, use_errno=True)
+            return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_DONTNEED) == 0
+    return False
+
+
+def _check_tensor(path: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...],
+                  release: Path | None = None) -> None:
+    """Shape, dtype and finite values; with `release` (the mapped file), each chunk's pages are released once read."""
     if tuple(tensor.shape) != shape:
         raise WeightsError(f"{path}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)}")
     if not tensor.dtype.is_floating_point:
         raise WeightsError(f"{path}: tensor {name} has dtype {tensor.dtype}, expected a floating-point dtype")
-    if not bool(torch.isfinite(tensor).all()):
+    # in chunks: isfinite over all of wte at once holds temporaries of its size (about 250 MB more at the peak)
+    flat, finite = tensor.reshape(-1), True
+    for i in range(0, flat.numel(), CHECK_CHUNK):
+        finite = finite and bool(torch.isfinite(flat[i : i + CHECK_CHUNK]).all())
+        if release is not None:
+            release_pages(flat[i : i + CHECK_CHUNK], release)
+    if not finite:
         bad = int((~torch.isfinite(tensor)).sum())
         raise WeightsError(f"{path}: tensor {name} holds {bad} NaN/Inf values, expected finite weights")
 

@@ -17,7 +17,8 @@ import torch
 from ..core.engine import GPT2
 from ..core.errors import GPT2EngineError
 from ..core.hooks import ActivationCache, Recorder
-from ..core.model import as_float32, logits, residual_stream
+from ..core.model import logits, residual_stream
+from ..core.projection import as_float32, head_rows
 from ..core.weights import GPT2Weights, LayerNorm
 
 HeadKind = Literal["previous_token", "duplicate_token", "induction"]
@@ -92,7 +93,7 @@ def unembedding(model: GPT2, token: int) -> torch.Tensor:
     """[C]: token's row of the tied head (widened when quantized)."""
     if not 0 <= token < model.config.vocab_size:
         raise GPT2EngineError(f"token: id {token} is outside the vocabulary [0, {model.config.vocab_size})")
-    return as_float32(model.weights.head, slice(token, token + 1))[0]
+    return head_rows(model.weights.head, slice(token, token + 1))[0]
 
 
 @torch.inference_mode()
@@ -153,7 +154,7 @@ def float64_head(w: GPT2Weights) -> GPT2Weights:
     GEMV accumulates it with ~1e-3 relative error on the trained checkpoint (transformers' full-sequence GEMM happens
     to do better), where everything before the head is good to ~1e-6."""
     return dataclasses.replace(w, ln_f=LayerNorm(w.ln_f.weight.double(), w.ln_f.bias.double()),
-                               head=as_float32(w.head).double())
+                               head=head_rows(w.head).double())
 
 
 def target_logprob(model: GPT2, ids: torch.Tensor, embeddings: torch.Tensor, target: int,

@@ -27,6 +27,7 @@ class CPU:
     avx512: bool  # AVX-512 F
     avx512_bf16: bool
     amx: bool  # AMX tiles with bf16
+    avx512_vnni: bool  # AVX-512 VNNI (vpdpbusd) with BW: the integer dot products of the quantized kernels
 
     @property
     def best_isa(self) -> str | None:
@@ -34,6 +35,7 @@ class CPU:
 
     def summary(self) -> str:
         caps = [name for name, have in (("AVX2", self.avx2), ("AVX-512", self.avx512),
+                                        ("AVX512-VNNI", self.avx512_vnni),
                                         ("AVX512-BF16", self.avx512_bf16), ("AMX", self.amx)) if have]
         return f"{self.model} ({', '.join(caps) or 'no AVX2'})"
 
@@ -51,8 +53,8 @@ def cpu() -> CPU:
                 flags = set(value.split())
     except OSError:
         pass
-    return CPU(model, "avx2" in flags and "fma" in flags, "avx512f" in flags, "avx512_bf16" in flags,
-               "amx_bf16" in flags and "amx_tile" in flags)
+    return CPU(model, {"avx2", "fma", "f16c"} <= flags, "avx512f" in flags, "avx512_bf16" in flags,
+               "amx_bf16" in flags and "amx_tile" in flags, {"avx512_vnni", "avx512bw"} <= flags)
 
 
 @functools.cache
@@ -65,7 +67,7 @@ def decode_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="gpt2_engine_decode", sources=[str(HERE / "decode.cpp")], extra_cflags=["-O3"],
+        return load(name="gpt2_engine_decode", sources=[str(HERE / "decode.cpp"), str(HERE / "quant.cpp")], extra_cflags=["-O3"],
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]

@@ -6,21 +6,20 @@
 // computed the same way for any M, and by one thread; the weight is still read once per call for all rows, which is
 // what decode's memory-bound GEMV needs.
 //
-//   conv1d_rows:   y[M, N] = x[M, K] @ w[K, N] + b[N]        (GPT-2's Conv1D (in, out) layout, float32)
-//   int8_rows:     y[M, N] = (x[M, K] @ q[K, N]) * s[N] + b[N] (the same with int8 weights, one scale per column)
+//   conv1d_rows:   y[M, N] = x[M, K] @ w[K, N] + b[N]        (GPT-2's Conv1D (in, out) layout)
 //   dot_rows:      y[M, V] = x[M, C] @ w[V, C]^T             (the tied output head, wte (V, C))
-//   int8_dot_rows: y[M, V] = (x[M, C] @ q[V, C]^T) * s[V]    (the int8 head, one scale per vocabulary row)
-// Each has an AVX-512 and an AVX2+FMA body; the caller chooses (kernels/__init__.py: the CPU's best, or a named one
-// in tests, so that both run wherever the CPU has AVX-512). int8 weights are widened in registers right before their
-// multiply-add (a quarter of float32's memory traffic) and scaled once, after the chain. The projections accumulate
-// each element over k = 0..K-1 in order, one vector lane per column, so their two bodies (and the scalar tail) give
-// identical bits; the head reduces over C in lanes and then across them, so its bits differ between instruction
-// sets (never between row counts).
+// x, b and y are float32; w is float32 or bfloat16 (widened exactly in registers).
+// Each has an AVX-512 and an AVX2+FMA body; the caller chooses (core/projection.py: the CPU's best, or a named one
+// in tests, so that both run wherever the CPU has AVX-512). The projections accumulate each element over
+// k = 0..K-1 in order, one vector lane per column, so their two bodies (and the scalar tail) give identical bits;
+// the head reduces over C in lanes and then across them, so its bits differ between instruction sets (never
+// between row counts). The quantized formats' kernel is in quant.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace {
 
@@ -28,19 +27,30 @@ constexpr int MR = 4;   // rows of x sharing each load of the weight (register b
 constexpr int KB = 8;   // weight rows streamed per pass over a tile's accumulators
 constexpr int VB = 8;   // vocabulary rows per pass of the head
 
-// Weight loaders: 16 (AVX-512) or 8 (AVX2) consecutive weights as float32 lanes.
+// Weight loaders: 16 (AVX-512) or 8 (AVX2) consecutive weights as float32 lanes, and one weight for scalar tails.
+// bfloat16 is the top half of a float32, so widening is exact (a shift): bf16 weights give the float32 arithmetic of
+// their widened values, reading half the bytes.
 struct F32 {
   using T = float;
   __attribute__((target("avx512f"))) static __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
   __attribute__((target("avx2"))) static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static float one(float v) { return v; }
 };
-struct I8 {
-  using T = int8_t;
-  __attribute__((target("avx512f"))) static __m512 load16(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+struct BF16 {
+  using T = uint16_t;
+  __attribute__((target("avx512f"))) static __m512 load16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
-  __attribute__((target("avx2"))) static __m256 load8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  __attribute__((target("avx2"))) static __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static float one(uint16_t v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
   }
 };
 
@@ -122,12 +132,11 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const type
   }
 }
 
-// y[m, n] = (x @ w)[m, n] * s[n] + b[n] (s may be null: no scale). Whole 64-column tiles are split over the threads
+// y[m, n] = (x @ w)[m, n] + b[n]. Whole 64-column tiles are split over the threads
 // as contiguous runs; the columns past the last whole tile run the same chain in scalar code (fmaf rounds exactly
 // as a vector FMA lane does).
 template <typename W>
-torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N, const float* s, const float* b,
-                   bool avx512) {
+torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N, const float* b, bool avx512) {
   x = x.contiguous();
   const int64_t M = x.size(0);
   auto y = torch::zeros({M, N}, x.options());
@@ -144,16 +153,16 @@ torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N
     for (int64_t n = 0; n < N; ++n) {
       float acc = yp[m * N + n];
       if (n >= tiles * 64)
-        for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(xp[m * K + k], static_cast<float>(w[k * N + n]), acc);
-      yp[m * N + n] = (s ? acc * s[n] : acc) + b[n];
+        for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w[k * N + n]), acc);
+      yp[m * N + n] = acc + b[n];
     }
   return y;
 }
 
-// ---- the head: y[m, v] = dot(x[m], w[v]) (* s[v]) ----------------------------------------------------------------
+// ---- the head: y[m, v] = dot(x[m], w[v]) ----------------------------------------------------------------
 
 template <int R, typename W>
-__attribute__((target("avx512f,fma"))) void head_avx512(const float* x, const typename W::T* w, const float* s,
+__attribute__((target("avx512f,fma"))) void head_avx512(const float* x, const typename W::T* w,
                                                         float* y, int64_t C, int64_t V, int64_t m0, int64_t v0,
                                                         int64_t nv) {
   __m512 acc[VB][R];
@@ -171,13 +180,13 @@ __attribute__((target("avx512f,fma"))) void head_avx512(const float* x, const ty
   for (int i = 0; i < nv; ++i)
     for (int r = 0; r < R; ++r) {
       float t = _mm512_reduce_add_ps(acc[i][r]);
-      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], static_cast<float>(w[(v0 + i) * C + cc]), t);
-      y[(m0 + r) * V + v0 + i] = s ? t * s[v0 + i] : t;
+      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
+      y[(m0 + r) * V + v0 + i] = t;
     }
 }
 
 template <int R, typename W>
-__attribute__((target("avx2,fma"))) void head_avx2(const float* x, const typename W::T* w, const float* s, float* y,
+__attribute__((target("avx2,fma"))) void head_avx2(const float* x, const typename W::T* w, float* y,
                                                    int64_t C, int64_t V, int64_t m0, int64_t v0, int64_t nv) {
   __m256 acc[VB][R];
   for (int i = 0; i < VB; ++i)
@@ -198,13 +207,13 @@ __attribute__((target("avx2,fma"))) void head_avx2(const float* x, const typenam
       __m128 s4 = _mm_add_ps(lo, hi);
       __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
       float t = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], static_cast<float>(w[(v0 + i) * C + cc]), t);
-      y[(m0 + r) * V + v0 + i] = s ? t * s[v0 + i] : t;
+      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
+      y[(m0 + r) * V + v0 + i] = t;
     }
 }
 
 template <typename W>
-torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, const float* s, bool avx512) {
+torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, bool avx512) {
   x = x.contiguous();
   const int64_t M = x.size(0), C = x.size(1);
   auto y = torch::empty({M, V}, x.options());
@@ -215,9 +224,9 @@ torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, const flo
       const int64_t v0 = blk * VB, nv = std::min<int64_t>(VB, V - v0);
       for_rows(M, [&](auto R, int64_t m0) {
         if (avx512)
-          head_avx512<decltype(R)::value, W>(xp, w, s, yp, C, V, m0, v0, nv);
+          head_avx512<decltype(R)::value, W>(xp, w, yp, C, V, m0, v0, nv);
         else
-          head_avx2<decltype(R)::value, W>(xp, w, s, yp, C, V, m0, v0, nv);
+          head_avx2<decltype(R)::value, W>(xp, w, yp, C, V, m0, v0, nv);
       });
     }
   });
@@ -227,45 +236,36 @@ torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, const flo
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
 
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat,
-              "conv1d_rows: float32 tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "conv1d_rows: float32 x and b, float32 or bfloat16 w only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && b.dim() == 1 && x.size(1) == w.size(0) && w.size(1) == b.size(0),
               "conv1d_rows: shapes do not chain (expected x [M, K], w [K, N], b [N])");
   TORCH_CHECK(w.is_contiguous() && b.is_contiguous(), "conv1d_rows: w and b must be contiguous");
-  return rows<F32>(x, w.data_ptr<float>(), w.size(0), w.size(1), nullptr, b.data_ptr<float>(), avx512);
-}
-
-torch::Tensor int8_rows(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor b, bool avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat &&
-                  b.scalar_type() == at::kFloat, "int8_rows: expected float32 x, s, b and int8 q");
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && s.dim() == 1 && b.dim() == 1 && x.size(1) == q.size(0) &&
-                  q.size(1) == s.size(0) && s.size(0) == b.size(0),
-              "int8_rows: shapes do not chain (x [M, K], q [K, N], s [N], b [N])");
-  TORCH_CHECK(q.is_contiguous() && s.is_contiguous() && b.is_contiguous(), "int8_rows: q, s and b must be contiguous");
-  return rows<I8>(x, q.data_ptr<int8_t>(), q.size(0), q.size(1), s.data_ptr<float>(), b.data_ptr<float>(), avx512);
+  if (w.scalar_type() == at::kBFloat16)
+    return rows<BF16>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), w.size(1),
+                      b.data_ptr<float>(), avx512);
+  return rows<F32>(x, w.data_ptr<float>(), w.size(0), w.size(1), b.data_ptr<float>(), avx512);
 }
 
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "dot_rows: float32 tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "dot_rows: float32 x, float32 or bfloat16 w only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dot_rows: expected x [M, C], w [V, C]");
   TORCH_CHECK(w.is_contiguous(), "dot_rows: w must be contiguous");
-  return head<F32>(x, w.data_ptr<float>(), w.size(0), nullptr, avx512);
-}
-
-torch::Tensor int8_dot_rows(torch::Tensor x, torch::Tensor q, torch::Tensor s, bool avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat,
-              "int8_dot_rows: expected float32 x and s, int8 q");
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && s.dim() == 1 && x.size(1) == q.size(1) && q.size(0) == s.size(0),
-              "int8_dot_rows: expected x [M, C], q [V, C], s [V]");
-  TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "int8_dot_rows: q and s must be contiguous");
-  return head<I8>(x, q.data_ptr<int8_t>(), q.size(0), s.data_ptr<float>(), avx512);
+  if (w.scalar_type() == at::kBFloat16)
+    return head<BF16>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), avx512);
+  return head<F32>(x, w.data_ptr<float>(), w.size(0), avx512);
 }
 
 }  // namespace
 
+// quant.cpp
+torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
+                          int64_t bits, bool vnni);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order");
-  m.def("int8_rows", &int8_rows, "y = (x @ q) * s + b for int8 q, row-count-independent");
   m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order");
-  m.def("int8_dot_rows", &int8_dot_rows, "y = (x @ q^T) * s for an int8 head q (V, C), row-count-independent");
+  m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)");
 }

@@ -1,0 +1,241 @@
+// Decode-sized matmuls against blockwise-quantized weights, in llama.cpp's q8_0 / q4_0 manner: the weights are 8 or
+// 4 bits with one scale per group of 32 along the input dimension, and each row of activations is quantized to int8
+// per group of 32 as well, so that a group's products are integer dot products (VNNI where the CPU has it).
+//
+//   packed_rows: y[M, N] = x[M, K] @ W[K, N] + b[N],   W[k, n] = (u[k, n] - zero) * scale[k / 32, n]
+//
+// Why this shape: decoding reads every weight once per token, so the weight's bytes set the speed. Widening int8 or
+// int4 to float32 before a float multiply-add costs more instructions than the memory it saves; integer dot products
+// (vpdpbusd: 64 byte products per instruction) do not. The weights are repacked at load time into panels of 16
+// output columns, each panel one contiguous stream (the prefetchers' best case):
+//   8 bits: panel p, quad j, column c, byte i = u[4j + i, 16p + c]                          (u = w + 128)
+//   4 bits: panel p, octet j, column c, byte i = u[8j + i, 16p + c] | u[8j + 4 + i, 16p + c] << 4   (u = w + 8)
+// so one 32-bit lane holds 4 consecutive inputs of one column: exactly what vpdpbusd multiplies by 4 broadcast
+// activation bytes. Scales are float16 [panels, K / 32, 16].
+//
+// Exactness: within a group the products are summed in int32, which is exact, so the AVX-512 VNNI body, the AVX2 body
+// (maddubs; no VNNI there) and any row count give the same integer. Across groups each lane accumulates
+// acc = fma(float(isum_g), xscale_g * wscale_g, acc) for g = 0, 1, ... in order, then adds the bias: the same float
+// operations in the same order on every path, so the results are identical bits whatever the CPU path or the number
+// of rows (batch invariance). The torch reference (core/projection.py) does the same arithmetic.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int G = 32;    // inputs per scale group (weights and activations)
+constexpr int P = 16;    // output columns per panel
+constexpr int MR = 4;    // rows sharing each load of a panel's weights
+
+// Activations of one call, quantized per row and group: q = round(x / s), s = max |x| / 127 (s = 0 for a zero group).
+struct QuantX {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, K / G]
+  std::vector<int32_t> sum;   // [M, K / G]: sum of q, for the weights' zero point
+};
+
+QuantX quantize_x(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = K / G;
+  QuantX out{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + m * K + g * G;
+      float amax = 0.f;
+      for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float s = amax / 127.f;
+      int32_t sum = 0;
+      for (int i = 0; i < G; ++i) {
+        // nearbyint rounds half to even, as torch.round does; x / s (not x * (1 / s)) so the reference matches
+        const int32_t v = s == 0.f ? 0 : static_cast<int32_t>(std::nearbyint(std::clamp(xg[i] / s, -127.f, 127.f)));
+        out.q[m * K + g * G + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      out.scale[m * groups + g] = s;
+      out.sum[m * groups + g] = sum;
+    }
+  return out;
+}
+
+inline int32_t four(const int8_t* p) {  // 4 activation bytes as one lane's worth, for a broadcast
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- AVX-512 VNNI: one panel (16 columns) for rows [m0, m0 + R) ----------------------------------------------------
+
+template <int R, int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
+    const QuantX& xq, const uint8_t* w, const uint16_t* ws, const float* b, float* y, int64_t K, int64_t N,
+    int64_t m0, int64_t n0) {
+  const int64_t groups = K / G;
+  constexpr int zero = BITS == 8 ? 128 : 8;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    // two integer accumulators per row (even and odd steps), so that consecutive dpbusd do not wait on each other
+    __m512i isum[R], isum2[R];
+    for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm512_setzero_si512();
+    const int8_t* xg[R];
+    for (int r = 0; r < R; ++r) xg[r] = xq.q.data() + (m0 + r) * K + g * G;
+    if constexpr (BITS == 8) {
+      for (int j = 0; j < G / 4; j += 2) {  // 8 quads of inputs, 64 bytes each
+        const __m512i u = _mm512_loadu_si512(w + (g * (G / 4) + j) * 64);
+        const __m512i u2 = _mm512_loadu_si512(w + (g * (G / 4) + j + 1) * 64);
+        for (int r = 0; r < R; ++r) {
+          isum[r] = _mm512_dpbusd_epi32(isum[r], u, _mm512_set1_epi32(four(xg[r] + 4 * j)));
+          isum2[r] = _mm512_dpbusd_epi32(isum2[r], u2, _mm512_set1_epi32(four(xg[r] + 4 * j + 4)));
+        }
+      }
+    } else {
+      for (int j = 0; j < G / 8; ++j) {  // 4 octets: low nibbles hold inputs 0-3, high nibbles 4-7
+        const __m512i u = _mm512_loadu_si512(w + (g * (G / 8) + j) * 64);
+        const __m512i lo = _mm512_and_si512(u, low), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+        for (int r = 0; r < R; ++r) {
+          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(four(xg[r] + 8 * j)));
+          isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, _mm512_set1_epi32(four(xg[r] + 8 * j + 4)));
+        }
+      }
+    }
+    const __m512 wscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * P)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * groups + g;
+      // sum (u - zero) x = sum u x - zero * sum x
+      const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(isum[r], isum2[r]), _mm512_set1_epi32(zero * xq.sum[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(wscale, _mm512_set1_ps(xq.scale[i])), acc[r]);
+    }
+  }
+  const int64_t n = std::min<int64_t>(P, N - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 bias = _mm512_maskz_loadu_ps(keep, b + n0);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, keep, _mm512_add_ps(acc[r], bias));
+}
+
+// ---- AVX2: the same panel as two halves of 8 columns; maddubs (u8 x s8 -> pairs in int16) then madd -> int32 ------
+
+// 8 lanes of sum over 4 bytes of u * x. 4-bit weights: u <= 15, so the int16 pairs cannot saturate. 8-bit weights are
+// taken back to signed w = u - 128 and multiplied as |w| * (x with w's sign): |w| <= 127, |x| <= 127, no saturation.
+template <int BITS>
+__attribute__((target("avx2,fma"))) inline __m256i dot4(__m256i u, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 8) {
+    const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+  }
+}
+
+template <int R, int BITS>
+__attribute__((target("avx2,f16c,fma"))) void panel_avx2(const QuantX& xq, const uint8_t* w, const uint16_t* ws,
+                                                          const float* b, float* y, int64_t K, int64_t N, int64_t m0,
+                                                          int64_t n0) {
+  const int64_t groups = K / G;
+  // the 8-bit body multiplies signed weights directly: no zero point to take off
+  constexpr int zero = BITS == 8 ? 0 : 8;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    const int8_t* xg[R];
+    for (int r = 0; r < R; ++r) xg[r] = xq.q.data() + (m0 + r) * K + g * G;
+    if constexpr (BITS == 8) {
+      for (int j = 0; j < G / 4; ++j) {
+        const uint8_t* p = w + (g * (G / 4) + j) * 64;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+          for (int r = 0; r < R; ++r)
+            isum[r][h] = _mm256_add_epi32(isum[r][h], dot4<8>(u, _mm256_set1_epi32(four(xg[r] + 4 * j))));
+        }
+      }
+    } else {
+      for (int j = 0; j < G / 8; ++j) {
+        const uint8_t* p = w + (g * (G / 8) + j) * 64;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+          const __m256i lo = _mm256_and_si256(u, low), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+          for (int r = 0; r < R; ++r) {
+            isum[r][h] = _mm256_add_epi32(isum[r][h], dot4<4>(lo, _mm256_set1_epi32(four(xg[r] + 8 * j))));
+            isum[r][h] = _mm256_add_epi32(isum[r][h], dot4<4>(hi, _mm256_set1_epi32(four(xg[r] + 8 * j + 4))));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 wscale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + g * P + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * groups + g;
+        const __m256i exact = _mm256_sub_epi32(isum[r][h], _mm256_set1_epi32(zero * xq.sum[i]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(wscale, _mm256_set1_ps(xq.scale[i])),
+                                    acc[r][h]);
+      }
+    }
+  }
+  const int64_t n = std::min<int64_t>(P, N - n0);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[P];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    for (int c = 0; c < n; ++c) y[(m0 + r) * N + n0 + c] = out[c] + b[n0 + c];
+  }
+}
+
+template <int BITS>
+void run_panels(const QuantX& xq, const uint8_t* w, const uint16_t* ws, const float* b, float* y, int64_t M,
+                int64_t K, int64_t N, bool vnni) {
+  const int64_t panels = (N + P - 1) / P;
+  const int64_t panel_bytes = K * P * BITS / 8, panel_scales = K / G * P;
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* wp = w + p * panel_bytes;
+      const uint16_t* sp = ws + p * panel_scales;
+      int64_t m0 = 0;
+      if (vnni) {
+        for (; m0 + MR <= M; m0 += MR) panel_vnni<MR, BITS>(xq, wp, sp, b, y, K, N, m0, p * P);
+        for (; m0 < M; ++m0) panel_vnni<1, BITS>(xq, wp, sp, b, y, K, N, m0, p * P);
+      } else {
+        for (; m0 + 2 <= M; m0 += 2) panel_avx2<2, BITS>(xq, wp, sp, b, y, K, N, m0, p * P);
+        if (m0 < M) panel_avx2<1, BITS>(xq, wp, sp, b, y, K, N, m0, p * P);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] float32, packed uint8 (see the header), scales float16 [panels, K / 32, 16], bias float32 [N] or empty
+// (the head has none): y [M, N] float32. vnni: the AVX-512 VNNI body, else the AVX2 one.
+torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
+                          int64_t bits, bool vnni) {
+  TORCH_CHECK(bits == 8 || bits == 4, "packed_rows: bits must be 8 or 4");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf &&
+                  bias.scalar_type() == at::kFloat, "packed_rows: expected float32 x and bias, uint8 packed, float16 scales");
+  TORCH_CHECK(x.dim() == 2 && bias.dim() == 1, "packed_rows: expected x [M, K] and bias [N]");
+  const int64_t M = x.size(0), K = x.size(1), panels = (N + P - 1) / P;
+  TORCH_CHECK(K % G == 0, "packed_rows: the input size must be a multiple of 32");
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == panels * K * P * bits / 8 && scales.is_contiguous() &&
+                  scales.numel() == panels * (K / G) * P && bias.is_contiguous() &&
+                  (bias.numel() == N || bias.numel() == 0),
+              "packed_rows: packed weights or scales do not match x [M, K] and bias [N]");
+  x = x.contiguous();
+  const QuantX xq = quantize_x(x.data_ptr<float>(), M, K);
+  auto y = torch::empty({M, N}, x.options());
+  const std::vector<float> zeros(bias.numel() ? 0 : N, 0.f);
+  const float* b = bias.numel() ? bias.data_ptr<float>() : zeros.data();
+  const auto* w = packed.data_ptr<uint8_t>();
+  const auto* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (bits == 8)
+    run_panels<8>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
+  else
+    run_panels<4>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
+  return y;
+}
