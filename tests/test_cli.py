@@ -107,7 +107,8 @@ def test_installed_command_runs_without_traceback(tmp_path: Path) -> None:
 # --- compare ------------------------------------------------------------------------------------------------------
 
 JSON_KEYS = {"prompt", "engine", "tokens", "max_abs", "mean_abs", "max_rel", "kl_max", "top1_agreement", "top5_overlap",
-             "per_block_max_abs", "first_divergent_block", "first_divergent_position", "passed"}
+             "nll_reference", "nll", "ppl_reference", "ppl", "per_block_max_abs", "first_divergent_block",
+             "first_divergent_position", "passed"}
 
 
 def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path) -> None:
@@ -120,7 +121,11 @@ def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path
         assert set(r) == JSON_KEYS and len(r["per_block_max_abs"]) == 12
         assert r["max_rel"] <= (1e-4 if r["engine"] == "torch" else 1e-3)
         assert r["top1_agreement"] == 1.0 and r["first_divergent_block"] is None
+        assert r["ppl"] == pytest.approx(r["ppl_reference"], rel=1e-4) and r["ppl"] > 1
     assert max(r["tokens"] for r in doc["results"]) > 900
+    total = doc["total"]  # over all prompts; float32 has no perplexity or agreement bound to meet
+    assert doc["min_top1"] is None and doc["max_ppl_change"] is None and total["passed"] and total["failures"] == []
+    assert total["tokens"] == sum(r["tokens"] for r in doc["results"]) and abs(total["ppl_change"]) < 1e-4
 
 
 @pytest.fixture(scope="module")
