@@ -172,3 +172,40 @@ def test_quantized_model_projections_are_batch_invariant(small_dir, fmt: str) ->
         for rows in (1, 3, 16):
             assert torch.equal(lm_head(x[:rows], model.weights.head), head[:rows])
             assert torch.equal(linear(x[:rows], model.weights.blocks[0].c_fc), fc[:rows])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_the_torch_fallback_gives_the_native_bits(small_dir, monkeypatch, fmt: str) -> None:
+    """Where the kernels cannot be built, projection.py runs quantized_reference: the same arithmetic, so the same
+    logits to the bit (only slower); float32 falls back to torch's matmuls (equal to rounding)."""
+    import gpt2_engine.core.projection as projection
+
+    quantized, fp32 = GPT2.from_pretrained(small_dir, quantize=fmt), GPT2.from_pretrained(small_dir)
+    ids = torch.tensor([[464, 2068, 7586, 21831, 18045]])
+    native_q, native_f = quantized(ids), fp32(ids)
+    monkeypatch.setattr(projection, "decode_kernels", lambda: None)
+    assert torch.equal(quantized(ids), native_q)
+    assert (fp32(ids) - native_f).abs().max() <= 1e-5 * native_f.abs().max()  # measured 1.8e-6 of it
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_attention_matches_torch_and_ignores_the_other_rows(native, isa: str) -> None:
+    """One decode step over several cache slots at different lengths: each row's key and value land at its
+    position, and its output equals softmax(q k^T / sqrt(hs)) v over its own slot's keys (to float32 rounding),
+    the same bits alone or among others."""
+    g = torch.Generator().manual_seed(4)
+    slots_n, nh, L, hs = 5, 12, 40, 64
+    k, v = torch.randn(slots_n, nh, L, hs, generator=g), torch.randn(slots_n, nh, L, hs, generator=g)
+    q, kn, vn = (torch.randn(4, nh, hs, generator=g) for _ in range(3))
+    slots, starts = torch.tensor([3, 0, 4, 1]), torch.tensor([39, 0, 16, 32])
+    out = native.decode_attention(q, kn, vn, k, v, slots, starts, isa == "avx512")  # [4, nh, hs]
+    for r in range(4):
+        s, n = int(slots[r]), int(starts[r]) + 1
+        assert torch.equal(k[s, :, n - 1], kn[r]) and torch.equal(v[s, :, n - 1], vn[r])
+        ref = torch.softmax(q[r, :, None].double() @ k[s, :, :n].double().transpose(-1, -2) / 8, -1) @ v[s, :, :n].double()
+        assert (out[r].double() - ref[:, 0]).abs().max() < 1e-5
+        alone = native.decode_attention(q[r : r + 1], kn[r : r + 1], vn[r : r + 1], k, v, slots[r : r + 1],
+                                        starts[r : r + 1], isa == "avx512")
+        assert torch.equal(alone[0], out[r])
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.decode_attention(q[:1], kn[:1], vn[:1], k, v, torch.tensor([5]), torch.tensor([3]), isa == "avx512")

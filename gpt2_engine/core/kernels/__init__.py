@@ -1,9 +1,12 @@
 """Native kernels and the CPU facts that choose them.
 
-decode.cpp holds matmuls for decode-sized inputs whose results do not depend on the number of rows (see its header).
-It is compiled on first use by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from
-there afterwards. The pure-torch path in model.py stays the reference and the fallback: if the build fails, one
-warning line says so and decoding runs on torch's kernels (correct, but not batch-invariant).
+decode.cpp holds float32/bfloat16 matmuls for decode-sized inputs whose results do not depend on the number of rows;
+quant.cpp the blockwise int8/int4 matmul with integer dot products; attention.cpp one decode step's attention over
+many cache slots (see their headers). Both are compiled on first
+use, as one module, by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from there
+afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the build fails, one
+warning line says so and the model runs on torch's kernels (correct; float32 decoding is then not batch-invariant,
+and the quantized reference is slow).
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def decode_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="gpt2_engine_decode", sources=[str(HERE / "decode.cpp"), str(HERE / "quant.cpp")], extra_cflags=["-O3"],
+        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp")]
+        return load(name="gpt2_engine_decode", sources=sources, extra_cflags=["-O3"],
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]

@@ -260,6 +260,9 @@ torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
 
 }  // namespace
 
+// attention.cpp
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
 // quant.cpp
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
@@ -267,5 +270,6 @@ torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order");
   m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order");
+  m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)");
   m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)");
 }

@@ -1,0 +1,124 @@
+// One decode step of causal self-attention for many sequences at once, each in its own KV-cache slot:
+//
+//   out[r, h] = softmax(q[r, h] . k[slot_r, h, j] / sqrt(hs), j < S_r) @ v[slot_r, h, :S_r]
+//
+// Why: with torch ops, a step of R sequences at different lengths is a Python loop of ~15 small ops per sequence
+// and layer (their caches cannot share one batched matmul without padding, and padding changes the reduction
+// order, so a sequence's logits would depend on its neighbours). Here each (row, head) is one pass over its own
+// keys and values in a fixed order: the result is the same bits however many rows share the call.
+// The scores of a row are kept in a small buffer; exp is the C library's (a few ns each: 12 heads x 1024 keys is
+// well under a millisecond a layer).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// dot(a, b) over hs floats: 16-lane (AVX-512) or 8-lane (AVX2) partial sums, then a fixed reduction.
+__attribute__((target("avx512f,fma"))) float dot_avx512(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float t = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) t = __builtin_fmaf(a[i], b[i], t);
+  return t;
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  float t = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  for (; i < n; ++i) t = __builtin_fmaf(a[i], b[i], t);
+  return t;
+}
+
+// out[0:n] = sum_j p[j] * v[j, 0:n] over j = 0..S-1 in order, lane by lane (the same bits on both paths).
+__attribute__((target("avx512f,fma"))) void weighted_avx512(const float* p, const float* v, float* out, int64_t S,
+                                                            int64_t n) {
+  for (int64_t d0 = 0; d0 < n; d0 += 16) {
+    const __mmask16 m = static_cast<__mmask16>(n - d0 >= 16 ? 0xFFFF : (1u << (n - d0)) - 1);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < S; ++j)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v + j * n + d0), acc);
+    _mm512_mask_storeu_ps(out + d0, m, acc);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void weighted_avx2(const float* p, const float* v, float* out, int64_t S, int64_t n) {
+  int64_t d0 = 0;
+  for (; d0 + 8 <= n; d0 += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < S; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * n + d0), acc);
+    _mm256_storeu_ps(out + d0, acc);
+  }
+  for (; d0 < n; ++d0) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < S; ++j) acc = __builtin_fmaf(p[j], v[j * n + d0], acc);
+    out[d0] = acc;
+  }
+}
+
+}  // namespace
+
+// q, k, v [R, nh, hs]: each row's new token; k_cache, v_cache [slots, nh, L, hs]; slots, starts [R] int64. Row r's
+// key and value are written at position starts[r] of slot slots[r], then it attends to positions [0, starts[r]]
+// of that slot. Returns [R, nh, hs].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "decode_attention: float32 q and caches only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && q.size(1) == k_cache.size(1) &&
+                  q.size(2) == k_cache.size(3), "decode_attention: expected q [R, nh, hs] and caches [slots, nh, L, hs]");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, "decode_attention: k and v must be float32 like q [R, nh, hs]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && slots.numel() == q.size(0) &&
+                  starts.numel() == q.size(0), "decode_attention: slots and starts must be int64 [R]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
+  q = q.contiguous(), k = k.contiguous(), v = v.contiguous();
+  const int64_t R = q.size(0), nh = q.size(1), hs = q.size(2), n_slots = k_cache.size(0), L = k_cache.size(2);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(0 <= slot[r] && slot[r] < n_slots && 0 <= start[r] && start[r] < L,
+                "decode_attention: a slot or position is out of range");
+  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t at = ((slot[r] * nh + h) * L + start[r]) * hs;
+      std::copy_n(k.data_ptr<float>() + (r * nh + h) * hs, hs, kp + at);
+      std::copy_n(v.data_ptr<float>() + (r * nh + h) * hs, hs, vp + at);
+    }
+  auto out = torch::empty({R, nh, hs}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  at::parallel_for(0, R * nh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(L);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / nh, h = i % nh, S = start[r] + 1;
+      const float* keys = kp + ((slot[r] * nh + h) * L) * hs;
+      const float* values = vp + ((slot[r] * nh + h) * L) * hs;
+      const float* qi = qp + i * hs;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < S; ++j) {
+        p[j] = (avx512 ? dot_avx512(qi, keys + j * hs, hs) : dot_avx2(qi, keys + j * hs, hs)) * scale;
+        m = std::max(m, p[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < S; ++j) sum += (p[j] = std::exp(p[j] - m));
+      for (int64_t j = 0; j < S; ++j) p[j] /= sum;
+      if (avx512)
+        weighted_avx512(p.data(), values, op + i * hs, S, hs);
+      else
+        weighted_avx2(p.data(), values, op + i * hs, S, hs);
+    }
+  });
+  return out;
+}
