@@ -53,8 +53,8 @@ class GPT2:
             raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
         find_weights_file(directory)  # a missing path, a file, or no weights: the loader's error, before the config's
         config = GPT2Config.from_json(directory / CONFIG)
-        # quantizing: the float32 pages are not kept resident (load_weights and quantize_weights release them)
-        weights = load_weights(directory, config, dtype, resident=not quantize)
+        # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read)
+        weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32)
         if quantize:
             weights = quantize_weights(weights, quantize, find_weights_file(directory))
         tokenizer = load_tokenizer(directory)
