@@ -215,7 +215,12 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
 
     def t(name: str, target: torch.dtype = torch.float32) -> torch.Tensor:
         tensor = tensors[name]
-        return tensor if tensor.dtype == target else tensor.to(target)
+        if tensor.dtype == target:
+            return tensor
+        converted = tensor.to(target)
+        if not resident:  # the conversion read the file's pages back in; the copy is what is kept
+            release_pages(tensor, path)
+        return converted
 
     # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision)
     def lin(prefix: str) -> Linear:

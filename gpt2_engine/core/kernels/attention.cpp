@@ -39,29 +39,47 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return t;
 }
 
-// out[0:n] = sum_j p[j] * v[j, 0:n] over j = 0..S-1 in order, lane by lane (the same bits on both paths).
+// out[0:n] = sum_j p[j] * v[j, 0:n] over j = 0..S-1 in order, lane by lane (the same bits on both paths). All of a
+// row's lanes advance together, up to MAXV vectors (a head of 128 floats): independent multiply-add chains, so the
+// loop is bound by throughput rather than by one chain's latency.
+constexpr int MAXV = 8;
+
 __attribute__((target("avx512f,fma"))) void weighted_avx512(const float* p, const float* v, float* out, int64_t S,
                                                             int64_t n) {
-  for (int64_t d0 = 0; d0 < n; d0 += 16) {
-    const __mmask16 m = static_cast<__mmask16>(n - d0 >= 16 ? 0xFFFF : (1u << (n - d0)) - 1);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < S; ++j)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v + j * n + d0), acc);
-    _mm512_mask_storeu_ps(out + d0, m, acc);
+  for (int64_t d0 = 0; d0 < n; d0 += 16 * MAXV) {
+    const int nv = static_cast<int>(std::min<int64_t>(MAXV, (n - d0 + 15) / 16));
+    __mmask16 m[MAXV];
+    __m512 acc[MAXV];
+    for (int i = 0; i < nv; ++i) {
+      const int64_t left = n - d0 - 16 * i;
+      m[i] = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+      acc[i] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < S; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int i = 0; i < nv; ++i)
+        acc[i] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[i], v + j * n + d0 + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < nv; ++i) _mm512_mask_storeu_ps(out + d0 + 16 * i, m[i], acc[i]);
   }
 }
 
 __attribute__((target("avx2,fma"))) void weighted_avx2(const float* p, const float* v, float* out, int64_t S, int64_t n) {
-  int64_t d0 = 0;
-  for (; d0 + 8 <= n; d0 += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < S; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * n + d0), acc);
-    _mm256_storeu_ps(out + d0, acc);
+  const int64_t whole = n / 8 * 8;
+  for (int64_t d0 = 0; d0 < whole; d0 += 8 * MAXV) {
+    const int nv = static_cast<int>(std::min<int64_t>(MAXV, (whole - d0) / 8));
+    __m256 acc[MAXV];
+    for (int i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < S; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      for (int i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * n + d0 + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < nv; ++i) _mm256_storeu_ps(out + d0 + 8 * i, acc[i]);
   }
-  for (; d0 < n; ++d0) {
+  for (int64_t d = whole; d < n; ++d) {
     float acc = 0.f;
-    for (int64_t j = 0; j < S; ++j) acc = __builtin_fmaf(p[j], v[j * n + d0], acc);
-    out[d0] = acc;
+    for (int64_t j = 0; j < S; ++j) acc = __builtin_fmaf(p[j], v[j * n + d], acc);
+    out[d] = acc;
   }
 }
 
