@@ -19,7 +19,7 @@ from .weights import Block, GPT2Weights, Linear, QuantizedMatrix, release_pages
 
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel
-CHUNK = 1024  # output columns quantized at a time: bounds the temporaries (a few MiB), so the peak stays low
+CHUNK = 256  # output columns quantized at a time: bounds the temporaries (a few MiB), so the peak stays low
 FORMATS = {"int8": 8, "int4": 4}
 
 
