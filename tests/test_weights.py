@@ -220,3 +220,27 @@ def test_directory_that_does_not_exist(tmp_path: Path) -> None:
 
 def test_a_file_instead_of_a_directory(tiny_dir: Path) -> None:
     assert "expected a directory holding config.json" in load_error(tiny_dir / "model.safetensors")
+
+
+def _resident_kb() -> int:
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc to see resident memory")
+def test_released_pages_come_back_with_the_same_values(small_dir: Path) -> None:
+    """release_pages drops the resident pages of a tensor mapped from the checkpoint file (the RSS falls by about
+    its size) and a later read gets the file's bytes back; a tensor not mapped from the file is left alone."""
+    from gpt2_engine.core.weights import find_weights_file, release_pages
+
+    config = GPT2Config.from_json(small_dir / "config.json")
+    path = find_weights_file(small_dir)
+    kept = load_weights(small_dir, config)
+    copy = kept.wte.clone()  # [V, C] float32, 154 MB: anonymous memory, not the file's
+    before = _resident_kb()
+    assert release_pages(kept.wte, path)
+    assert before - _resident_kb() > 100_000  # most of wte's 150,000 KiB left
+    assert torch.equal(kept.wte, copy)  # read back from the file
+    assert not release_pages(copy, path) and torch.equal(copy, kept.wte)
+    released = load_weights(small_dir, config, resident=False)
+    assert torch.equal(released.blocks[3].c_fc.weight, kept.blocks[3].c_fc.weight)
