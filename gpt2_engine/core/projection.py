@@ -109,12 +109,13 @@ def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch
     M, C = x2.shape
     V = head.shape[0]
     grad = x2.requires_grad
-    if M <= DECODE_ROWS and not grad and head.dtype in NATIVE_DTYPES and head.is_contiguous() and decode_kernels():
-        return decode_kernels().dot_rows(x2, head, cpu().avx512)
+    native = decode_kernels() if M <= DECODE_ROWS and not grad else None
+    if native is not None and head.dtype in NATIVE_DTYPES and head.is_contiguous():
+        return native.dot_rows(x2, head, cpu().avx512)
     if head.dtype != torch.float32:  # bfloat16: widened a block of rows at a time
         return torch.cat([x2 @ head_rows(head, slice(r, r + HEAD_ROWS)).t() for r in range(0, V, HEAD_ROWS)], dim=1)
     chunks = torch.get_num_threads()
-    if M > FEW_ROWS or chunks < 2 or x2.requires_grad:
+    if M > FEW_ROWS or chunks < 2 or grad:
         return x2 @ head.t()
     # the same split for decoding, over the vocabulary rows: chunks of h rows, plus the V % chunks left over
     h = V // chunks

@@ -19,6 +19,8 @@ from types import ModuleType
 
 
 HERE = Path(__file__).resolve().parent
+# what running without the native kernels means, said in the one warning line
+FALLBACK = "same results, but float32 decoding is not batch-invariant and int8/int4 are much slower"
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,8 @@ def cpu() -> CPU:
 def decode_kernels() -> ModuleType | None:
     """The compiled decode.cpp, built on first use; None (after one warning line) where it cannot be built or run."""
     if cpu().best_isa is None:
-        print("gpt2-engine: warning: this CPU has no AVX2+FMA; decoding uses torch's kernels (not batch-invariant)",
-              file=sys.stderr)
+        print("gpt2-engine: warning: this CPU lacks AVX2, FMA or F16C; the model runs on torch's kernels "
+              f"({FALLBACK})", file=sys.stderr)
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -75,6 +77,6 @@ def decode_kernels() -> ModuleType | None:
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]
-        print(f"gpt2-engine: warning: the native decode kernels could not be built ({reason}); decoding uses torch's "
-              "kernels (not batch-invariant)", file=sys.stderr)
+        print(f"gpt2-engine: warning: the native kernels could not be built ({reason}); the model runs on torch's "
+              f"kernels ({FALLBACK})", file=sys.stderr)
         return None
