@@ -143,8 +143,10 @@ def test_left_padded_rows_equal_their_prompts_alone(trained_model: GPT2) -> None
         for name in ("blocks.0.hook_resid_post", "blocks.3.hook_resid_post", "blocks.1.attn.hook_z", "ln_final.hook_scale"):
             # the residual stream reaches ~300 here, so the bound is relative to each tensor's scale
             assert relative_error(cache[name][row, pad:], alone[name][0]) < 1e-5, name
-        torch.testing.assert_close(cache["blocks.2.attn.hook_pattern"][row, :, pad:, pad:],
-                                   alone["blocks.2.attn.hook_pattern"][0], rtol=0, atol=1e-6)
+        # alone, the earlier layers attend in the fused kernel and the padded rows in the explicit form: the
+        # patterns then differ by up to 2.1e-6 absolute (measured), within the same relative bound as the rest
+        assert relative_error(cache["blocks.2.attn.hook_pattern"][row, :, pad:, pad:],
+                              alone["blocks.2.attn.hook_pattern"][0]) < 1e-5
         assert cache["blocks.2.attn.hook_pattern"][row, :, pad:, :pad].abs().sum() == 0  # nothing attends to padding
 
 

@@ -60,6 +60,9 @@ class Recorder:
     def wants(self, name: str) -> bool:
         return name in self.hooks or self.cache_filter(name)
 
+    def edits(self, name: str) -> bool:
+        return name in self.hooks
+
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if (hook := self.hooks.get(name)) is not None:
             out = hook(x, name)
