@@ -73,8 +73,11 @@ def decode_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp")]
-        return load(name="gpt2_engine_decode", sources=sources, extra_cflags=["-O3"],
-                    verbose=False)
+        # -fopenmp: without it at::parallel_for compiles to a plain serial call (ATen/Parallel-inl.h), and every
+        # kernel ran on one thread. With it, the kernels' OpenMP calls bind to the libgomp.so.1 torch has already
+        # loaded (same soname), so they share torch's thread pool rather than start a second one.
+        return load(name="gpt2_engine_decode", sources=sources, extra_cflags=["-O3", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]
         print(f"gpt2-engine: warning: the native kernels could not be built ({reason}); the model runs on torch's "
