@@ -105,6 +105,8 @@ def assert_same_weights(a, b) -> None:
     def leaves(obj, prefix=""):
         if isinstance(obj, torch.Tensor):
             yield prefix, obj
+        elif obj is None:  # an optional field not set (GPT2Weights.wte_pages)
+            return
         elif isinstance(obj, tuple):
             for i, o in enumerate(obj):
                 yield from leaves(o, f"{prefix}.{i}")

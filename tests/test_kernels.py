@@ -3,6 +3,8 @@ invariance (a row's result does not depend on how many rows share the call) at t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -209,3 +211,41 @@ def test_decode_attention_matches_torch_and_ignores_the_other_rows(native, isa: 
         assert torch.equal(alone[0], out[r])
     with pytest.raises(RuntimeError, match="out of range"):
         native.decode_attention(q[:1], kn[:1], vn[:1], k, v, torch.tensor([5]), torch.tensor([3]), isa == "avx512")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_kernels_share_torchs_openmp_runtime(native) -> None:
+    """The kernels are built with OpenMP (without it at::parallel_for is a serial loop) and bind to the one libgomp
+    torch loaded, so that there is one thread pool, not two competing for the cores."""
+    assert b"GOMP_parallel" in Path(native.__file__).read_bytes()  # parallel_for's regions call into libgomp
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(gomp) == 1 and Path(next(iter(gomp))).parent == Path(torch.__file__).parent / "lib", gomp
+
+
+def test_kernels_give_the_same_bits_on_any_number_of_threads(native) -> None:
+    """Each output element is computed by one thread in a fixed order, so 1 and 2 threads agree to the bit."""
+    from gpt2_engine.core.quantize import quantize_matrix
+
+    g = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(5, 768, generator=g), torch.randn(768, 2304, generator=g) * 0.05, torch.randn(2304, generator=g)
+    head = torch.randn(1001, 768, generator=g)
+    m = quantize_matrix(w, 4)
+    kc, vc = torch.randn(3, 12, 40, 64, generator=g), torch.randn(3, 12, 40, 64, generator=g)
+    q, kn, vn = (torch.randn(3, 12, 64, generator=g) for _ in range(3))
+    slots, starts = torch.tensor([2, 0, 1]), torch.tensor([39, 5, 20])
+
+    def run() -> list[torch.Tensor]:
+        k, v = kc.clone(), vc.clone()
+        return [native.conv1d_rows(x, w, b, cpu().avx512), native.dot_rows(x, head, cpu().avx512),
+                native.packed_rows(x, m.packed, m.scales, b, 2304, 4, cpu().avx512_vnni),
+                native.decode_attention(q, kn, vn, k, v, slots, starts, cpu().avx512)]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

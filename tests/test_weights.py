@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import mmap
 import shutil
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -244,3 +246,33 @@ def test_released_pages_come_back_with_the_same_values(small_dir: Path) -> None:
     assert not release_pages(copy, path) and torch.equal(copy, kept.wte)
     released = load_weights(small_dir, config, resident=False)
     assert torch.equal(released.blocks[3].c_fc.weight, kept.blocks[3].c_fc.weight)
+
+
+def _present_pages(start: int, end: int) -> int:
+    """How many pages of [start, end) this process has mapped (bit 63 of each /proc/self/pagemap entry)."""
+    first, last = start // mmap.PAGESIZE, -(-end // mmap.PAGESIZE)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = struct.unpack(f"{last - first}Q", f.read((last - first) * 8))
+    return sum(e >> 63 for e in entries)
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads Linux's /proc/self/pagemap")
+def test_a_quantized_model_keeps_no_float32_embedding_pages(small_dir: Path) -> None:
+    """A quantized model reads wte only for the embedding; each lookup maps the page-cache folios around its rows
+    (about 0.9 MB each on a kernel with large folios), and embed() drops them again, with the file's values."""
+    from gpt2_engine.core.model import embed
+
+    model = GPT2.from_pretrained(small_dir, quantize="int8")
+    pages = model.weights.wte_pages
+    assert pages is not None and (pages.start, pages.end) == (model.weights.wte.data_ptr(), pages.start + 50257 * 768 * 4)
+    ids = torch.arange(0, 50257, 1000)  # [51] rows spread over all of wte
+    rows = embed(model.weights, ids)  # [51, C]
+    assert _present_pages(pages.start, pages.end) == 0
+    fp32 = load_weights(small_dir, GPT2Config.from_json(small_dir / "config.json"))
+    assert torch.equal(rows, fp32.wte[ids])
+    assert _present_pages(pages.start, pages.end) == 0  # reading fp32's own mapping leaves the quantized one alone
+    assert model.weights.wte[ids].sum() != 0 and _present_pages(pages.start, pages.end) > 0  # a plain read maps pages
+    assert not pages.release(fp32.wte) and not pages.release(rows)  # tensors outside the range are left alone
+    assert pages.release(model.weights.wte[1000:2000]) and pages.release(model.weights.wte)
+    assert _present_pages(pages.start, pages.end) == 0

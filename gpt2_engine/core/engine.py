@@ -53,13 +53,14 @@ class GPT2:
             raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
         find_weights_file(directory)  # a missing path, a file, or no weights: the loader's error, before the config's
         config = GPT2Config.from_json(directory / CONFIG)
+        # the tokenizer first: it is quick to check, and its load's transient peak then sits below the weights'
+        tokenizer = load_tokenizer(directory)
+        if tokenizer.n_vocab > config.vocab_size:
+            raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")
         # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read)
         weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32)
         if quantize:
             weights = quantize_weights(weights, quantize, find_weights_file(directory))
-        tokenizer = load_tokenizer(directory)
-        if tokenizer.n_vocab > config.vocab_size:
-            raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

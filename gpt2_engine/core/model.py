@@ -329,6 +329,15 @@ def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: to
     return mask
 
 
+def embed(w: GPT2Weights, ids: torch.Tensor) -> torch.Tensor:
+    """ids [...] -> [..., C] float32 token embeddings (wte rows), whatever the weights' dtype. A quantized model
+    drops the float32 pages this read mapped (GPT2Weights.wte_pages), so that its memory stays the quantized size."""
+    rows = w.wte[ids].float()  # [..., C]
+    if w.wte_pages is not None:
+        w.wte_pages.release(w.wte)
+    return rows
+
+
 def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                     cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
                     hidden_states: list[torch.Tensor] | None = None, tap: Tap | None = None) -> torch.Tensor:
@@ -342,7 +351,7 @@ def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, po
     B, T = ids.shape
     if positions is None:
         positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-    tokens, pos = w.wte[ids].float(), w.wpe[positions]  # [B, T, C] each: the residual stream is float32 whatever the weights
+    tokens, pos = embed(w, ids), w.wpe[positions]  # [B, T, C] each: the residual stream is float32 whatever the weights
     if tap is not None:
         tokens, pos = tap("hook_embed", tokens), tap("hook_pos_embed", pos)
     x = tokens + pos  # [B, T, C]
@@ -385,7 +394,7 @@ def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[tuple[in
     lengths = [len(ids) for _, _, ids in segments]
     ids = torch.tensor([t for _, _, seg in segments for t in seg])  # [R]
     positions = torch.cat([torch.arange(start, start + n) for (_, start, _), n in zip(segments, lengths)])  # [R]
-    x = (w.wte[ids].float() + w.wpe[positions])[None]  # [1, R, C]
+    x = (embed(w, ids) + w.wpe[positions])[None]  # [1, R, C]
     plan = Segments.plan([(slot, start, n) for (slot, start, _), n in zip(segments, lengths)])
     for i, blk in enumerate(w.blocks):
         x = block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], plan))

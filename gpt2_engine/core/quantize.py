@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from .errors import GPT2EngineError
-from .weights import Block, GPT2Weights, Linear, QuantizedMatrix, release_pages
+from .weights import Block, GPT2Weights, Linear, QuantizedMatrix, file_pages, release_heap, release_pages
 
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel
-CHUNK = 256  # output columns quantized at a time: bounds the temporaries (a few MiB), so the peak stays low
+CHUNK = 196_608  # weights quantized at a time (256 columns of 768 inputs): bounds the temporaries to a few MiB
 FORMATS = {"int8": 8, "int4": 4}
 
 
@@ -31,7 +31,8 @@ def quantize_groups(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
         scales = (groups.abs().amax(dim=1) / 127).half()  # [G, N]
         low, high = -127, 127
     else:
-        extreme = groups.gather(1, groups.abs().argmax(dim=1, keepdim=True))[:, 0]  # [G, N]: signed, largest |w|
+        low_w, high_w = torch.aminmax(groups, dim=1)  # [G, N] each
+        extreme = torch.where(high_w >= -low_w, high_w, low_w)  # [G, N]: signed, largest |w| (a tie: the positive)
         scales = (extreme / -8).half()
         low, high = -8, 7
     d = scales.float()[:, None]  # [G, 1, N]: the stored float16 scale, so that q * d is what the kernels compute
@@ -77,21 +78,23 @@ def dequantize(m: QuantizedMatrix) -> torch.Tensor:
 
 
 def quantize_matrix(w: torch.Tensor, bits: int, done: Callable[[slice], None] | None = None) -> QuantizedMatrix:
-    """A (K, N) float matrix (Conv1D layout: inputs are rows) in the packed blockwise format, CHUNK columns at a time
-    into the preallocated result (panels are independent); done(columns) after each chunk."""
+    """A (K, N) float matrix (Conv1D layout: inputs are rows) in the packed blockwise format, about CHUNK weights
+    (whole panels of columns) at a time into the preallocated result (panels are independent); done(columns) after
+    each chunk."""
     K, N = w.shape
     if K % GROUP:
         raise GPT2EngineError(f"quantize: input size {K} is not a multiple of {GROUP}, which the groups need")
+    cols = max(PANEL, CHUNK // K // PANEL * PANEL)  # whole panels: each chunk's pack is a contiguous run of the result's
     panels = -(-N // PANEL)
     packed = torch.empty(panels * K * PANEL * bits // 8, dtype=torch.uint8)
     scales = torch.empty(panels, K // GROUP, PANEL, dtype=torch.float16)
-    for c in range(0, N, CHUNK):  # CHUNK is whole panels: each chunk's pack is a contiguous run of the result's
-        part = pack(*quantize_groups(w[:, c : c + CHUNK], bits), bits)
+    for c in range(0, N, cols):
+        part = pack(*quantize_groups(w[:, c : c + cols], bits), bits)
         first = c // PANEL
         packed[first * K * PANEL * bits // 8 :][: part.packed.numel()] = part.packed
         scales[first : first + part.scales.shape[0]] = part.scales
         if done is not None:
-            done(slice(c, c + CHUNK))
+            done(slice(c, c + cols))
     return QuantizedMatrix(packed, scales, bits, K, N)
 
 
@@ -110,11 +113,18 @@ def quantize_weights(w: GPT2Weights, fmt: str, source: Path | None = None) -> GP
     def linear(p: Linear) -> Linear:
         q = quantize_matrix(p.weight, bits)
         release(p.weight)
+        release_heap()
         return Linear(q, p.bias)
+
+    wte_pages = None if source is None else file_pages(w.wte, source)  # checked once, released chunk by chunk
 
     def block(b: Block) -> Block:
         return replace(b, c_attn=linear(b.c_attn), attn_c_proj=linear(b.attn_c_proj), c_fc=linear(b.c_fc),
                        mlp_c_proj=linear(b.mlp_c_proj))
 
-    head = quantize_matrix(w.wte.t(), 8, done=lambda rows: release(w.wte[rows]))  # columns of wte^T: rows of wte
-    return replace(w, blocks=tuple(block(b) for b in w.blocks), head=head)
+    head = quantize_matrix(w.wte.t(), 8, done=lambda rows: wte_pages and wte_pages.release(w.wte[rows]))
+    if wte_pages is not None:
+        wte_pages.release(w.wte)  # each chunk's reads also mapped folios of the chunks released before it
+    release_heap()
+    # from now on only the embedding reads wte, and it drops the pages it maps (model.embed)
+    return replace(w, blocks=tuple(block(b) for b in w.blocks), head=head, wte_pages=wte_pages)

@@ -17,7 +17,7 @@ import torch
 from ..core.engine import GPT2
 from ..core.errors import GPT2EngineError
 from ..core.hooks import ActivationCache, Recorder
-from ..core.model import logits, residual_stream
+from ..core.model import embed, logits, residual_stream
 from ..core.projection import as_float32, head_rows
 from ..core.weights import GPT2Weights, LayerNorm
 
@@ -204,7 +204,7 @@ def attribution(model: GPT2, ids: torch.Tensor | list[int], target: int,
         raise GPT2EngineError(f"method: expected 'grad_x_input' or 'integrated_gradients', got {method!r}")
     if steps < 1:
         raise GPT2EngineError(f"steps: expected a positive integer, got {steps}")
-    emb = model.weights.wte[ids].float()  # [T, C]
+    emb = embed(model.weights, ids)  # [T, C]
     head = float64_head(model.weights)
     with torch.inference_mode(False), torch.enable_grad():
         if method == "grad_x_input":
