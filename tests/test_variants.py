@@ -159,3 +159,18 @@ def test_bad_variant_options(tiny_dir: Path, kwargs: dict, message: str) -> None
     with pytest.raises(GPT2EngineError) as e:
         GPT2.from_pretrained(tiny_dir, **kwargs)
     assert message in str(e.value)
+
+
+def test_bfloat16_prefill_takes_the_cpus_fast_path() -> None:
+    """Longer than decode-sized inputs: on a CPU with AMX or AVX512-BF16, oneDNN's bf16 GEMM (bf16 in and out,
+    float32 accumulation); elsewhere the widened float32 weight in MKL. Decode-sized inputs keep float32 arithmetic."""
+    from gpt2_engine.core.kernels import cpu
+    from gpt2_engine.core.projection import DECODE_ROWS, project
+
+    g = torch.Generator().manual_seed(5)
+    w, b = (torch.randn(768, 2304, generator=g) * 0.05).bfloat16(), torch.randn(2304, generator=g)
+    x = torch.randn(DECODE_ROWS + 1, 768, generator=g)
+    expected = (x.bfloat16() @ w).float() + b if cpu().bf16_matmul else torch.addmm(b, x, w.float())
+    assert torch.equal(project(x, w, b), expected)
+    few = project(x[:4], w, b)  # the native kernel: float32 arithmetic on the widened weight
+    assert (few.double() - (x[:4].double() @ w.double() + b.double())).abs().max() < 1e-5

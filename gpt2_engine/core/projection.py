@@ -3,9 +3,11 @@
   float32        decode-sized inputs (<= DECODE_ROWS rows): the native row-invariant kernels (kernels/decode.cpp);
                  longer inputs: MKL's addmm; without the native kernels, a GEMV split over the cores.
   bfloat16       decode-sized inputs: the same native kernels, reading bf16 and widening it in registers (half the
-                 bytes, float32 arithmetic). Longer inputs: widened to float32, then MKL. (oneDNN's bf16 GEMM, which
-                 rounds activations and outputs to bf16, was 1.45x faster at a 512-token prefill on an AVX512-BF16
-                 Zen 4 but cost top-1 agreement: 98.9% against 99.8%, below the 99.5% this mode promises.)
+                 bytes, float32 arithmetic). Longer inputs (prefill, scoring) on a CPU with AMX or AVX512-BF16:
+                 oneDNN's bf16 GEMM, which rounds the activations and the outputs to bf16 and accumulates in float32;
+                 elsewhere (AVX2, where that GEMM is ~7x slower than float32) widened to float32, then MKL. The head
+                 always keeps float32 arithmetic: through the bf16 GEMM it cost top-1 agreement on the trained
+                 checkpoint (98.9%, below the 99.5% this mode promises; 99.8% with the projections alone in bf16).
   int8 / int4    (QuantizedMatrix) the native blockwise kernel (kernels/quant.cpp) at every row count, so prefill,
                  scoring and decode share one arithmetic; quantized_reference() is the same arithmetic in torch: the
                  fallback where the native kernels are missing, and what the tests hold the kernel to.
@@ -94,6 +96,9 @@ def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix, bias: torch.Ten
             return quantized_reference(x2, w, bias)
     elif native is not None and M <= DECODE_ROWS and w.dtype in NATIVE_DTYPES and w.is_contiguous() and bias is not None:
         return native.conv1d_rows(x2, w, bias, cpu().avx512)
+    elif w.dtype == torch.bfloat16 and not grad and cpu().bf16_matmul:
+        y = (x2.bfloat16() @ w).float()  # [M, N]: bf16 in and out, float32 accumulation inside oneDNN
+        return y if bias is None else y + bias
     w = as_float32(w)
     if bias is None:
         return x2 @ w

@@ -35,6 +35,12 @@ class CPU:
     avx512_vnni: bool  # AVX-512 VNNI (vpdpbusd) with BW: the integer dot products of the quantized kernels
 
     @property
+    def bf16_matmul(self) -> bool:
+        """Whether bfloat16 GEMMs beat float32 ones here (oneDNN on AMX tiles or AVX512-BF16 dot products); on AVX2
+        alone torch's bf16 GEMM is about 7x slower than float32."""
+        return self.amx or self.avx512_bf16
+
+    @property
     def best_isa(self) -> str | None:
         return "avx512" if self.avx512 else "avx2" if self.avx2 else None
 
