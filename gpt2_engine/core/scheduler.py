@@ -214,9 +214,10 @@ class Scheduler:
             with torch.inference_mode():
                 rows = forward_segments(self.weights, self.config, [(s.slot, start, ids) for s, ids, start in chunk],
                                         self.cache)  # [n, V]
-            for (seq, ids, start), row in zip(chunk, rows):
+                lses = torch.logsumexp(rows, -1).tolist()  # [n]: one call for the pass, not one per row
+            for (seq, ids, start), row, lse in zip(chunk, rows, lses):
                 seq.position = start + len(ids)
-                self._advance(seq, row)
+                self._advance(seq, row, lse)
         return bool(self.waiting) or self.running > 0
 
     # --- internals ------------------------------------------------------------------------------------------------
@@ -255,18 +256,18 @@ class Scheduler:
         if r.max_new_tokens == 0:
             self._finish(seq, "length", Event(None, "", prompt_stats=prompt_stats))
             return
-        self._advance(seq, next_logits, prompt_stats)
+        self._advance(seq, next_logits, float(torch.logsumexp(next_logits, -1)), prompt_stats)
 
-    def _advance(self, seq: Sequence, raw: torch.Tensor, prompt_stats: TokenStats | None = None) -> None:
-        """Choose the next token from raw logits [V], emit it, and finish the sequence if it is done."""
+    def _advance(self, seq: Sequence, raw: torch.Tensor, lse: float, prompt_stats: TokenStats | None = None) -> None:
+        """Choose the next token from raw logits [V] (lse: their logsumexp), emit it, and finish the sequence if it
+        is done."""
         r, eot = seq.request, self.tokenizer.eot_id
         processed = apply_penalties(raw, r.sampling, seq.seen, seq.counts)
         if r.ignore_eos:
             processed = processed.clone() if processed is raw else processed
             processed[eot] = -math.inf
         token = choose(processed, r.sampling, seq.generator)
-        lse = torch.logsumexp(raw, -1)
-        logprob = float(raw[token] - lse)
+        logprob = float(raw[token]) - lse
         top = rank = None
         if r.top_logprobs:
             values, ids = raw.topk(r.top_logprobs)

@@ -24,7 +24,13 @@
 namespace {
 
 constexpr int MR = 4;   // rows of x sharing each load of the weight (register blocking)
-constexpr int KB = 8;   // weight rows streamed per pass over a tile's accumulators
+// Weight rows streamed per pass over a tile's accumulators. One or two rows are bound by memory: short passes keep
+// 8 contiguous streams in flight, which the prefetchers follow best. From 3 rows on the multiply-adds dominate, and
+// loading and storing the accumulators every 8 rows halved the throughput (in cache: 51 against 136 GFLOP/s at 4
+// rows, 72 against 193 at 16, Zen 4), so those passes are 128 rows long. Each element is still one chain of
+// multiply-adds in k order, so the pass length never changes a bit.
+constexpr int KB_FEW = 8;
+constexpr int KB_MANY = 128;
 constexpr int VB = 8;   // vocabulary rows per pass of the head
 
 // Weight loaders: 16 (AVX-512) or 8 (AVX2) consecutive weights as float32 lanes, and one weight for scalar tails.
@@ -70,7 +76,7 @@ void for_rows(int64_t M, Body body) {
 // ---- projections: y (accumulators, zeroed by the caller) += x @ w over the columns of one tile -------------------
 
 // 64 columns (4 zmm) for rows [m0, m0 + R), weight rows [k0, k0 + kn): load the accumulators, kn multiply-adds in k
-// order, store. Streaming the weight row by row, KB rows at a time, gives the prefetchers contiguous streams.
+// order, store. Streaming the weight row by row, kb rows at a time (KB_FEW or KB_MANY), gives the prefetchers contiguous streams.
 template <int R, typename W>
 __attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, const typename W::T* w, float* y,
                                                                int64_t K, int64_t N, int64_t m0, int64_t n,
@@ -112,18 +118,20 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
 template <typename W>
 __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const typename W::T* w, float* y,
                                                            int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
-  for (int64_t k0 = 0; k0 < K; k0 += KB)
+  const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
+  for (int64_t k0 = 0; k0 < K; k0 += kb)
     for (int64_t n = c0; n < c1; n += 64)
       for_rows(M, [&](auto R, int64_t m0) {
-        tile_avx512<decltype(R)::value, W>(x, w, y, K, N, m0, n, k0, std::min<int64_t>(KB, K - k0));
+        tile_avx512<decltype(R)::value, W>(x, w, y, K, N, m0, n, k0, std::min<int64_t>(kb, K - k0));
       });
 }
 
 template <typename W>
 __attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const typename W::T* w, float* y, int64_t M,
                                                       int64_t K, int64_t N, int64_t c0, int64_t c1) {
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t kn = std::min<int64_t>(KB, K - k0);
+  const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t kn = std::min<int64_t>(kb, K - k0);
     for (int64_t n = c0; n < c1; n += 32) {
       int64_t m0 = 0;
       for (; m0 + 2 <= M; m0 += 2) tile_avx2<2, W>(x, w, y, K, N, m0, n, k0, kn);
@@ -160,24 +168,26 @@ torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N
 }
 
 // ---- the head: y[m, v] = dot(x[m], w[v]) ----------------------------------------------------------------
+// A block is NV vocabulary rows x R input rows of accumulators, NV a compile-time constant so that the compiler can
+// keep them in registers (a run-time count left them on the stack). Each (m, v) element is one chain over C in the
+// same order whatever the block shape, so the bits do not depend on how rows are grouped.
 
-template <int R, typename W>
-__attribute__((target("avx512f,fma"))) void head_avx512(const float* x, const typename W::T* w,
-                                                        float* y, int64_t C, int64_t V, int64_t m0, int64_t v0,
-                                                        int64_t nv) {
-  __m512 acc[VB][R];
-  for (int i = 0; i < VB; ++i)
+template <int R, int NV, typename W>
+__attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, const typename W::T* w, float* y,
+                                                              int64_t C, int64_t V, int64_t m0, int64_t v0) {
+  __m512 acc[NV][R];
+  for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 16 <= C; c += 16) {
     __m512 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(x + (m0 + r) * C + c);
-    for (int i = 0; i < nv; ++i) {
+    for (int i = 0; i < NV; ++i) {
       const __m512 wv = W::load16(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(xs[r], wv, acc[i][r]);
     }
   }
-  for (int i = 0; i < nv; ++i)
+  for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) {
       float t = _mm512_reduce_add_ps(acc[i][r]);
       for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
@@ -185,22 +195,22 @@ __attribute__((target("avx512f,fma"))) void head_avx512(const float* x, const ty
     }
 }
 
-template <int R, typename W>
-__attribute__((target("avx2,fma"))) void head_avx2(const float* x, const typename W::T* w, float* y,
-                                                   int64_t C, int64_t V, int64_t m0, int64_t v0, int64_t nv) {
-  __m256 acc[VB][R];
-  for (int i = 0; i < VB; ++i)
+template <int R, int NV, typename W>
+__attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const typename W::T* w, float* y, int64_t C,
+                                                         int64_t V, int64_t m0, int64_t v0) {
+  __m256 acc[NV][R];
+  for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
   int64_t c = 0;
   for (; c + 8 <= C; c += 8) {
     __m256 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (m0 + r) * C + c);
-    for (int i = 0; i < nv; ++i) {
+    for (int i = 0; i < NV; ++i) {
       const __m256 wv = W::load8(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(xs[r], wv, acc[i][r]);
     }
   }
-  for (int i = 0; i < nv; ++i)
+  for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) {
       // a fixed pairwise reduction of the 8 lanes
       __m128 lo = _mm256_castps256_ps128(acc[i][r]), hi = _mm256_extractf128_ps(acc[i][r], 1);
@@ -210,6 +220,22 @@ __attribute__((target("avx2,fma"))) void head_avx2(const float* x, const typenam
       for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
       y[(m0 + r) * V + v0 + i] = t;
     }
+}
+
+// Vocabulary rows [v0, v0 + nv), nv <= VB, for input rows [m0, m0 + R): whole blocks, then single rows. AVX-512
+// blocks are 8 wide at every R (at R = 4 the 32 accumulators spill a little, which measured faster than 4 wide and
+// re-reading x); AVX2's 16 registers take 8, 4, 2 and 2 at R = 1..4.
+template <int R, typename W>
+void head_rows(const float* x, const typename W::T* w, float* y, int64_t C, int64_t V, int64_t m0, int64_t v0,
+               int64_t nv, bool avx512) {
+  constexpr int N512 = 8;
+  constexpr int N256 = R == 1 ? 8 : R == 2 ? 4 : 2;
+  const int64_t n = avx512 ? N512 : N256;
+  int64_t v = v0;
+  for (; v + n <= v0 + nv; v += n)
+    avx512 ? head_block_avx512<R, N512, W>(x, w, y, C, V, m0, v) : head_block_avx2<R, N256, W>(x, w, y, C, V, m0, v);
+  for (; v < v0 + nv; ++v)
+    avx512 ? head_block_avx512<R, 1, W>(x, w, y, C, V, m0, v) : head_block_avx2<R, 1, W>(x, w, y, C, V, m0, v);
 }
 
 template <typename W>
@@ -222,12 +248,7 @@ torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, bool avx5
   at::parallel_for(0, (V + VB - 1) / VB, 64, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t v0 = blk * VB, nv = std::min<int64_t>(VB, V - v0);
-      for_rows(M, [&](auto R, int64_t m0) {
-        if (avx512)
-          head_avx512<decltype(R)::value, W>(xp, w, yp, C, V, m0, v0, nv);
-        else
-          head_avx2<decltype(R)::value, W>(xp, w, yp, C, V, m0, v0, nv);
-      });
+      for_rows(M, [&](auto R, int64_t m0) { head_rows<decltype(R)::value, W>(xp, w, yp, C, V, m0, v0, nv, avx512); });
     }
   });
   return y;
