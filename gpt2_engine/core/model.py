@@ -236,23 +236,21 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.
 @dataclass(frozen=True)
 class Segments:
     """One continuous-batching step's rows, worked out once for all layers: spans (slot, start, n) in row order,
-    and the one-token spans (a running sequence's next token) as index tensors for the native decode attention."""
+    and for every row its cache slot and position (what the native attention kernel reads)."""
 
     spans: list[tuple[int, int, int]]
     first_rows: list[int]  # each span's first row
-    single_rows: torch.Tensor  # [D] rows of the one-token spans
-    single_slots: torch.Tensor  # [D]
-    single_starts: torch.Tensor  # [D]
+    slots: torch.Tensor  # [R] the slot of each row
+    positions: torch.Tensor  # [R] the position of each row in its sequence
 
     @classmethod
     def plan(cls, spans: list[tuple[int, int, int]]) -> Segments:
         firsts = [0]
         for _, _, n in spans[:-1]:
             firsts.append(firsts[-1] + n)
-        singles = [i for i, (_, _, n) in enumerate(spans) if n == 1]
-        return cls(spans, firsts, torch.tensor([firsts[i] for i in singles], dtype=torch.long),
-                   torch.tensor([spans[i][0] for i in singles], dtype=torch.long),
-                   torch.tensor([spans[i][1] for i in singles], dtype=torch.long))
+        slots = torch.tensor([slot for slot, _, n in spans for _ in range(n)], dtype=torch.long)
+        positions = torch.cat([torch.arange(start, start + n) for _, start, n in spans])
+        return cls(spans, firsts, slots, positions)
 
 
 def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -261,26 +259,21 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
     tokens of the sequence in cache slot `slot` at positions [start, start + n): a running sequence's next token
     (n = 1) or a new prompt (start = 0). One projection over all R rows; each span writes its keys and values
     into its slot and attends causally to its own slot's keys only, so nothing depends on the other spans.
-    The one-token spans go through one native call together (kernels/attention.cpp: each row over its own slot,
-    in a fixed order); longer ones, or all of them without the native kernels, one by one in torch."""
+
+    With the native kernels all R rows are one call (kernels/attention.cpp): it writes every row's key and value
+    first, then each row attends to its slot's positions up to its own, in a fixed order, so a prompt's tokens are
+    rows like any other (a Python loop of ~15 torch ops per prompt and layer made a step that admitted 6 prompts
+    half again as long as a decode step). Without them, span by span in torch."""
     R, C = x.shape[1], x.shape[2]
     hs = C // n_head
     q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [1, R, C]
-    D = segments.single_rows.shape[0]
-    native = decode_kernels() if D and k_cache.is_contiguous() else None
-    if native is not None and D == R:  # a pure decode step: every row is a one-token span, in order
+    native = decode_kernels() if k_cache.is_contiguous() else None
+    if native is not None:
         out = native.decode_attention(q[0].view(R, n_head, hs), k[0].view(R, n_head, hs), v[0].view(R, n_head, hs),
-                                      k_cache, v_cache, segments.single_slots, segments.single_starts, cpu().avx512)
+                                      k_cache, v_cache, segments.slots, segments.positions, cpu().avx512)
         return linear(out.view(1, R, C), blk.attn_c_proj)  # [1, R, C]
     out = torch.empty(1, R, C)  # [1, R, C]
-    if native is not None:
-        at = segments.single_rows  # [D]
-        qd, kd, vd = (t[0, at].view(D, n_head, hs) for t in (q, k, v))  # 3 x [D, nh, hs]
-        out[0, at] = native.decode_attention(qd, kd, vd, k_cache, v_cache, segments.single_slots,
-                                             segments.single_starts, cpu().avx512).view(D, C)
     for (slot, start, n), row in zip(segments.spans, segments.first_rows):
-        if native is not None and n == 1:
-            continue
         qi, ki, vi = (split_heads(t[:, row : row + n], n_head) for t in (q, k, v))  # 3 x [1, nh, n, hs]
         k_cache[slot, :, start : start + n], v_cache[slot, :, start : start + n] = ki[0], vi[0]
         keys, values = k_cache[slot : slot + 1, :, : start + n], v_cache[slot : slot + 1, :, : start + n]  # [1, nh, S, hs]
@@ -393,9 +386,8 @@ def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[tuple[in
     """
     lengths = [len(ids) for _, _, ids in segments]
     ids = torch.tensor([t for _, _, seg in segments for t in seg])  # [R]
-    positions = torch.cat([torch.arange(start, start + n) for (_, start, _), n in zip(segments, lengths)])  # [R]
-    x = (embed(w, ids) + w.wpe[positions])[None]  # [1, R, C]
     plan = Segments.plan([(slot, start, n) for (slot, start, _), n in zip(segments, lengths)])
+    x = (embed(w, ids) + w.wpe[plan.positions])[None]  # [1, R, C]
     for i, blk in enumerate(w.blocks):
         x = block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], plan))
     last = torch.tensor(lengths).cumsum(0) - 1  # [n]: each segment's last row

@@ -29,7 +29,7 @@ from .weights import QuantizedMatrix
 # (batch invariance), and the weight is read once for all rows. Without them (no compiler), the fallback below: MKL
 # runs a GEMV on one core at about half the machine's read bandwidth, so the reduction is split over the cores with
 # one bmm on zero-copy views of the weight (not batch-invariant).
-DECODE_ROWS = 16
+DECODE_ROWS = 32
 FEW_ROWS = 8
 HEAD_ROWS = 4096  # rows of a bfloat16 head widened at a time: 12 MiB of float32, which stays in cache
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what decode.cpp's kernels read

@@ -288,9 +288,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
 
+// Each call releases the GIL, as torch's own ops do: the kernels touch no Python object, and in `gpt2 serve` the
+// HTTP event loop must run while the engine thread is inside them (holding it, the loop waited for Python's 5 ms
+// switch interval and requests queued behind a busy step).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order");
-  m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order");
-  m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)");
-  m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order", release());
+  m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order", release());
+  m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",
+        release());
+  m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)",
+        release());
 }
