@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark `gpt2 serve` under concurrent streaming clients (`make bench-serve`).
 
-    python scripts/bench_serve.py [--weights DIR] [--clients 1,4,8,16] [--max-tokens 64] [--requests 2]
+    python scripts/bench_serve.py [--weights DIR] [--clients 1,4,8,16] [--max-tokens 64] [--requests 4]
 
 Starts the real server on 127.0.0.1 (default: the full-size fixture, 8 slots), then for each client count runs that
 many clients at once, each sending --requests streaming completions one after another (fixed prompts, greedy,
@@ -59,7 +59,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture)")
     p.add_argument("--clients", default="1,4,8,16", help="concurrent client counts (default 1,4,8,16)")
-    p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client (default 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--parallel", type=int, default=8, help="server slots (default 8)")
     args = p.parse_args()
