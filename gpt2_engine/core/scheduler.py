@@ -202,14 +202,17 @@ class Scheduler:
                 self._prefill(seq)  # alone, through the whole-sequence forward
             else:
                 new.append(seq)
-        # new short prompts first (their first token is what their clients wait for), then the running sequences'
-        # next tokens, in passes of at most DECODE_ROWS rows
-        work = [(s, s.request.prompt, 0) for s in new] + [(s, [s.next_token], s.position) for s in running]
+        # new short prompts first, in passes of their own: a new sequence's first token (what its client waits for)
+        # is out one short pass after admission, not after a pass that also carries every running sequence (at 8
+        # clients that cut the p99 time to first token by about a step, for one extra pass per admission); then the
+        # running sequences' next tokens. Passes hold at most DECODE_ROWS rows; each pass's events go out at once.
         passes: list[list[tuple[Sequence, list[int], int]]] = []
-        for item in work:
-            if not passes or sum(len(ids) for _, ids, _ in passes[-1]) + len(item[1]) > DECODE_ROWS:
-                passes.append([])
-            passes[-1].append(item)
+        for work in ([(s, s.request.prompt, 0) for s in new], [(s, [s.next_token], s.position) for s in running]):
+            first = len(passes)
+            for item in work:
+                if len(passes) == first or sum(len(ids) for _, ids, _ in passes[-1]) + len(item[1]) > DECODE_ROWS:
+                    passes.append([])
+                passes[-1].append(item)
         for chunk in passes:
             with torch.inference_mode():
                 rows = forward_segments(self.weights, self.config, [(s.slot, start, ids) for s, ids, start in chunk],
