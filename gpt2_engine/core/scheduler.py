@@ -1,8 +1,8 @@
 """Continuous batching: one loop owns the model and a slot-based KV cache; sequences join and leave between steps.
 
-Each step admits waiting sequences into free slots, then runs one pass over the weights for up to DECODE_ROWS rows:
-every running sequence's next token at its own position, and the whole text of each new short prompt
-(model.forward_segments). A prompt longer than that, or one whose tokens are scored, is prefilled alone. Projections
+Each step admits waiting sequences into free slots, then runs passes over the weights of up to DECODE_ROWS rows each
+(model.forward_segments): first the whole text of each new short prompt, then every running sequence's next token at
+its own position. A prompt longer than that, or one whose tokens are scored, is prefilled alone. Projections
 and the head are row-invariant and attention stays within each sequence's slot, so a sequence's tokens depend only on
 its own prompt, parameters and seed, never on what else shares the steps. A finished or cancelled sequence frees its
 slot at once.
