@@ -116,12 +116,11 @@ def quantize_weights(w: GPT2Weights, fmt: str, source: Path | None = None) -> GP
         release_heap()
         return Linear(q, p.bias)
 
-    wte_pages = None if source is None else file_pages(w.wte, source)  # checked once, released chunk by chunk
-
     def block(b: Block) -> Block:
         return replace(b, c_attn=linear(b.c_attn), attn_c_proj=linear(b.attn_c_proj), c_fc=linear(b.c_fc),
                        mlp_c_proj=linear(b.mlp_c_proj))
 
+    wte_pages = None if source is None else file_pages(w.wte, source)  # checked once, released chunk by chunk
     head = quantize_matrix(w.wte.t(), 8, done=lambda rows: wte_pages and wte_pages.release(w.wte[rows]))
     if wte_pages is not None:
         wte_pages.release(w.wte)  # each chunk's reads also mapped folios of the chunks released before it
