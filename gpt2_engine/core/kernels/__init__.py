@@ -12,6 +12,7 @@ and the quantized reference is slow).
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +83,11 @@ def decode_kernels() -> ModuleType | None:
         # -fopenmp: without it at::parallel_for compiles to a plain serial call (ATen/Parallel-inl.h), and every
         # kernel ran on one thread. With it, the kernels' OpenMP calls bind to the libgomp.so.1 torch has already
         # loaded (same soname), so they share torch's thread pool rather than start a second one.
-        return load(name="gpt2_engine_decode", sources=sources, extra_cflags=["-O3", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        # the name carries where these sources are: torch's extension cache is per user, and two checkouts under
+        # one name would rebuild over each other's module at every switch (~40 s each)
+        name = "gpt2_engine_decode_" + hashlib.sha1(str(HERE).encode()).hexdigest()[:10]
+        return load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]
         print(f"gpt2-engine: warning: the native kernels could not be built ({reason}); the model runs on torch's "
