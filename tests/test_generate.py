@@ -329,3 +329,25 @@ def test_scheduler_outputs_do_not_depend_on_what_else_runs(model: GPT2) -> None:
     together = run(requests, [0, 3, 3, 9])
     assert together == alone
     assert [len(t) for t in alone[:1]] == [30] and len(alone[3]) == 8
+
+
+def test_scheduler_runs_new_prompts_at_once_and_running_ones_every_other_pass(model: GPT2) -> None:
+    """A request that arrives while others run gets its first token from the very next step (a pass of new prompts
+    alone); the running sequences still advance at least every other step however fast new requests come."""
+    from gpt2_engine.core.scheduler import Request, Scheduler
+
+    enc = model.tokenizer.encode
+    greedy = SamplingParams(temperature=0)
+    sched = Scheduler(model.weights, model.config, model.tokenizer, slots=2)
+    steps: list[list[str]] = []  # who got a token in each step
+
+    def emit(name: str):
+        return lambda e: steps[-1].append(name) if e.token is not None else None
+
+    sched.add(Request(enc("Hello, my dog is"), 20, greedy, ignore_eos=True), emit("long"))
+    for i in range(7):
+        steps.append([])
+        if i:  # a one-token request arrives before every step after the first
+            sched.add(Request(enc(f"Request {i}"), 1, greedy, ignore_eos=True), emit(f"r{i}"))
+        sched.step()
+    assert steps == [["long"], ["long", "r1"], ["r2"], ["long", "r3"], ["r4"], ["long", "r5"], ["r6"]]
