@@ -185,6 +185,19 @@ torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N
 // keep them in registers (a run-time count left them on the stack). Each (m, v) element is one chain over C in the
 // same order whatever the block shape, so the bits do not depend on how rows are grouped.
 
+// Weights per cache line.
+template <typename W>
+constexpr int64_t LINE() { return 64 / sizeof(typename W::T); }
+
+// While a block reads column c of its NV vocabulary rows, the first row group prefetches that column's line in every
+// other row of the next block; the hardware prefetchers fetch the rest. Every row, or the next block's lines in
+// address order, measured slower. Against no prefetching, on GPT-2 small's head (Zen 4, 2 threads): float32 5.5 to
+// 4.9 ms at 1 row and 8.0 to 6.4 ms at 8 (AVX-512), 11.1 to 8.8 ms at 8 (AVX2); bfloat16 4.3 to 3.2 ms at 1 row.
+template <int NV, typename W>
+inline void prefetch_next(const typename W::T* w, int64_t C, int64_t v0, int64_t c) {
+  for (int i = 0; i < NV; i += 2) _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV + i) * C + c), _MM_HINT_T0);
+}
+
 template <int R, int NV, typename W>
 __attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, const typename W::T* w, float* y,
                                                               int64_t C, int64_t V, int64_t m0, int64_t v0) {
@@ -195,6 +208,7 @@ __attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, co
   for (; c + 16 <= C; c += 16) {
     __m512 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(x + (m0 + r) * C + c);
+    if (m0 == 0 && c % LINE<W>() == 0) prefetch_next<NV, W>(w, C, v0, c);
     for (int i = 0; i < NV; ++i) {
       const __m512 wv = W::load16(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(xs[r], wv, acc[i][r]);
@@ -218,6 +232,7 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const t
   for (; c + 8 <= C; c += 8) {
     __m256 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (m0 + r) * C + c);
+    if (m0 == 0 && c % LINE<W>() == 0) prefetch_next<NV, W>(w, C, v0, c);
     for (int i = 0; i < NV; ++i) {
       const __m256 wv = W::load8(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(xs[r], wv, acc[i][r]);
