@@ -331,23 +331,76 @@ def test_scheduler_outputs_do_not_depend_on_what_else_runs(model: GPT2) -> None:
     assert [len(t) for t in alone[:1]] == [30] and len(alone[3]) == 8
 
 
-def test_scheduler_runs_new_prompts_at_once_and_running_ones_every_other_pass(model: GPT2) -> None:
-    """A request that arrives while others run gets its first token from the very next step (a pass of new prompts
-    alone); the running sequences still advance at least every other step however fast new requests come."""
+def test_segments_that_join_a_pass_midway_get_the_same_bits(model: GPT2) -> None:
+    """A prompt that joins a pass before block i (after running blocks 0..i-1 alone) gets the logits and writes the
+    cache entries it gets when it runs in the pass from the start."""
+    from gpt2_engine.core.model import forward_segments
+
+    enc, cfg = model.tokenizer.encode, model.config
+    running = [(0, 0, enc("Hello, my dog is")), (2, 0, enc("Once"))]
+    late = [(1, 0, enc("def main():\n    print(")), (3, 0, enc("Zoë"))]
+    ref_cache = KVCache.allocate(cfg, 4, 32)
+    with torch.inference_mode():
+        ref = forward_segments(model.weights, cfg, running + late, ref_cache)
+        for layer in (0, 1, cfg.n_layer // 2, cfg.n_layer - 1):
+            cache = KVCache.allocate(cfg, 4, 32)
+            asked: list[tuple[int, int]] = []
+
+            def join(i: int, rows: int) -> list:
+                asked.append((i, rows))
+                return late if i == layer else []
+
+            got = forward_segments(model.weights, cfg, running, cache, join)
+            assert torch.equal(got, ref), layer
+            assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v), layer
+            rows, more = (sum(len(ids) for *_, ids in segs) for segs in (running, late))
+            assert asked == [(i, rows if i <= layer else rows + more) for i in range(cfg.n_layer)]
+
+
+def test_scheduler_lets_requests_that_arrive_mid_pass_join_it(model: GPT2) -> None:
+    """With an intake (the server's inbox), a request that arrives while the first half of a pass runs gets its
+    first token from that pass, and exactly the tokens it gets alone; one that arrives later waits for the next."""
     from gpt2_engine.core.scheduler import Request, Scheduler
 
     enc = model.tokenizer.encode
     greedy = SamplingParams(temperature=0)
-    sched = Scheduler(model.weights, model.config, model.tokenizer, slots=2)
-    steps: list[list[str]] = []  # who got a token in each step
+    first = Request(enc("Hello, my dog is"), 6, greedy, ignore_eos=True)
+    early = Request(enc("def main():"), 5, SamplingParams(temperature=1.0, top_k=0, top_p=0.9), seed=3)
+    late = Request(enc("Once upon a time"), 4, greedy, ignore_eos=True)
+
+    def alone(r: Request) -> list[int]:
+        sched, out = Scheduler(model.weights, model.config, model.tokenizer, slots=1), []
+        sched.add(r, lambda e: out.append(e.token) if e.token is not None else None)
+        for _ in range(50):  # bounded: a few steps each
+            if not sched.step():
+                return out
+        raise AssertionError("the scheduler did not finish")
+
+    sched = Scheduler(model.weights, model.config, model.tokenizer, slots=3)
+    got: dict[str, list[tuple[int, int]]] = {"first": [], "early": [], "late": []}
+    step = 0
 
     def emit(name: str):
-        return lambda e: steps[-1].append(name) if e.token is not None else None
+        return lambda e: got[name].append((step, e.token)) if e.token is not None else None
 
-    sched.add(Request(enc("Hello, my dog is"), 20, greedy, ignore_eos=True), emit("long"))
-    for i in range(7):
-        steps.append([])
-        if i:  # a one-token request arrives before every step after the first
-            sched.add(Request(enc(f"Request {i}"), 1, greedy, ignore_eos=True), emit(f"r{i}"))
-        sched.step()
-    assert steps == [["long"], ["long", "r1"], ["r2"], ["long", "r3"], ["r4"], ["long", "r5"], ["r6"]]
+    calls = 0
+    half = model.config.n_layer // 2
+
+    def intake() -> None:  # in the second step one request arrives before block 2, another before block `half`
+        nonlocal calls
+        calls += 1
+        if step == 1 and calls == 3:
+            sched.add(early, emit("early"))
+        if step == 1 and calls == half + 1:
+            sched.add(late, emit("late"))
+
+    sched.add(first, emit("first"))
+    for step in range(20):  # bounded: everything finishes in 7 steps
+        calls = 0
+        if not sched.step(intake):
+            break
+    assert [s for s, _ in got["first"]] == list(range(6))
+    assert [s for s, _ in got["early"]] == list(range(1, 6))  # its first token from the pass it joined
+    assert [s for s, _ in got["late"]] == list(range(2, 6))  # past half the blocks: the next pass
+    for name, r in (("first", first), ("early", early), ("late", late)):
+        assert [t for _, t in got[name]] == alone(r), name

@@ -377,18 +377,44 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
     return logits(w, config, x, tap)  # [B, T, V]
 
 
-def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[tuple[int, int, list[int]]],
-                     cache: KVCache) -> torch.Tensor:
+Segment = tuple[int, int, list[int]]  # (cache slot, start position, token ids)
+
+
+def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[Segment], cache: KVCache,
+                     join: Callable[[int, int], list[Segment]] | None = None) -> torch.Tensor:
     """One step of continuous batching: segments (slot, start, token ids) -> the logits after each one's last token
     [n, V]. Running sequences contribute their next token, new short prompts their whole text, all in one pass over
     the weights. With at most projection.DECODE_ROWS rows every matmul runs on the row-invariant kernels and attention stays
     within each segment's slot, so a sequence's logits are the same bits whatever else shares the step.
+
+    `join(layer, rows)`, if given, is asked before each block (rows: how many the pass holds) and may return more
+    segments, new prompts that arrived while the pass ran: they run the blocks before `layer` on their own, then
+    join the pass for the rest, and their logits come after the others'. Rows are independent, so this gives the same
+    bits as running them from the start, and a request that arrives mid-pass need not wait for the pass to end.
     """
-    lengths = [len(ids) for _, _, ids in segments]
-    ids = torch.tensor([t for _, _, seg in segments for t in seg])  # [R]
-    plan = Segments.plan([(slot, start, n) for (slot, start, _), n in zip(segments, lengths)])
-    x = (embed(w, ids) + w.wpe[plan.positions])[None]  # [1, R, C]
-    for i, blk in enumerate(w.blocks):
-        x = block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], plan))
-    last = torch.tensor(lengths).cumsum(0) - 1  # [n]: each segment's last row
+    segments = list(segments)
+    x, plan = embed_segments(w, segments)  # [1, R, C]
+    for i in range(config.n_layer):
+        if join is not None and (more := join(i, x.shape[1])):
+            y, late = embed_segments(w, more)  # [1, R', C]
+            for j in range(i):
+                y = segment_block(w, config, j, y, late, cache)
+            segments += more
+            x, plan = torch.cat([x, y], dim=1), Segments.plan(plan.spans + late.spans)  # [1, R + R', C]
+        x = segment_block(w, config, i, x, plan, cache)
+    last = torch.tensor([len(ids) for _, _, ids in segments]).cumsum(0) - 1  # [n]: each segment's last row
     return logits(w, config, x[0, last])  # [n, V]
+
+
+def embed_segments(w: GPT2Weights, segments: list[Segment]) -> tuple[torch.Tensor, Segments]:
+    """Segments' tokens -> their residual stream [1, R, C] at their own positions, and the plan of their rows."""
+    ids = torch.tensor([t for _, _, seg in segments for t in seg])  # [R]
+    plan = Segments.plan([(slot, start, len(seg)) for slot, start, seg in segments])
+    return (embed(w, ids) + w.wpe[plan.positions])[None], plan  # [1, R, C]
+
+
+def segment_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, plan: Segments,
+                  cache: KVCache) -> torch.Tensor:
+    """[1, R, C] -> [1, R, C] through block i, each span attending within its cache slot."""
+    blk = w.blocks[i]
+    return block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], plan))

@@ -1,12 +1,11 @@
 """Continuous batching: one loop owns the model and a slot-based KV cache; sequences join and leave between steps.
 
 Each step admits waiting sequences into free slots, then runs one pass over the weights (model.forward_segments; one
-per DECODE_ROWS rows): the whole text of each new short prompt, and every running sequence's next token at its own
-position unless the pass is new prompts' alone (see Scheduler.step). A prompt longer than that, or one whose tokens
-are scored, is prefilled alone. Projections
-and the head are row-invariant and attention stays within each sequence's slot, so a sequence's tokens depend only on
-its own prompt, parameters and seed, never on what else shares the steps. A finished or cancelled sequence frees its
-slot at once.
+per DECODE_ROWS rows) with every running sequence's next token at its own position and the whole text of each new
+short prompt; a new prompt may also join a pass during its first half of the blocks (see Scheduler.step). A prompt
+longer than DECODE_ROWS, or one whose tokens are scored, is prefilled alone. Projections and the head are
+row-invariant and attention stays within each sequence's slot, so a sequence's tokens depend only on its own prompt,
+parameters and seed, never on what else shares the steps. A finished or cancelled sequence frees its slot at once.
 
 The scheduler is single-threaded: `gpt2 generate` drives it directly, the server from its engine thread.
 """
@@ -172,7 +171,6 @@ class Scheduler:
         self.cache = KVCache.allocate(config, slots, max_len or config.n_positions)  # [n_layer, slots, nh, L, hs]
         self.slots: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
-        self.prompts_last = False  # whether the last step's pass held new prompts alone
 
     @property
     def running(self) -> int:
@@ -191,48 +189,71 @@ class Scheduler:
         """Stop a sequence: it leaves its slot (or the queue) at the next step with a final event of this reason."""
         seq.cancelled = reason
 
-    def step(self) -> bool:
-        """Admit what fits, then one pass over the weights (one per DECODE_ROWS rows). True while work remains.
+    def step(self, intake: Callable[[], None] | None = None) -> bool:
+        """Admit what fits, then one pass over the weights (one per DECODE_ROWS rows) that advances every running
+        sequence and runs every new short prompt. True while work remains.
 
-        A new short prompt runs in the first pass after its admission: alone with the other new prompts if the last
-        pass advanced the running sequences (its first token, what its client waits for, is then out one short pass
-        later), else together with the running sequences (which so advance at least every other pass, however fast
-        prompts arrive). Admitting before every pass rather than before a prompt pass and a decode pass together
-        means a request that arrives mid-pass waits for that pass alone: at 8 clients, one decode pass (~35 ms)
-        less before a late arrival's first token."""
+        `intake`, if given, takes the requests and cancellations that arrived since (the server's engine thread
+        passes its inbox). It is called before each block of the step's last pass, and in the first half of the
+        blocks new short prompts that fit join that pass (model.forward_segments): at 8 clients a request that
+        arrives mid-pass had waited for the rest of it and then for a pass of its own. Later, catching up alone
+        would cost the running sequences more than the newcomer saves, and it waits for the next pass."""
         self._drop_cancelled()
         running = [s for s in self.slots if s is not None and not s.finished]
         new: list[Sequence] = []
         while self.waiting and None in self.slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.slots.index(None)
-            self.slots[seq.slot] = seq
-            if len(seq.request.prompt) > DECODE_ROWS or seq.request.prompt_logprobs or seq.request.max_new_tokens == 0:
-                self._prefill(seq)  # alone, through the whole-sequence forward
-            else:
+            seq = self._place(self.waiting.popleft())
+            if self._can_join(seq):
                 new.append(seq)
-        prompts = [(s, s.request.prompt, 0) for s in new]
-        if new and not self.prompts_last:
-            work = prompts
-        else:
-            work = [(s, [s.next_token], s.position) for s in running] + prompts
-        self.prompts_last = bool(new) and work is prompts
+            else:
+                self._prefill(seq)  # alone, through the whole-sequence forward
+        work = [(s, [s.next_token], s.position) for s in running] + [(s, s.request.prompt, 0) for s in new]
         passes: list[list[tuple[Sequence, list[int], int]]] = [[]]
         for item in work:  # passes hold at most DECODE_ROWS rows; each pass's events go out at once
             if passes[-1] and sum(len(ids) for _, ids, _ in passes[-1]) + len(item[1]) > DECODE_ROWS:
                 passes.append([])
             passes[-1].append(item)
-        for chunk in [c for c in passes if c]:
+        for n, chunk in enumerate(passes):
+            if not chunk:
+                continue  # only prompts prefilled alone this step
+            joined: list[Sequence] = []
+
+            def join(layer: int, rows: int) -> list[tuple[int, int, list[int]]]:
+                if intake is None:
+                    return []
+                intake()
+                if 2 * layer >= self.config.n_layer:
+                    return []
+                more = []
+                while (self.waiting and None in self.slots and self._can_join(self.waiting[0])
+                       and rows + len(self.waiting[0].request.prompt) <= DECODE_ROWS):
+                    more.append(self._place(self.waiting.popleft()))
+                    rows += len(more[-1].request.prompt)
+                joined.extend(more)
+                return [(s.slot, 0, s.request.prompt) for s in more]
+
             with torch.inference_mode():
                 rows = forward_segments(self.weights, self.config, [(s.slot, start, ids) for s, ids, start in chunk],
-                                        self.cache)  # [n, V]
+                                        self.cache, join if n == len(passes) - 1 else None)  # [n, V]
                 lses = torch.logsumexp(rows, -1).tolist()  # [n]: one call for the pass, not one per row
-            for (seq, ids, start), row, lse in zip(chunk, rows, lses):
+            for (seq, ids, start), row, lse in zip(chunk + [(s, s.request.prompt, 0) for s in joined], rows, lses):
                 seq.position = start + len(ids)
                 self._advance(seq, row, lse)
         return bool(self.waiting) or self.running > 0
 
     # --- internals ------------------------------------------------------------------------------------------------
+
+    def _place(self, seq: Sequence) -> Sequence:
+        seq.slot = self.slots.index(None)
+        self.slots[seq.slot] = seq
+        return seq
+
+    @staticmethod
+    def _can_join(seq: Sequence) -> bool:
+        """Whether a new sequence's prompt can run as rows of a shared pass (short, not scored, not cancelled)."""
+        r = seq.request
+        return (not seq.cancelled and len(r.prompt) <= DECODE_ROWS and not r.prompt_logprobs
+                and r.max_new_tokens > 0)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancelled]:

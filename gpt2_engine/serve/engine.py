@@ -3,8 +3,9 @@
 Handlers never run the model. `submit` puts a job in the thread's inbox and returns a Handle whose asyncio queue
 receives (sequence index, Event) pairs, delivered into the event loop with call_soon_threadsafe. Back-pressure:
 `submit` refuses (QueueFull) when the sequences waiting for a slot would exceed max_queue, and a sequence that waits
-longer than queue_timeout seconds ends with finish reason 'queue_timeout'. Between steps the thread takes new jobs
-and cancellations, so a cancelled sequence leaves its slot within one step.
+longer than queue_timeout seconds ends with finish reason 'queue_timeout'. Between steps, and between the blocks of a
+pass's first half (where a new short prompt can join the pass), the thread takes new jobs and cancellations, so a
+cancelled sequence leaves its slot within one step.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class AsyncEngine:
         self.live: set[Handle] = set()  # touched by the engine thread only
         self.thread = threading.Thread(target=self._loop, name="gpt2-engine", daemon=True)
         self.stopped = threading.Event()
+        self.stopping = False  # set by the engine thread when it takes the stop command
 
     def start(self) -> None:
         self.thread.start()
@@ -93,28 +95,30 @@ class AsyncEngine:
     # --- the engine thread --------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            idle = not self.scheduler.waiting and self.scheduler.running == 0
-            try:
-                command, handle = self.inbox.get(timeout=IDLE_WAIT) if idle else self.inbox.get_nowait()
-            except queue.Empty:
-                command, handle = "", None
-            while command:
+        while not self.stopping:
+            self._intake(wait=not self.scheduler.waiting and self.scheduler.running == 0)
+            if self.stopping:
+                break
+            self._expire()
+            if self.scheduler.waiting or self.scheduler.running:
+                self.scheduler.step(self._intake)  # also between blocks: new prompts may join the running pass
+        self._shutdown()
+
+    def _intake(self, wait: bool = False) -> None:
+        """Take every command in the inbox (add, cancel, stop); with `wait`, block up to IDLE_WAIT for the first."""
+        try:
+            command, handle = self.inbox.get(timeout=IDLE_WAIT) if wait else self.inbox.get_nowait()
+            while True:
                 if command == "stop":
-                    self._shutdown()
-                    return
-                if command == "add":
+                    self.stopping = True
+                elif command == "add":
                     self._add(handle)
                 elif command == "cancel":
                     for seq in handle.seqs:
                         self.scheduler.cancel(seq)
-                try:
-                    command, handle = self.inbox.get_nowait()
-                except queue.Empty:
-                    command = ""
-            self._expire()
-            if self.scheduler.waiting or self.scheduler.running:
-                self.scheduler.step()
+                command, handle = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
 
     def _add(self, handle: Handle) -> None:
         self.live.add(handle)
