@@ -213,7 +213,7 @@ class Scheduler:
             if passes[-1] and sum(len(ids) for _, ids, _ in passes[-1]) + len(item[1]) > DECODE_ROWS:
                 passes.append([])
             passes[-1].append(item)
-        for n, chunk in enumerate(passes):
+        for p, chunk in enumerate(passes):
             if not chunk:
                 continue  # only prompts prefilled alone this step
             joined: list[Sequence] = []
@@ -233,10 +233,10 @@ class Scheduler:
                 return [(s.slot, 0, s.request.prompt) for s in more]
 
             with torch.inference_mode():
-                rows = forward_segments(self.weights, self.config, [(s.slot, start, ids) for s, ids, start in chunk],
-                                        self.cache, join if n == len(passes) - 1 else None)  # [n, V]
-                lses = torch.logsumexp(rows, -1).tolist()  # [n]: one call for the pass, not one per row
-            for (seq, ids, start), row, lse in zip(chunk + [(s, s.request.prompt, 0) for s in joined], rows, lses):
+                out = forward_segments(self.weights, self.config, [(s.slot, start, ids) for s, ids, start in chunk],
+                                       self.cache, join if p == len(passes) - 1 else None)  # [n, V], joined ones last
+                lses = torch.logsumexp(out, -1).tolist()  # [n]: one call for the pass, not one per row
+            for (seq, ids, start), row, lse in zip(chunk + [(s, s.request.prompt, 0) for s in joined], out, lses):
                 seq.position = start + len(ids)
                 self._advance(seq, row, lse)
         return bool(self.waiting) or self.running > 0
