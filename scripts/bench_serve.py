@@ -5,8 +5,9 @@
 
 Starts the real server on 127.0.0.1 (default: the full-size fixture, 8 slots), then for each client count starts
 that many clients together (each built before the clock starts), each sending --requests streaming completions one
-after another (fixed prompts, greedy, ignore_eos, so every request generates exactly --max-tokens tokens). Reports aggregate generated tokens/s, time to
-first token p50/p99 and inter-token latency p50/p99, and the ratios the targets are stated in.
+after another (fixed prompts, greedy, ignore_eos, so every request generates exactly --max-tokens tokens). Reports
+aggregate generated tokens/s, time to first token p50/p99 and inter-token latency p50/p99, and the ratios the
+targets are stated in.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Handlers never run the model. `submit` puts a job in the thread's inbox and returns a Handle whose asyncio queue
 receives (sequence index, Event) pairs, delivered into the event loop with call_soon_threadsafe. Back-pressure:
 `submit` refuses (QueueFull) when the sequences waiting for a slot would exceed max_queue, and a sequence that waits
-longer than queue_timeout seconds ends with finish reason 'queue_timeout'. Between steps, and between the blocks of a
-pass's first half (where a new short prompt can join the pass), the thread takes new jobs and cancellations, so a
-cancelled sequence leaves its slot within one step.
+longer than queue_timeout seconds ends with finish reason 'queue_timeout'. Between steps, and before each block of a
+pass (in the first half of the blocks a new short prompt joins the pass), the thread takes new jobs and
+cancellations, so a cancelled sequence leaves its slot within one step.
 """
 
 from __future__ import annotations
