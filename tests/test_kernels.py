@@ -213,7 +213,8 @@ def test_decode_attention_matches_torch_and_ignores_the_other_rows(native, isa: 
         native.decode_attention(q[:1], kn[:1], vn[:1], k, v, torch.tensor([5]), torch.tensor([3]), isa == "avx512")
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(),
+                    reason="the loaded libgomp is read from /proc/self/maps, which only Linux has")
 def test_kernels_share_torchs_openmp_runtime(native) -> None:
     """The kernels are built with OpenMP (without it at::parallel_for is a serial loop) and bind to the one libgomp
     torch loaded, so that there is one thread pool, not two competing for the cores."""

@@ -229,7 +229,8 @@ def _resident_kb() -> int:
                 if line.startswith("VmRSS:"))
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc to see resident memory")
+@pytest.mark.skipif(not Path("/proc/self/status").exists(),
+                    reason="resident memory is read from /proc/self/status, which only Linux has")
 def test_released_pages_come_back_with_the_same_values(small_dir: Path) -> None:
     """release_pages drops the resident pages of a tensor mapped from the checkpoint file (the RSS falls by about
     its size) and a later read gets the file's bytes back; a tensor not mapped from the file is left alone."""
@@ -257,7 +258,8 @@ def _present_pages(start: int, end: int) -> int:
     return sum(e >> 63 for e in entries)
 
 
-@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads Linux's /proc/self/pagemap")
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(),
+                    reason="resident pages are counted through /proc/self/pagemap, which only Linux has")
 def test_a_quantized_model_keeps_no_float32_embedding_pages(small_dir: Path) -> None:
     """A quantized model reads wte only for the embedding; each lookup maps the page-cache folios around its rows
     (about 0.9 MB each on a kernel with large folios), and embed() drops them again, with the file's values."""
