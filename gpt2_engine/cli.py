@@ -11,23 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+from .compare import add_compare
 from .core.errors import GPT2EngineError
-from .core.generate import Generation, GenerationSettings
+from .core.requests import GenerationSettings
 from .core.sampling import SamplingParams
-from .core.weights import DEFAULT_WEIGHTS
-
-class UsageError(GPT2EngineError):
-    """Bad command-line input."""
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError
-    return value
-
-
-positive_int.__name__ = "positive integer"
+from .download import add_download
+from .inspect.cli import add_inspect
+from .options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+from .score import add_score
+from .serve.cli import add_serve
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -62,16 +54,6 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_generate)
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS, metavar="DIR",
-                   help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
-    p.add_argument("--quantize", choices=["int8", "int4"],
-                   help="quantize the projections at load time to blockwise int8 or int4 (the head to int8): "
-                        "faster decoding, a little less accurate (see README)")
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
-
-
 def read_prompt(args: argparse.Namespace) -> str:
     if args.file is not None:
         if args.prompt is not None:
@@ -87,27 +69,17 @@ def read_prompt(args: argparse.Namespace) -> str:
     return args.prompt
 
 
-def load_model(args: argparse.Namespace):
-    import torch
-
-    from .core.engine import GPT2
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize)
-
-
 def run_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     stop = tuple(s.encode("utf-8").decode("unicode_escape") if "\\" in s else s for s in args.stop)
-    settings = GenerationSettings(
+    settings = GenerationSettings(  # checked before the model loads: a typo costs no load time
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
         stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate)
     t0 = time.perf_counter()
-    model = load_model(args)
+    model = load_model(ModelOptions.from_args(args))
     load_seconds = time.perf_counter() - t0
-    run = Generation(model, [model.tokenizer.encode(prompt, allow_special=args.allow_special)], settings)
+    run = model.generation(prompt, allow_special=args.allow_special, settings=settings)
     if run.stats.truncated_tokens:
         print(f"gpt2: prompt truncated from the left: dropped {run.stats.truncated_tokens} tokens to fit the context "
               f"of {model.config.n_positions}", file=sys.stderr)
@@ -140,12 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2", description="A from-scratch GPT-2 inference engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_generate(sub)
-    from .compare import add_compare
-    from .download import add_download
-    from .inspect.cli import add_inspect
-    from .score import add_score
-    from .serve.cli import add_serve
-
     add_score(sub)
     add_serve(sub)
     add_inspect(sub)

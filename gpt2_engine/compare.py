@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .core.errors import GPT2EngineError, WeightsError
+from .core.requests import prompt_or_endoftext
 from .core.weights import DEFAULT_WEIGHTS
 
 # Default tolerances, relative to max |reference|: measured errors are ~1e-6 (torch fp32) and ~1e-6 (NumPy).
@@ -181,7 +182,7 @@ def run_compare(args: argparse.Namespace) -> int:
     reports = []
     rtols = {e: args.rtol if args.rtol is not None or variant else DEFAULT_RTOL[e] for e in engines}
     for name, text in prompts.items():
-        ids = model.tokenizer.encode(text)[: model.config.n_positions] or [model.tokenizer.eot_id]
+        ids = prompt_or_endoftext(model.tokenizer.encode(text)[: model.config.n_positions], model.tokenizer.eot_id)
         ids_t = torch.tensor([ids])
         ref = reference_outputs(hf_model, ids_t)
         for engine in engines:

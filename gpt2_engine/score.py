@@ -1,7 +1,8 @@
 """`gpt2 score`: perplexity, bits per byte and per-token surprisal of files, on the engine's scoring core.
 
 Input: each FILE is one UTF-8 document, a `.jsonl` file holds one document per line in its "text" field, `-` is
-stdin. The windows, the batching and the numbers are core/scoring.py's; this module reads, reports and writes.
+stdin (documents.py reads them). The windows, the batching and the numbers are core/scoring.py's; this module
+reports and writes.
 """
 
 from __future__ import annotations
@@ -17,66 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .core.errors import GPT2EngineError
-from .core.scoring import Score, ScoreSettings, score_documents
+from .core.scoring import Score, ScoreSettings
+from .documents import InputError, read_documents
+from .options import ModelOptions, add_model_options, load_model
 
 TOP_ALTERNATIVES = 5  # per token in --per-token output
-
-
-class InputError(GPT2EngineError):
-    """An input file that cannot be read as documents."""
-
-
-def decode_utf8(data: bytes, name: str, base: int = 0) -> str:
-    """`data` as text; invalid UTF-8 is an InputError that names the file and the byte offset."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{name}: invalid UTF-8 at byte offset {base + e.start} (expected UTF-8 text)") from None
-
-
-def read_bytes(path: str, stdin: IO[bytes]) -> bytes:
-    if path == "-":
-        return stdin.read()
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, expected a text or .jsonl file") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:
-    """(name, text) of every document, in input order: `PATH:N` for line N of a .jsonl file, `-` for stdin."""
-    docs: list[tuple[str, str]] = []
-    for path in paths:
-        data = read_bytes(path, stdin)
-        if not path.endswith(".jsonl"):
-            docs.append((path, decode_utf8(data, path)))
-            continue
-        offset = 0
-        for n, line in enumerate(data.split(b"\n"), start=1):
-            where, base, offset = f"{path}:{n}", offset, offset + len(line) + 1
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(decode_utf8(line, path, base))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise InputError(f"{where}: expected a JSON object with a string \"text\" field")
-            docs.append((where, record["text"]))
-    return docs
-
-
-def score_texts(model: Any, docs: list[tuple[str, str]], settings: ScoreSettings,
-                progress: Any = None) -> Iterator[Score]:
-    """Tokenize (name, text) documents and score them with the model's weights; Scores in input order."""
-    encoded = [(name, model.tokenizer.encode(text), len(text.encode("utf-8"))) for name, text in docs]
-    return score_documents(model.weights, model.config, model.tokenizer.eot_id, encoded, settings,
-                           progress=progress.update if progress is not None else None)
 
 
 def figures(s: Score) -> dict[str, Any]:
@@ -93,9 +39,7 @@ def per_token_records(s: Score, tokenizer: Any) -> Iterator[dict[str, Any]]:
     if st is None:
         return
     ids = s.token_ids[s.first_scored :]
-    def text(t: int) -> str:
-        return tokenizer.token_bytes(t).decode("utf-8", errors="replace")
-
+    text = tokenizer.token_text
     for j, (tok, lp, rank, ent, top_ids, top_lps) in enumerate(zip(
             ids, st.logprob.tolist(), st.rank.tolist(), st.entropy.tolist(), st.top_ids.tolist(), st.top_logprobs.tolist())):
         yield {"document": s.name, "index": s.first_scored + j, "token_id": tok, "token": text(tok), "logprob": lp,
@@ -154,14 +98,12 @@ def checked_settings(args: argparse.Namespace, config: Any) -> ScoreSettings:
 
 def local_scores(args: argparse.Namespace, progress: Any) -> tuple[Any, ScoreSettings, Iterator[Score]]:
     """(tokenizer, settings, scores in input order) on this machine."""
-    from .cli import load_model
-
     docs = read_documents(args.files, sys.stdin.buffer)  # every input is read and checked before the model loads
     if not docs:
         raise InputError("nothing to score: the input holds no documents")
-    model = load_model(args)
+    model = load_model(ModelOptions.from_args(args))
     settings = checked_settings(args, model.config)
-    return model.tokenizer, settings, score_texts(model, docs, settings, progress=progress)
+    return model.tokenizer, settings, model.score_documents(docs, settings, progress=progress.update)
 
 
 def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[Score]]:
@@ -233,8 +175,6 @@ def run_score(args: argparse.Namespace) -> int:
 
 
 def add_score(sub: argparse._SubParsersAction) -> None:
-    from .cli import add_model_options
-
     p = sub.add_parser(
         "score", help="perplexity, bits per byte and per-token surprisal of text files",
         description="Score documents under the model: tokens, total negative log-likelihood (nats), perplexity and "

@@ -49,11 +49,9 @@ def load_reference(weights: Path):
 
 def engine_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
     """Seconds to generate `new_tokens` greedily from ids [B, T] (prefill included)."""
-    from gpt2_engine.core.generate import Generation
-
-    settings = model.settings(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    run = model.generation(ids.tolist(), max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
-    Generation(model, ids.tolist(), settings).run()
+    run.run()
     return time.perf_counter() - t0
 
 

@@ -75,7 +75,7 @@ def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> Non
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "Hi", "--temperature", "-1"], "gpt2 generate: error: temperature must be a finite number >= 0"),
+        (["generate", "Hi", "--temperature", "-1"], "gpt2 generate: error: temperature must be in [0, 2]"),
         (["generate", "Hi", "--top-p", "0"], "gpt2 generate: error: top_p must be in (0, 1]"),
         (["generate", "Hi", "--top-k", "-3"], "gpt2 generate: error: top_k must be an integer >= 0"),
         (["generate", "Hi", "-n", "-2"], "gpt2 generate: error: max_new_tokens must be an integer >= 0"),

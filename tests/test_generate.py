@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2, GenerationError
-from gpt2_engine.core.generate import Generation
-from gpt2_engine.core.scheduler import Detokenizer, incomplete_utf8_tail
+from gpt2_engine.core.loop import EngineLoop
 from gpt2_engine.core.model import KVCache, forward
-from gpt2_engine.core.sampling import (SamplingParams, apply_penalties, apply_repetition_penalty, choose, process_logits,
-                                       top_k_filter, top_p_filter)
+from gpt2_engine.core.requests import Request
+from gpt2_engine.core.runner import ModelRunner, Pass, Segment, forward_segments
+from gpt2_engine.core.sampling import SamplingParams, apply_penalties, apply_repetition_penalty, choose
+from gpt2_engine.core.scheduler import Scheduler
+from gpt2_engine.core.tokenizer import Detokenizer, incomplete_utf8_tail
 
 from conftest import edited_copy
+from reference_sampling import process_logits, top_k_filter, top_p_filter
 
 PROMPTS = ["Hello, my dog is", "def main():\n    print(", "Zoë's café — 東京 🤖"]
 
@@ -154,15 +157,17 @@ def test_several_samples_per_prompt(model: GPT2) -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
-        (dict(temperature=math.nan), "temperature must be a finite number >= 0"),
-        (dict(temperature=math.inf), "temperature must be a finite number >= 0"),
+        (dict(temperature=-0.1), "temperature must be in [0, 2]"),
+        (dict(temperature=math.nan), "temperature must be in [0, 2]"),
+        (dict(temperature=math.inf), "temperature must be in [0, 2]"),
+        (dict(temperature=2.5), "temperature must be in [0, 2]"),
         (dict(top_p=0.0), "top_p must be in (0, 1]"),
         (dict(top_p=1.5), "top_p must be in (0, 1]"),
         (dict(top_k=-1), "top_k must be an integer >= 0"),
         (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
-        (dict(max_new_tokens=1025), "max_new_tokens (1025) must be at most the context length 1024"),
+        (dict(max_new_tokens=1025), "prompt of 1 tokens + max_new_tokens 1025 exceeds the context of 1024 tokens"),
+        (dict(max_new_tokens=1025, truncate="left"), "max_new_tokens (1025) must be at most the context length 1024"),
         (dict(stop=[""]), "stop strings must be non-empty strings"),
         (dict(top_kk=3), "unknown generation option(s): top_kk"),
     ],
@@ -220,8 +225,8 @@ def test_generation_stops_at_endoftext_unless_ignore_eos(eos_dir: Path) -> None:
 def test_prompt_beyond_the_context_is_an_error_or_truncated_left(tiny_model: GPT2) -> None:
     ids = list(range(1000, 1120))  # 120 tokens; tiny context is 128
     with pytest.raises(GenerationError, match="prompt of 120 tokens \\+ max_new_tokens 10 exceeds the context of 128"):
-        Generation(tiny_model, [ids], tiny_model.settings(max_new_tokens=10))
-    run = Generation(tiny_model, [ids], tiny_model.settings(max_new_tokens=10, truncate="left", temperature=0))
+        tiny_model.generation([ids], max_new_tokens=10)
+    run = tiny_model.generation([ids], max_new_tokens=10, truncate="left", temperature=0)
     [c] = run.run()
     # 119 + 10 fits: the 10th new token is never fed back, so positions 0..127 suffice
     assert run.stats.truncated_tokens == 1 and c.prompt_tokens == 119 and len(c.token_ids) == 10
@@ -300,11 +305,26 @@ def test_stream_pieces_join_to_the_generated_text(model: GPT2) -> None:
 # --- the scheduler: continuous batching ----------------------------------------------------------------------------
 
 
+def engine_loop(model: GPT2, slots: int) -> EngineLoop:
+    return EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots),
+                      ModelRunner(model.weights, model.config, slots=slots))
+
+
+def alone(model: GPT2, r: Request) -> list[int]:
+    """The tokens a request gets with the engine to itself."""
+    loop, out = engine_loop(model, 1), []
+    loop.submit([r], tag="alone")
+    for _ in range(100):  # bounded: a few steps each
+        for outputs in loop.step():
+            out += [e.token for _, e in outputs if e.token is not None]
+        if loop.scheduler.idle:
+            return out
+    raise AssertionError("the loop did not finish")
+
+
 def test_scheduler_outputs_do_not_depend_on_what_else_runs(model: GPT2) -> None:
     """Sequences that join mid-run, leave early and sample with different settings produce exactly the tokens they
     produce alone (row-invariant projections and head, per-row attention)."""
-    from gpt2_engine.core.scheduler import Request, Scheduler
-
     enc = model.tokenizer.encode
     requests = [
         Request(enc("Hello, my dog is"), 30, SamplingParams(temperature=0), ignore_eos=True),
@@ -312,95 +332,73 @@ def test_scheduler_outputs_do_not_depend_on_what_else_runs(model: GPT2) -> None:
         Request(enc("Zoë's café — 東京 🤖"), 25, SamplingParams(temperature=0.7, repetition_penalty=1.3), seed=4),
         Request(enc("Once"), 8, SamplingParams(temperature=0, presence_penalty=1.0), ignore_eos=True),
     ]
-
-    def run(reqs: list[Request], join_at: list[int]) -> list[list[int]]:
-        sched = Scheduler(model.weights, model.config, model.tokenizer, slots=3)  # fewer slots: one waits
-        out: list[list[int]] = [[] for _ in reqs]
-        pending = list(enumerate(reqs))
-        for step in range(1000):  # bounded: every request here finishes in well under 100 steps
-            for i, r in [(i, r) for i, r in pending if join_at[i] <= step]:
-                sched.add(r, lambda e, i=i: out[i].append(e.token) if e.token is not None else None)
-                pending.remove((i, r))
-            if not sched.step() and not pending:
-                return out
-        raise AssertionError("the scheduler did not finish")
-
-    alone = [run([r], [0])[0] for r in requests]
-    together = run(requests, [0, 3, 3, 9])
-    assert together == alone
-    assert [len(t) for t in alone[:1]] == [30] and len(alone[3]) == 8
+    join_at = [0, 3, 3, 9]
+    loop = engine_loop(model, 3)  # fewer slots than requests: one waits
+    out: list[list[int]] = [[] for _ in requests]
+    for step in range(1000):  # bounded: every request here finishes in well under 100 steps
+        for i in [i for i, s in enumerate(join_at) if s == step]:
+            loop.submit([requests[i]], tag=i)
+        for outputs in loop.step():
+            for seq, e in outputs:
+                if e.token is not None:
+                    out[seq.tag].append(e.token)
+        if loop.scheduler.idle and step > max(join_at):
+            break
+    assert out == [alone(model, r) for r in requests]
+    assert len(out[0]) == 30 and len(out[3]) == 8
 
 
 def test_segments_that_join_a_pass_midway_get_the_same_bits(model: GPT2) -> None:
-    """A prompt that joins a pass before block i (after running blocks 0..i-1 alone) gets the logits and writes the
+    """A prompt handed to a pass before block i (after running blocks 0..i-1 alone) gets the logits and writes the
     cache entries it gets when it runs in the pass from the start."""
-    from gpt2_engine.core.model import forward_segments
-
     enc, cfg = model.tokenizer.encode, model.config
-    running = [(0, 0, enc("Hello, my dog is")), (2, 0, enc("Once"))]
-    late = [(1, 0, enc("def main():\n    print(")), (3, 0, enc("Zoë"))]
+    running = [Segment(0, 0, enc("Hello, my dog is")), Segment(2, 0, enc("Once"))]
+    late = [Segment(1, 0, enc("def main():\n    print(")), Segment(3, 0, enc("Zoë"))]
     ref_cache = KVCache.allocate(cfg, 4, 32)
-    with torch.inference_mode():
-        ref = forward_segments(model.weights, cfg, running + late, ref_cache)
-        for layer in (0, 1, cfg.n_layer // 2, cfg.n_layer - 1):
-            cache = KVCache.allocate(cfg, 4, 32)
-            asked: list[tuple[int, int]] = []
+    ref = forward_segments(model.weights, cfg, running + late, ref_cache)
+    for layer in (0, 1, cfg.n_layer // 2, cfg.n_layer - 1):
+        cache = KVCache.allocate(cfg, 4, 32)
+        p = Pass(model.weights, cfg, cache, running)
+        rows = []
+        while not p.done:
+            if p.layer == layer:
+                p.add(late)
+            rows.append(p.rows)
+            p.run_block()
+        assert torch.equal(p.logits(), ref), layer
+        assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v), layer
+        n, more = (sum(len(s.ids) for s in segs) for segs in (running, late))
+        assert rows == [n if i < layer else n + more for i in range(cfg.n_layer)]
 
-            def join(i: int, rows: int) -> list:
-                asked.append((i, rows))
-                return late if i == layer else []
 
-            got = forward_segments(model.weights, cfg, running, cache, join)
-            assert torch.equal(got, ref), layer
-            assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v), layer
-            rows, more = (sum(len(ids) for *_, ids in segs) for segs in (running, late))
-            assert asked == [(i, rows if i <= layer else rows + more) for i in range(cfg.n_layer)]
-
-
-def test_scheduler_lets_requests_that_arrive_mid_pass_join_it(model: GPT2) -> None:
-    """With an intake (the server's inbox), a request that arrives while the first half of a pass runs gets its
-    first token from that pass, and exactly the tokens it gets alone; one that arrives later waits for the next."""
-    from gpt2_engine.core.scheduler import Request, Scheduler
-
+def test_requests_that_arrive_mid_pass_join_it(model: GPT2) -> None:
+    """A request handed to the loop while the first half of a pass runs gets its first token from that pass, and
+    exactly the tokens it gets alone; one that arrives later waits for the next pass."""
     enc = model.tokenizer.encode
     greedy = SamplingParams(temperature=0)
     first = Request(enc("Hello, my dog is"), 6, greedy, ignore_eos=True)
     early = Request(enc("def main():"), 5, SamplingParams(temperature=1.0, top_k=0, top_p=0.9), seed=3)
     late = Request(enc("Once upon a time"), 4, greedy, ignore_eos=True)
-
-    def alone(r: Request) -> list[int]:
-        sched, out = Scheduler(model.weights, model.config, model.tokenizer, slots=1), []
-        sched.add(r, lambda e: out.append(e.token) if e.token is not None else None)
-        for _ in range(50):  # bounded: a few steps each
-            if not sched.step():
-                return out
-        raise AssertionError("the scheduler did not finish")
-
-    sched = Scheduler(model.weights, model.config, model.tokenizer, slots=3)
+    loop = engine_loop(model, 3)
     got: dict[str, list[tuple[int, int]]] = {"first": [], "early": [], "late": []}
-    step = 0
-
-    def emit(name: str):
-        return lambda e: got[name].append((step, e.token)) if e.token is not None else None
-
-    calls = 0
     half = model.config.n_layer // 2
-
-    def intake() -> None:  # in the second step one request arrives before block 2, another before block `half`
-        nonlocal calls
-        calls += 1
-        if step == 1 and calls == 3:
-            sched.add(early, emit("early"))
-        if step == 1 and calls == half + 1:
-            sched.add(late, emit("late"))
-
-    sched.add(first, emit("first"))
+    loop.submit([first], tag="first")
     for step in range(20):  # bounded: everything finishes in 7 steps
-        calls = 0
-        if not sched.step(intake):
+        between = 0  # the loop yields an empty list before each block of its last pass
+        for outputs in loop.step():
+            for seq, e in outputs:
+                if e.token is not None:
+                    got[seq.tag].append((step, e.token))
+            if not outputs and step == 1:
+                between += 1
+                if between == 2:  # before block 1: joins this pass
+                    loop.submit([early], tag="early")
+                if between == half + 1:  # before block `half`: too late for this pass
+                    loop.submit([late], tag="late")
+        if loop.scheduler.idle:
             break
     assert [s for s, _ in got["first"]] == list(range(6))
     assert [s for s, _ in got["early"]] == list(range(1, 6))  # its first token from the pass it joined
     assert [s for s, _ in got["late"]] == list(range(2, 6))  # past half the blocks: the next pass
     for name, r in (("first", first), ("early", early), ("late", late)):
-        assert [t for _, t in got[name]] == alone(r), name
+        assert [t for _, t in got[name]] == alone(model, r), name

@@ -59,6 +59,8 @@ def test_generate_streams_the_greedy_completion(browser, site) -> None:
     stats = browser.find_element("id", "stats").text
     assert "tokens/s" in stats and "time to first token" in stats and " tokens · " in stats
     screenshot(browser, "playground-generate.png")
+    errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == []  # the page and its icon load with no error in the console
 
 
 def test_stop_aborts_and_frees_the_slot(browser, site) -> None:
@@ -72,7 +74,7 @@ def test_stop_aborts_and_frees_the_slot(browser, site) -> None:
     browser.find_element("id", "stop_button").click()
     wait_for(lambda: browser.find_element("id", "stats").get_attribute("data-state") == "stopped", "the stopped state")
     wait_for(lambda: parse(httpx.get(f"{url}/metrics").text)["gpt2_requests_running"] == 0, "the slot to be freed")
-    assert engine.scheduler.running == 0
+    assert engine.loop.scheduler.running == 0
 
 
 def test_colour_by_probability_uses_gltr_buckets(browser, site) -> None:

@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -22,9 +21,8 @@ import uvicorn
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
-from gpt2_engine.core.scheduler import Scheduler
 from gpt2_engine.serve.app import ServerSettings, ServerState, build_app
-from gpt2_engine.serve.engine import AsyncEngine
+from gpt2_engine.serve.engine import AsyncEngine, EngineSettings, start_engine
 from gpt2_engine.serve.metrics import parse
 
 openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
@@ -61,8 +59,7 @@ def server(trained_dir: Path) -> Iterator[str]:
             pytest.fail("the server did not become healthy in time")
     yield url
     proc.terminate()
-    # uvicorn shuts down gracefully, then re-raises the signal: the exit status is that of SIGTERM
-    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert proc.wait(timeout=30) == 0  # a graceful stop on SIGTERM is a success, for a supervisor
     assert "Traceback" not in proc.stderr.read()
 
 
@@ -158,7 +155,12 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
 
 
 @pytest.mark.parametrize("body,status,param,fragment", [
-    ({"prompt": "x", "temperature": 5}, 400, "temperature", "less than or equal to 2"),
+    ({"prompt": "x", "temperature": 5}, 400, "temperature", "temperature must be in [0, 2]"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "must be a number in [-2, 2]"),
+    ({"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias", "numbers in [-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"60000": 1}}, 400, "logit_bias", "outside the vocabulary"),
+    ({"prompt": [[1], []]}, 400, "prompt", "a token-id prompt must not be empty"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4 stop sequences"),
@@ -233,9 +235,7 @@ def test_a_client_that_goes_away_frees_its_slot(server: str) -> None:
 def live(model: GPT2, *, parallel: int = 1, max_queue: int = 1, queue_timeout: float = 60,
          api_key: str | None = None) -> Iterator[tuple[str, AsyncEngine]]:
     """The app on a real uvicorn server on 127.0.0.1, in a thread of this process, over `model`."""
-    engine = AsyncEngine(Scheduler(model.weights, model.config, model.tokenizer, slots=parallel),
-                         max_queue=max_queue, queue_timeout=queue_timeout)
-    engine.start()
+    engine = start_engine(model, EngineSettings(parallel, max_queue, queue_timeout))
     state = ServerState(ServerSettings(api_key=api_key), model=model, engine=engine)
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=free_port(), log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -262,6 +262,18 @@ def wait_for(condition, what: str, seconds: float = 30) -> None:
         time.sleep(0.005)
 
 
+def test_an_idle_server_accepts_a_burst_of_slots_plus_queue(trained_model: GPT2) -> None:
+    """parallel + max_queue streams at once are all accepted (free slots count), the next one is refused."""
+    with live(trained_model, parallel=2, max_queue=2) as (url, engine), httpx.Client(base_url=url, timeout=60) as c, \
+            contextlib.ExitStack() as streams:
+        for _ in range(4):  # kept open: closing one would be a disconnect
+            r = streams.enter_context(c.stream("POST", "/v1/completions", json=LONG))
+            assert r.status_code == 200
+        assert engine.held == 4
+        refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+
+
 def test_a_full_queue_answers_429_with_retry_after(trained_model: GPT2) -> None:
     with live(trained_model, parallel=1, max_queue=1) as (url, engine), httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=LONG) as first:
@@ -269,13 +281,13 @@ def test_a_full_queue_answers_429_with_retry_after(trained_model: GPT2) -> None:
             next(line for line in lines if line.startswith("data:"))  # it holds the only slot
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 second = pool.submit(c.post, "/v1/completions", json={**LONG, "stream": False, "max_tokens": 2})
-                wait_for(lambda: engine.queued == 1, "the second request to queue")
+                wait_for(lambda: engine.queued == 1, "the second request to queue")  # 1 slot + 1 waiting: full
                 third = c.post("/v1/completions", json={"model": "gpt2", "prompt": "x", "max_tokens": 1})
                 assert third.status_code == 429 and third.headers["retry-after"] == "1"
                 assert third.json()["error"]["type"] == "rate_limit_error" and third.json()["error"]["code"] == "queue_full"
         assert second.result().status_code == 200  # served once the first request's client went away
         assert c.get("/health").status_code == 200
-        wait_for(lambda: engine.scheduler.running == 0, "the slots to empty")
+        wait_for(lambda: engine.loop.scheduler.running == 0, "the slots to empty")
         m = parse(c.get("/metrics").text)
         assert m['gpt2_requests_rejected_total{reason="queue_full"}'] == 1 and m["gpt2_requests_running"] == 0
 
@@ -330,3 +342,137 @@ def test_serve_option_errors_are_one_line(capsys, tmp_path: Path) -> None:
     assert "the API key file is empty" in capsys.readouterr().err
     assert main(["serve", "--parallel", "0", "--weights", str(tmp_path)]) == 2
     assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_model_is_optional_and_the_icon_is_served(trained_model: GPT2) -> None:
+    with live(trained_model, parallel=1, max_queue=2) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "The", "max_tokens": 3, "temperature": 0})  # as curl users send it
+        assert r.status_code == 200 and r.json()["model"] == "gpt2"
+        expected = trained_model.complete(["The"], max_new_tokens=3, temperature=0)[0].text
+        assert r.json()["choices"][0]["text"] == expected
+        icon = c.get("/favicon.ico")
+        assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+
+
+# --- faults: every client gets its answer or its error, and the engine goes on ----------------------------------
+
+
+def fail_once(obj: object, name: str, error: BaseException) -> list[int]:
+    """Make obj.name raise `error` on its next call only; returns a list that counts the calls."""
+    original, calls = getattr(obj, name), []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return original(*args, **kwargs)
+
+    setattr(obj, name, faulty)
+    return calls
+
+
+def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    """The bodies posted at once, each answered within 60 s (a hang fails the test)."""
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json=b, timeout=60) for b in bodies]
+        return [f.result(timeout=90) for f in futures]
+
+
+def streamed_events(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("kernel exploded"), MemoryError("no room for the pass")])
+def test_a_pass_that_raises_fails_its_requests_and_the_engine_goes_on(trained_model: GPT2, error) -> None:
+    body = {"prompt": "The", "max_tokens": 5, "temperature": 0}
+    with live(trained_model, parallel=4, max_queue=4) as (url, engine):
+        calls = fail_once(engine.loop.runner, "open", error)
+        [whole] = post_all(url, [body])
+        assert calls  # the fault fired
+        assert whole.status_code == 500
+        err = whole.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "engine_error"
+        assert f"{type(error).__name__}: {error}" in err["message"]
+        fail_once(engine.loop.runner, "open", error)
+        [stream] = post_all(url, [{**body, "stream": True}])
+        assert stream.status_code == 200 and "error" in streamed_events(stream)[-1]
+        assert "data: [DONE]" not in stream.text  # a failed stream ends with its error chunk
+        ok = httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # the engine goes on
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["text"] == trained_model.complete(["The"], max_new_tokens=5, temperature=0)[0].text
+        wait_for(lambda: engine.loop.scheduler.running == 0 and engine.held == 0, "every slot to be free")
+        assert parse(httpx.get(f"{url}/metrics").text)['gpt2_requests_finished_total{reason="error"}'] >= 1
+
+
+def test_a_failed_prefill_fails_only_its_request(trained_model: GPT2) -> None:
+    with live(trained_model, parallel=2, max_queue=2) as (url, engine):
+        fail_once(engine.loop.runner, "prefill", MemoryError())
+        scored, other = post_all(url, [{"prompt": "The cat sat", "max_tokens": 0, "echo": True, "logprobs": 1},
+                                       {"prompt": "Return the", "max_tokens": 8, "temperature": 0}])
+        assert scored.status_code == 500 and "MemoryError" in scored.json()["error"]["message"]
+        assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_sampler_that_raises_fails_only_its_sequence(trained_model: GPT2, monkeypatch) -> None:
+    from gpt2_engine.core import scheduler
+
+    calls = fail_once(scheduler, "choose", ValueError("bad distribution"))
+    monkeypatch.setattr(scheduler, "choose", scheduler.choose)  # undone after the test
+    with live(trained_model, parallel=2, max_queue=2) as (url, engine):
+        first = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 4}, timeout=60)
+        assert first.status_code == 500 and "ValueError: bad distribution" in first.json()["error"]["message"]
+        again = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 4}, timeout=60)
+        assert again.status_code == 200 and len(calls) > 1
+
+
+def test_a_fatal_failure_answers_everyone_and_health_turns_503(trained_model: GPT2) -> None:
+    with live(trained_model, parallel=2, max_queue=2) as (url, engine):
+        fail_once(engine.loop.scheduler, "schedule", RuntimeError("scheduler state is broken"))
+        [r] = post_all(url, [{"prompt": "The", "max_tokens": 4}])
+        assert r.status_code == 500 and "scheduler state is broken" in r.json()["error"]["message"]
+        wait_for(lambda: not engine.thread.is_alive(), "the engine thread to stop")
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_failed"
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 4}, timeout=60)
+        assert late.status_code == 503 and "scheduler state is broken" in late.json()["error"]["message"]
+
+
+FATAL_SERVER = """
+import sys
+from gpt2_engine.cli import main
+from gpt2_engine.core.scheduler import Scheduler
+
+plain = Scheduler.schedule
+def schedule(self):
+    if any(s is not None and s.tokens for s in self.slots):  # once a sequence has its first token
+        raise RuntimeError("injected fatal fault")
+    return plain(self)
+Scheduler.schedule = schedule
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_gpt2_serve_exits_non_zero_after_a_fatal_failure(trained_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    script = tmp_path / "fatal_server.py"
+    script.write_text(FATAL_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), "serve", "--weights", str(trained_dir), "--port", str(port),
+                             "--threads", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: proc.poll() is not None or healthy(url), "the server to start", START_TIMEOUT)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 8, "stream": True}, timeout=60)
+        assert "injected fatal fault" in streamed_events(r)[-1]["error"]["message"]
+        assert proc.wait(timeout=30) == 2
+        assert proc.stderr.read().strip().splitlines()[-1] == (
+            "gpt2 serve: error: the engine stopped: RuntimeError: injected fatal fault")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,12 +10,13 @@ import torch
 
 from .config import GPT2Config
 from .errors import GenerationError, GPT2EngineError, WeightsError
-from .generate import Completion, Generation, GenerationSettings
+from .generate import Completion, Generation
 from .hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
 from .model import forward
 from .quantize import FORMATS, quantize_weights
-from .scoring import Score, ScoreSettings, score_documents, token_logprobs
+from .requests import GenerationSettings, Prompt, encode_prompts
 from .sampling import SamplingParams
+from .scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import CONFIG, GPT2Weights, find_weights_file, load_weights
 
@@ -119,8 +120,17 @@ class GPT2:
         context = context if context is not None else self.config.n_positions
         stride = stride if stride is not None else context // 2
         settings = ScoreSettings(context, stride, bos=bos, batch_size=batch_size)
-        docs = [(f"text{i}", self.encode_prompt(t), len(t.encode("utf-8"))) for i, t in enumerate(texts)]
-        return list(score_documents(self.weights, self.config, self.tokenizer.eot_id, docs, settings))
+        return list(self.score_documents([(f"text{i}", t) for i, t in enumerate(texts)], settings))
+
+    def score_documents(self, docs: Sequence[tuple[str, str]], settings: ScoreSettings,
+                        progress: Callable[[int], Any] | None = None) -> Iterator[Score]:
+        """Score (name, text) documents with explicit settings, in input order; `progress(n)` is told of every n
+        tokens scored (gpt2 score and its Ray workers run this)."""
+        for name, text in docs:
+            if not isinstance(text, str):
+                raise GPT2EngineError(f"{name}: expected the document's text as a string, got {type(text).__name__}")
+        encoded = [(name, self.tokenizer.encode(text), len(text.encode("utf-8"))) for name, text in docs]
+        return score_documents(self.weights, self.config, self.tokenizer.eot_id, encoded, settings, progress=progress)
 
     # --- generation: keyword arguments are GenerationSettings' and SamplingParams' fields ---------------------
 
@@ -140,16 +150,18 @@ class GPT2:
             kwargs["stop"] = tuple(kwargs["stop"] or ())
         return GenerationSettings(sampling=sampling, **kwargs)
 
-    def encode_prompt(self, prompt: str, *, allow_special: bool = False) -> list[int]:
-        """Token ids of a text prompt (an empty prompt becomes <|endoftext|> at generation time)."""
-        if not isinstance(prompt, str):
-            raise GenerationError(f"prompt must be a string, got {type(prompt).__name__}")
-        return self.tokenizer.encode(prompt, allow_special=allow_special)
+    def generation(self, prompt: Prompt, *, allow_special: bool = False, settings: GenerationSettings | None = None,
+                   **kwargs: Any) -> Generation:
+        """A generation run (iterate it to stream) over a prompt in any of the server's forms: a text, texts, token
+        ids or lists of them; the settings as keyword arguments, or made already. `gpt2 generate` runs this."""
+        if settings is not None and kwargs:
+            raise GenerationError("give settings= or keyword settings, not both")
+        ids = encode_prompts(prompt, self.tokenizer, allow_special=allow_special)
+        return Generation(self.weights, self.config, self.tokenizer, ids, settings or self.settings(**kwargs))
 
-    def complete(self, prompts: Sequence[str], *, allow_special: bool = False, **kwargs: Any) -> list[Completion]:
+    def complete(self, prompts: Prompt, *, allow_special: bool = False, **kwargs: Any) -> list[Completion]:
         """Completions (text, ids, logprobs, finish reason) for a batch of prompts; num_samples per prompt."""
-        ids = [self.encode_prompt(p, allow_special=allow_special) for p in prompts]
-        return Generation(self, ids, self.settings(**kwargs)).run()
+        return self.generation(prompts, allow_special=allow_special, **kwargs).run()
 
     def generate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str]:
         """The generated text (without the prompt); a list for a list of prompts or num_samples > 1."""
@@ -160,15 +172,17 @@ class GPT2:
 
     def stream(self, prompt: str, *, allow_special: bool = False, **kwargs: Any) -> Iterator[str]:
         """The generated text of one prompt, piece by piece as it is produced (whole UTF-8 characters only)."""
-        settings = self.settings(**kwargs)
-        if settings.num_samples != 1:
+        if not isinstance(prompt, str):
+            raise GenerationError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
+        run = self.generation(prompt, allow_special=allow_special, **kwargs)
+        if run.settings.num_samples != 1:
             raise GenerationError("stream() generates one sample; use complete() for num_samples > 1")
-        for _, piece in Generation(self, [self.encode_prompt(prompt, allow_special=allow_special)], settings):
+        for _, piece in run:
             yield piece
 
     def generate_ids(self, ids: Sequence[int], **kwargs: Any) -> list[int]:
         """The generated token ids (without the prompt) for a prompt given as token ids."""
-        return Generation(self, [list(ids)], self.settings(**kwargs)).run()[0].token_ids
+        return self.generation([list(ids)], **kwargs).run()[0].token_ids
 
     def check_ids(self, ids: torch.Tensor) -> None:
         """Raise GPT2EngineError unless `ids` is a [B, T] integer tensor of valid tokens that fits the context."""

@@ -14,7 +14,12 @@ class TokenizerError(GPT2EngineError):
 
 
 class GenerationError(GPT2EngineError, ValueError):
-    """Invalid sampling settings or a prompt that does not fit the context."""
+    """Invalid sampling settings or a prompt that does not fit the context. `param` names the setting at fault
+    (the server reports it as the OpenAI error's "param")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class DownloadError(GPT2EngineError):

@@ -234,9 +234,10 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.
 
 
 @dataclass(frozen=True)
-class Segments:
-    """One continuous-batching step's rows, worked out once for all layers: spans (slot, start, n) in row order,
-    and for every row its cache slot and position (what the native attention kernel reads)."""
+class RowLayout:
+    """Where the rows of a continuous-batching pass go, worked out once for all blocks: spans (slot, start, n) in row
+    order (n new tokens of the sequence in cache slot `slot`, at positions [start, start + n)), each span's first
+    row, and for every row its cache slot and position (what the native attention kernel reads)."""
 
     spans: list[tuple[int, int, int]]
     first_rows: list[int]  # each span's first row
@@ -244,7 +245,7 @@ class Segments:
     positions: torch.Tensor  # [R] the position of each row in its sequence
 
     @classmethod
-    def plan(cls, spans: list[tuple[int, int, int]]) -> Segments:
+    def of(cls, spans: list[tuple[int, int, int]]) -> RowLayout:
         firsts = [0]
         for _, _, n in spans[:-1]:
             firsts.append(firsts[-1] + n)
@@ -254,7 +255,7 @@ class Segments:
 
 
 def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            segments: Segments) -> torch.Tensor:
+                            layout: RowLayout) -> torch.Tensor:
     """[1, R, C] -> [1, R, C] for the rows of several sequences back to back; span (slot, start, n) holds n new
     tokens of the sequence in cache slot `slot` at positions [start, start + n): a running sequence's next token
     (n = 1) or a new prompt (start = 0). One projection over all R rows; each span writes its keys and values
@@ -270,10 +271,10 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
     native = decode_kernels() if k_cache.is_contiguous() else None
     if native is not None:
         out = native.decode_attention(q[0].view(R, n_head, hs), k[0].view(R, n_head, hs), v[0].view(R, n_head, hs),
-                                      k_cache, v_cache, segments.slots, segments.positions, cpu().avx512)
+                                      k_cache, v_cache, layout.slots, layout.positions, cpu().avx512)
         return linear(out.view(1, R, C), blk.attn_c_proj)  # [1, R, C]
     out = torch.empty(1, R, C)  # [1, R, C]
-    for (slot, start, n), row in zip(segments.spans, segments.first_rows):
+    for (slot, start, n), row in zip(layout.spans, layout.first_rows):
         qi, ki, vi = (split_heads(t[:, row : row + n], n_head) for t in (q, k, v))  # 3 x [1, nh, n, hs]
         k_cache[slot, :, start : start + n], v_cache[slot, :, start : start + n] = ki[0], vi[0]
         keys, values = k_cache[slot : slot + 1, :, : start + n], v_cache[slot : slot + 1, :, : start + n]  # [1, nh, S, hs]
@@ -375,46 +376,3 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
     if last_only:
         x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
     return logits(w, config, x, tap)  # [B, T, V]
-
-
-Segment = tuple[int, int, list[int]]  # (cache slot, start position, token ids)
-
-
-def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[Segment], cache: KVCache,
-                     join: Callable[[int, int], list[Segment]] | None = None) -> torch.Tensor:
-    """One step of continuous batching: segments (slot, start, token ids) -> the logits after each one's last token
-    [n, V]. Running sequences contribute their next token, new short prompts their whole text, all in one pass over
-    the weights. With at most projection.DECODE_ROWS rows every matmul runs on the row-invariant kernels and attention stays
-    within each segment's slot, so a sequence's logits are the same bits whatever else shares the step.
-
-    `join(layer, rows)`, if given, is asked before each block (rows: how many the pass holds) and may return more
-    segments, new prompts that arrived while the pass ran: they run the blocks before `layer` on their own, then
-    join the pass for the rest, and their logits come after the others'. Rows are independent, so this gives the same
-    bits as running them from the start, and a request that arrives mid-pass need not wait for the pass to end.
-    """
-    segments = list(segments)
-    x, plan = embed_segments(w, segments)  # [1, R, C]
-    for i in range(config.n_layer):
-        if join is not None and (more := join(i, x.shape[1])):
-            y, late = embed_segments(w, more)  # [1, R', C]
-            for j in range(i):
-                y = segment_block(w, config, j, y, late, cache)
-            segments += more
-            x, plan = torch.cat([x, y], dim=1), Segments.plan(plan.spans + late.spans)  # [1, R + R', C]
-        x = segment_block(w, config, i, x, plan, cache)
-    last = torch.tensor([len(ids) for _, _, ids in segments]).cumsum(0) - 1  # [n]: each segment's last row
-    return logits(w, config, x[0, last])  # [n, V]
-
-
-def embed_segments(w: GPT2Weights, segments: list[Segment]) -> tuple[torch.Tensor, Segments]:
-    """Segments' tokens -> their residual stream [1, R, C] at their own positions, and the plan of their rows."""
-    ids = torch.tensor([t for _, _, seg in segments for t in seg])  # [R]
-    plan = Segments.plan([(slot, start, len(seg)) for slot, start, seg in segments])
-    return (embed(w, ids) + w.wpe[plan.positions])[None], plan  # [1, R, C]
-
-
-def segment_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, plan: Segments,
-                  cache: KVCache) -> torch.Tensor:
-    """[1, R, C] -> [1, R, C] through block i, each span attending within its cache slot."""
-    blk = w.blocks[i]
-    return block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], plan))

@@ -31,7 +31,7 @@ from .weights import QuantizedMatrix
 # one bmm on zero-copy views of the weight (not batch-invariant).
 DECODE_ROWS = 32
 FEW_ROWS = 8
-HEAD_ROWS = 4096  # rows of a bfloat16 head widened at a time: 12 MiB of float32, which stays in cache
+BF16_HEAD_BLOCK = 4096  # vocabulary rows of a bfloat16 head widened at a time: 12 MiB of float32, which stays in cache
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what decode.cpp's kernels read
 
 
@@ -118,7 +118,7 @@ def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch
     if native is not None and head.dtype in NATIVE_DTYPES and head.is_contiguous():
         return native.dot_rows(x2, head, cpu().avx512)
     if head.dtype != torch.float32:  # bfloat16: widened a block of rows at a time
-        return torch.cat([x2 @ head_rows(head, slice(r, r + HEAD_ROWS)).t() for r in range(0, V, HEAD_ROWS)], dim=1)
+        return torch.cat([x2 @ head_rows(head, slice(r, r + BF16_HEAD_BLOCK)).t() for r in range(0, V, BF16_HEAD_BLOCK)], dim=1)
     chunks = torch.get_num_threads()
     if M > FEW_ROWS or chunks < 2 or grad:
         # computed as wte @ x^T, [V, M], and returned as its transposed view: MKL runs this orientation at

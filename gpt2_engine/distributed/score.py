@@ -9,6 +9,7 @@ so every document's windows, and its NLL, are the local command's. Rows come bac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -21,14 +22,14 @@ import numpy as np
 
 from ..core.errors import GPT2EngineError
 from ..core.scoring import Score, ScoreSettings
+from ..documents import InputError, read_documents
+from ..options import ModelOptions, load_model
 
 DOCUMENTS_PER_BATCH = 16
 
 
 def read_file(row: dict[str, Any]) -> list[dict[str, Any]]:
     """Ray Data flat_map: one input file -> its documents, or one row holding the reader's error message."""
-    from ..score import InputError, read_documents
-
     try:
         docs = read_documents([row["path"]], sys.stdin.buffer)
     except InputError as e:
@@ -39,16 +40,13 @@ def read_file(row: dict[str, Any]) -> list[dict[str, Any]]:
 class Scorer:
     """Ray Data map_batches callable: loads the model once per actor, then scores batches of documents."""
 
-    def __init__(self, args: argparse.Namespace, settings: ScoreSettings) -> None:
-        from ..cli import load_model
-
-        self.model = load_model(args)
+    def __init__(self, options: ModelOptions, settings: ScoreSettings) -> None:
+        self.model = load_model(options)
         self.settings = settings
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from ..score import score_texts
-
-        scores = list(score_texts(self.model, list(zip(batch["name"].tolist(), batch["text"].tolist())), self.settings))
+        docs = list(zip(batch["name"].tolist(), batch["text"].tolist()))
+        scores = list(self.model.score_documents(docs, self.settings))
         return {"file": batch["file"], "line": batch["line"], "name": batch["name"],
                 "tokens": np.array([s.tokens for s in scores]), "bytes": np.array([s.bytes for s in scores]),
                 "nll": np.array([s.nll for s in scores], dtype=np.float64)}
@@ -61,8 +59,6 @@ def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tu
         import ray
     except ImportError:
         raise GPT2EngineError("--ray needs Ray: pip install 'gpt2-engine[distributed]' (ray[serve,data])") from None
-    from ..score import InputError
-
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
              ignore_reinit_error=True)
     # Ray Data's own setting (read at every execution): its INFO lines to its log file, not to our stderr
@@ -85,8 +81,8 @@ def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tu
     # one block per batch of documents, made now: a .jsonl file is read into one block, which one actor would score
     # alone; and left lazy, the repartition's tasks would wait forever for the CPUs the scoring actors hold
     docs = docs.repartition(max(1, math.ceil(docs.count() / DOCUMENTS_PER_BATCH))).materialize()
-    replica_args = argparse.Namespace(**{**vars(args), "threads": threads, "run": None})
-    scored = docs.map_batches(Scorer, fn_constructor_args=(replica_args, settings), batch_size=DOCUMENTS_PER_BATCH,
+    options = dataclasses.replace(ModelOptions.from_args(args), threads=threads)
+    scored = docs.map_batches(Scorer, fn_constructor_args=(options, settings), batch_size=DOCUMENTS_PER_BATCH,
                               num_cpus=threads,
                               # one batch at a time per actor: the first actor up would otherwise queue them all
                               compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))

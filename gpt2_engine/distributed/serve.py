@@ -10,6 +10,7 @@ A request of n > 1 sequences can still fill a replica's own waiting queue, which
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -17,8 +18,9 @@ import threading
 from typing import Any
 
 from ..core.errors import GPT2EngineError
-from ..serve.app import ServerSettings, ServerState, build_app
-from ..serve.cli import ServeError, start_engine
+from ..options import ModelOptions, load_model
+from ..serve.app import ServerSettings, ServerState, ServeError, build_app
+from ..serve.engine import EngineSettings, start_engine
 
 APP_NAME = "gpt2"
 
@@ -36,11 +38,12 @@ def ray_modules() -> tuple[Any, Any]:
 class Replica:
     """One replica: the model, its engine thread and the app over them (built after the constructor, by Ray)."""
 
-    def __init__(self, args: argparse.Namespace, settings: ServerSettings) -> None:
+    def __init__(self, options: ModelOptions, engine_settings: EngineSettings, settings: ServerSettings) -> None:
         from ray import serve
 
         replica = serve.get_replica_context().replica_id.unique_id
-        model, engine = start_engine(args)  # loaded before Ray marks the replica ready: no 503-while-loading here
+        model = load_model(options)  # loaded before Ray marks the replica ready: no 503-while-loading here
+        engine = start_engine(model, engine_settings)
         self.state = ServerState(ServerSettings(**{**settings.__dict__, "replica": replica}), model=model, engine=engine)
 
     def __serve_build_asgi_app__(self):
@@ -68,10 +71,9 @@ def deployment(args: argparse.Namespace, settings: ServerSettings):
                                          "target_ongoing_requests": args.parallel}
     else:
         options["num_replicas"] = int(args.replicas)
-    replica_args = argparse.Namespace(**{**vars(args), "threads": threads})
-    replica_args.run = None  # the parser's callback is not needed (nor picklable by value) in a replica
+    model_options = dataclasses.replace(ModelOptions.from_args(args), threads=threads)
     cls = serve.deployment(name="GPT2Replica")(serve.ingress()(Replica))
-    return cls.options(**options).bind(replica_args, settings)
+    return cls.options(**options).bind(model_options, EngineSettings.from_args(args), settings)
 
 
 def check_replicas(args: argparse.Namespace) -> None:

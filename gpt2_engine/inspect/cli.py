@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import UsageError, add_model_options, load_model
+from ..options import ModelOptions, UsageError, add_model_options, load_model
 from .report import ReportSettings, build_report, parse_layers, write_report
 
 
@@ -19,7 +19,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.ig_steps < 1:
         raise UsageError(f"--ig-steps: expected a positive integer, got {args.ig_steps}")
     t0 = time.perf_counter()
-    model = load_model(args)
+    model = load_model(ModelOptions.from_args(args))
     layers = parse_layers(args.layers, model.config.n_layer)
     report = build_report(model, prompt, ReportSettings(target=args.target, layers=layers, ig_steps=args.ig_steps))
     if args.json:

@@ -38,7 +38,7 @@ def rounded(x: Any, digits: int = 5) -> Any:
 
 def token_texts(model: GPT2, ids: list[int]) -> list[str]:
     """Each token on its own (a token holding part of a UTF-8 character shows U+FFFD)."""
-    return [model.tokenizer.decode([i]) for i in ids]
+    return [model.tokenizer.token_text(i) for i in ids]
 
 
 def resolve_target(model: GPT2, target: str | None, next_logits: torch.Tensor) -> tuple[int, str]:
@@ -94,7 +94,7 @@ def build_report(model: GPT2, prompt: str, settings: ReportSettings = ReportSett
         "ids": ids,
         "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "dtype": str(model.dtype).removeprefix("torch."),
                   "quantize": model.quantize},
-        "target": {"id": target, "text": model.tokenizer.decode([target]), "chosen": chosen,
+        "target": {"id": target, "text": model.tokenizer.token_text(target), "chosen": chosen,
                    "logprob": rounded(float(logprobs[target])), "rank": int((next_logits > next_logits[target]).sum()) + 1},
         "attention": {"layers": list(layers),
                       "patterns": rounded([cache[f"blocks.{i}.attn.hook_pattern"][0].tolist() for i in layers], 4)},

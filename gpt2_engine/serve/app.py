@@ -1,7 +1,8 @@
 """The HTTP routes: thin. Validation is protocol.py's, engine work serving.py's, the model the engine thread's.
 
-Routes: POST /v1/completions, GET /v1/models, GET /health (503 while loading), GET /metrics, POST /tokenize,
-POST /detokenize, and the playground page at /. Every error is an OpenAI-shaped JSON body.
+Routes: POST /v1/completions, GET /v1/models, GET /health (503 while loading, and after a fatal failure of the
+engine), GET /metrics, POST /tokenize, POST /detokenize, and the playground page at / (with its icon at
+/favicon.ico). Every error is an OpenAI-shaped JSON body.
 """
 
 from __future__ import annotations
@@ -17,12 +18,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.errors import GPT2EngineError
 from .engine import AsyncEngine
+from .metrics import CONTENT_TYPE
 from .protocol import APIError, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .serving import CompletionRun, engine_requests, prompts_of
+from .serving import CompletionRun, engine_requests
+
+# the page's icon: a tiny SVG, so that a browser's request for it is answered (no 404 in its console)
+FAVICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
+           'fill="#2a5db0"/><text x="8" y="12" font-size="10" text-anchor="middle" fill="#fff" '
+           'font-family="sans-serif">2</text></svg>')
+
+
+class ServeError(GPT2EngineError):
+    """Bad server options."""
 
 
 @dataclass
@@ -70,7 +82,7 @@ class Gate:
                 await inner_send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"] not in ("/health", "/") and scope["method"] != "OPTIONS":
+        if self.api_key and scope["path"] not in ("/health", "/", "/favicon.ico") and scope["method"] != "OPTIONS":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 denied = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
@@ -151,6 +163,8 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         if state.engine is None:
             raise APIError(503, "the model is loading; retry shortly", type="service_unavailable", code="loading",
                            headers={"Retry-After": "1"})
+        if state.engine.failure is not None:
+            raise APIError(503, state.engine.failure, type="service_unavailable", code="engine_failed")
         return state.model, state.engine
 
     def check_model(name: str | None) -> None:
@@ -160,8 +174,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state.engine is None:
-            ready()
+        ready()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -170,9 +183,10 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
                                             "owned_by": "gpt2-engine"}]}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        _, engine = ready()
-        return PlainTextResponse(engine.metrics.render(engine.gauges()), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        if state.engine is None:
+            ready()
+        return Response(state.engine.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -193,9 +207,8 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
         model, engine = ready()
-        prompts = prompts_of(body, model.tokenizer, model.config.vocab_size)
         run = CompletionRun(engine, model.tokenizer, body, settings.model_name,
-                            engine_requests(body, prompts, model.config))
+                            engine_requests(body, model.tokenizer, model.config))
         if body.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -205,6 +218,10 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
     async def playground() -> HTMLResponse:
         page = resources.files("gpt2_engine.serve") / "playground.html"
         return HTMLResponse(page.read_text(encoding="utf-8") if page.is_file() else "<!doctype html><title>gpt2-engine</title>")
+
+    @app.get("/favicon.ico")
+    async def favicon() -> Response:
+        return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
     return Gate(app, settings.api_key, settings.max_body_bytes, settings.replica)
 

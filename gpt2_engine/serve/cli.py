@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
-from ..core.errors import GPT2EngineError
-from .app import ServerSettings, ServerState, build_app
-
-
-class ServeError(GPT2EngineError):
-    """Bad server options."""
+from ..options import ModelOptions, add_model_options, load_model
+from .app import ServerSettings, ServerState, ServeError, build_app
+from .engine import EngineSettings, start_engine
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
@@ -26,21 +24,6 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     if not key:
         raise ServeError(f"{args.api_key_file}: the API key file is empty")
     return key
-
-
-def start_engine(args: argparse.Namespace):
-    """(model, running AsyncEngine) from the parsed model and slot options: one server's, or one Ray replica's."""
-    from ..cli import load_model
-    from ..core.kernels import decode_kernels
-    from ..core.scheduler import Scheduler
-    from .engine import AsyncEngine
-
-    model = load_model(args)
-    decode_kernels()  # built (once per machine) before the first request, not during it
-    engine = AsyncEngine(Scheduler(model.weights, model.config, model.tokenizer, slots=args.parallel),
-                         max_queue=args.max_queue, queue_timeout=args.queue_timeout)
-    engine.start()
-    return model, engine
 
 
 def check_options(args: argparse.Namespace) -> ServerSettings:
@@ -68,28 +51,39 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.replicas != "1" or args.max_replicas is not None or args.address is not None:
         raise ServeError("--replicas, --max-replicas and --address need --ray")
     state = ServerState(settings)
+    options, engine_settings = ModelOptions.from_args(args), EngineSettings.from_args(args)
 
     def load():
-        model, engine = start_engine(args)
+        model = load_model(options)
+        engine = start_engine(model, engine_settings)
         print(f"gpt2 serve: ready: {args.weights} as {settings.model_name!r}, {args.parallel} slots, "
               f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
         return model, engine
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:  # in-flight streams end with an error chunk, then we stop
+        def handle_exit(self, sig: int, frame) -> None:
+            """SIGINT or SIGTERM: in-flight streams end with an error chunk, then a graceful stop and exit 0
+            (uvicorn's own handler re-raises the signal once it has stopped, which ends the process with -15)."""
             if state.engine is not None:
                 state.engine.stop()
-            super().handle_exit(sig, frame)
+            self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C: now
+            self.should_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            """Also stop when the engine has failed for good: the process exits non-zero for a supervisor."""
+            if state.engine is not None and state.engine.failure is not None:
+                return True
+            return await super().on_tick(counter)
 
     config = uvicorn.Config(build_app(state, load), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     Server(config).run()
+    if state.engine is not None and state.engine.failure is not None:
+        raise ServeError(state.engine.failure)
     return 0
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    from ..cli import add_model_options
-
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="An OpenAI-compatible completions server with continuous batching: POST /v1/completions, "

@@ -1,29 +1,68 @@
-"""The engine thread: it alone owns the model and the Scheduler; HTTP handlers hand it work and read per-request queues.
+"""The engine thread: it alone drives the EngineLoop (core/loop.py); HTTP handlers hand it work and read per-request
+queues.
 
-Handlers never run the model. `submit` puts a job in the thread's inbox and returns a Handle whose asyncio queue
-receives (sequence index, Event) pairs, delivered into the event loop with call_soon_threadsafe. Back-pressure:
-`submit` refuses (QueueFull) when the sequences waiting for a slot would exceed max_queue, and a sequence that waits
-longer than queue_timeout seconds ends with finish reason 'queue_timeout'. Between steps, and before each block of a
-pass (in the first half of the blocks a new short prompt joins the pass), the thread takes new jobs and
-cancellations, so a cancelled sequence leaves its slot within one step.
+Handlers never run the model. `submit` hands a request's sequences to the loop's inbox and returns a Handle whose
+asyncio queue receives (sequence index, Event) pairs, delivered into the event loop with call_soon_threadsafe.
+Admission: the server holds at most `slots + max_queue` sequences (running or waiting), so a burst of that many is
+all accepted by an idle server and the next is refused (QueueFull: 429); a sequence that waits longer than
+queue_timeout seconds ends with finish reason 'queue_timeout'. The loop takes its inbox between steps and between
+the blocks of a pass, so a cancelled sequence leaves its slot within one step.
+
+Faults: an exception inside a step's work ends that work's sequences with an 'error' event and the thread goes on
+(core/loop.py). Anything else that escapes the loop is fatal: every waiting client gets an error event, `failure`
+says why (/health answers 503 with it) and `gpt2 serve` exits non-zero, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..core.scheduler import Event, Request, Scheduler, Sequence
+from ..core.kernels import decode_kernels
+from ..core.loop import EngineLoop
+from ..core.requests import Request
+from ..core.runner import ModelRunner
+from ..core.scheduler import Event, Output, Scheduler, describe
 from .metrics import Metrics
 
 IDLE_WAIT = 0.05  # seconds the thread blocks on an empty inbox when there is nothing to run
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's share of `gpt2 serve`'s options."""
+
+    parallel: int = 8  # KV-cache slots
+    max_queue: int = 64  # sequences that may wait for a slot
+    queue_timeout: float = 60.0  # seconds a sequence may wait
+
+    @classmethod
+    def from_args(cls, args: Any) -> EngineSettings:
+        return cls(args.parallel, args.max_queue, args.queue_timeout)
+
+
+def start_engine(model: Any, settings: EngineSettings) -> AsyncEngine:
+    """A running engine thread over a loaded GPT2: one server's, or one Ray replica's."""
+    decode_kernels()  # built (once per machine) before the first request, not during it
+    slots = settings.parallel
+    loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout),
+                      ModelRunner(model.weights, model.config, slots=slots))
+    engine = AsyncEngine(loop, max_queue=settings.max_queue)
+    engine.start()
+    return engine
 
 
 class QueueFull(Exception):
-    """The waiting queue has no room for the request."""
+    """The server holds as many sequences as it may; retry later."""
+
+
+class EngineDown(Exception):
+    """The engine thread has stopped after a fatal failure."""
 
 
 @dataclass(eq=False)
@@ -34,129 +73,133 @@ class Handle:
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrived: float = field(default_factory=time.perf_counter)
-    seqs: list[Sequence] = field(default_factory=list)  # set by the engine thread
-    last_token_at: dict[int, float] = field(default_factory=dict)
+    last_token_at: dict[int, float] = field(default_factory=dict)  # engine thread only
+    finished: set[int] = field(default_factory=set)  # indices of finished sequences (engine thread only)
 
 
 class AsyncEngine:
-    def __init__(self, scheduler: Scheduler, *, max_queue: int, queue_timeout: float) -> None:
-        self.scheduler = scheduler
-        self.max_queue, self.queue_timeout = max_queue, queue_timeout
-        self.metrics = Metrics()
-        self.inbox: queue.SimpleQueue[tuple[str, Handle | None]] = queue.SimpleQueue()
+    def __init__(self, loop: EngineLoop, *, max_queue: int) -> None:
+        self.loop = loop
+        self.max_queue = max_queue
         self.lock = threading.Lock()
-        self.queued = 0  # sequences submitted and not yet in a slot (or finished)
-        self.live: set[Handle] = set()  # touched by the engine thread only
-        self.thread = threading.Thread(target=self._loop, name="gpt2-engine", daemon=True)
-        self.stopped = threading.Event()
-        self.stopping = False  # set by the engine thread when it takes the stop command
+        self.held = 0  # sequences submitted and not finished (running or waiting)
+        self.queued = 0  # sequences submitted and not yet run (waiting for a slot)
+        self.live: set[Handle] = set()  # handles with a sequence not finished
+        self.metrics = Metrics(running=lambda: loop.scheduler.running, waiting=lambda: self.queued,
+                               slots=len(loop.scheduler.slots))
+        self.thread = threading.Thread(target=self._run, name="gpt2-engine", daemon=True)
+        self.stopping = threading.Event()
+        self.failure: str | None = None  # why the engine thread stopped, after a fatal failure
+
+    @property
+    def capacity(self) -> int:
+        """Sequences the server holds at most: its slots and its waiting queue."""
+        return len(self.loop.scheduler.slots) + self.max_queue
 
     def start(self) -> None:
         self.thread.start()
 
     def alive(self) -> bool:
-        """Whether the engine thread runs (a replica's health check)."""
-        return self.thread.is_alive() and not self.stopped.is_set()
+        """Whether the engine thread runs and takes work (a replica's health check)."""
+        return self.thread.is_alive() and not self.stopping.is_set() and self.failure is None
 
     # --- called from the event loop -----------------------------------------------------------------------------
 
     def submit(self, requests: list[Request]) -> Handle:
-        """Queue the sequences of one HTTP request; raises QueueFull when the waiting queue cannot take them."""
-        with self.lock:
-            if self.stopped.is_set():
-                raise QueueFull("the server is shutting down")
-            if self.queued + len(requests) > self.max_queue:
-                self.metrics.count(self.metrics.requests_rejected, "queue_full")
-                raise QueueFull(f"the waiting queue is full ({self.max_queue} sequences)")
-            self.queued += len(requests)
+        """Hand the sequences of one HTTP request to the engine. Raises QueueFull when the server holds too many,
+        EngineDown after a fatal failure, GenerationError for a request that does not fit."""
         handle = Handle(requests, asyncio.Queue(), asyncio.get_running_loop())
-        self.inbox.put(("add", handle))
+        with self.lock:
+            if self.failure is not None:
+                raise EngineDown(self.failure)
+            if self.stopping.is_set():
+                raise QueueFull("the server is shutting down")
+            if self.held + len(requests) > self.capacity:
+                self.metrics.requests_rejected.labels("queue_full").inc()
+                raise QueueFull(f"the server holds its {len(self.loop.scheduler.slots)} running and {self.max_queue} "
+                                f"waiting sequences")
+            self.loop.submit(requests, tag=handle)
+            self.held += len(requests)
+            self.queued += len(requests)
+            self.live.add(handle)
         return handle
 
     def cancel(self, handle: Handle) -> None:
         """Free the handle's slots within one step (a client went away)."""
-        self.inbox.put(("cancel", handle))
+        self.loop.cancel(handle)
 
     def stop(self) -> None:
         """End every in-flight request with finish reason 'shutdown' and stop the thread."""
-        self.stopped.set()
-        self.inbox.put(("stop", None))
-        self.thread.join(timeout=30)
-
-    def gauges(self) -> dict[str, tuple[float, str]]:
-        sched = self.scheduler
-        return {
-            "requests_running": (sched.running, "Sequences in a slot."),
-            "requests_waiting": (self.queued, "Sequences waiting for a slot."),
-            "slots_busy": (sched.running, "KV-cache slots in use."),
-            "slots_total": (len(sched.slots), "KV-cache slots (--parallel)."),
-        }
+        self.stopping.set()
+        self.loop.wake()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=30)
 
     # --- the engine thread --------------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while not self.stopping:
-            self._intake(wait=not self.scheduler.waiting and self.scheduler.running == 0)
-            if self.stopping:
-                break
-            self._expire()
-            if self.scheduler.waiting or self.scheduler.running:
-                self.scheduler.step(self._intake)  # also between blocks: new prompts may join the running pass
-        self._shutdown()
-
-    def _intake(self, wait: bool = False) -> None:
-        """Take every command in the inbox (add, cancel, stop); with `wait`, block up to IDLE_WAIT for the first."""
+    def _run(self) -> None:
         try:
-            command, handle = self.inbox.get(timeout=IDLE_WAIT) if wait else self.inbox.get_nowait()
-            while True:
-                if command == "stop":
-                    self.stopping = True
-                elif command == "add":
-                    self._add(handle)
-                elif command == "cancel":
-                    for seq in handle.seqs:
-                        self.scheduler.cancel(seq)
-                command, handle = self.inbox.get_nowait()
-        except queue.Empty:
-            pass
-
-    def _add(self, handle: Handle) -> None:
-        self.live.add(handle)
-        for i, request in enumerate(handle.requests):
-            handle.seqs.append(self.scheduler.add(request, lambda e, h=handle, i=i: self._deliver(h, i, e)))
-
-    def _expire(self) -> None:
-        now = time.perf_counter()
-        for seq in self.scheduler.waiting:
-            if now - seq.queued_at > self.queue_timeout:
-                self.scheduler.cancel(seq, "queue_timeout")
-
-    def _deliver(self, handle: Handle, i: int, event: Event) -> None:
-        """Runs on the engine thread for every event: metrics, then into the handler's queue."""
-        now, m = time.perf_counter(), self.metrics
-        if i not in handle.last_token_at:  # the sequence's first event: it left the waiting queue
-            with self.lock:
-                self.queued -= 1
-            if event.finish_reason == "queue_timeout":
-                m.count(m.requests_rejected, "queue_timeout")
-            else:
-                m.prompt_tokens += len(handle.requests[i].prompt)
-            if event.token is not None:
-                m.time_to_first_token.observe(now - handle.arrived)
-        elif event.token is not None:
-            m.time_per_output_token.observe(now - handle.last_token_at[i])
-        handle.last_token_at[i] = now
-        if event.token is not None:
-            m.generation_tokens += 1
-        if event.finish_reason is not None:
-            m.count(m.requests_finished, event.finish_reason)
-            if all(s.finished for s in handle.seqs):
-                self.live.discard(handle)
-        handle.loop.call_soon_threadsafe(handle.events.put_nowait, (i, event))
+            while not self.stopping.is_set():
+                if self.loop.scheduler.idle:
+                    self.loop.wait(IDLE_WAIT)
+                    continue
+                for outputs in self.loop.step():
+                    self._deliver(outputs)
+            self._shutdown()
+        except BaseException as e:  # noqa: BLE001 - fatal: every client is told, then the process exits non-zero
+            self.failure = f"the engine stopped: {describe(e)}"
+            log.critical("the engine thread failed; the server stops", exc_info=e)
+            self._fail_everyone(self.failure)
 
     def _shutdown(self) -> None:
-        for handle in list(self.live):
-            for seq in handle.seqs:
-                if not seq.finished:
-                    self.scheduler.cancel(seq, "shutdown")
-        self.scheduler.step()  # delivers the 'shutdown' events; nothing new is admitted after a cancel-only step
+        self.loop.intake()
+        with self.lock:
+            live = list(self.live)
+        for handle in live:
+            self.loop.cancel(handle, "shutdown")
+        for outputs in self.loop.step():  # nothing runs: every sequence was cancelled
+            self._deliver(outputs)
+
+    def _fail_everyone(self, message: str) -> None:
+        with self.lock:
+            live, self.live = list(self.live), set()
+            self.held = self.queued = 0
+        for handle in live:
+            for i in set(range(len(handle.requests))) - handle.finished:
+                post(handle, i, Event(None, "", finish_reason="error", error=message))
+
+    def _deliver(self, outputs: list[Output]) -> None:
+        """Metrics, then each event into its handler's queue."""
+        m = self.metrics
+        for seq, event in outputs:
+            handle, i, now = seq.tag, seq.index, time.perf_counter()
+            if i not in handle.last_token_at:  # the sequence's first event: it left the waiting queue
+                with self.lock:
+                    self.queued -= 1
+                if event.finish_reason == "queue_timeout":
+                    m.requests_rejected.labels("queue_timeout").inc()
+                elif event.finish_reason != "error":
+                    m.prompt_tokens.inc(len(handle.requests[i].prompt))
+                if event.token is not None:
+                    m.time_to_first_token.observe(now - handle.arrived)
+            elif event.token is not None:
+                m.time_per_output_token.observe(now - handle.last_token_at[i])
+            handle.last_token_at[i] = now
+            if event.token is not None:
+                m.generation_tokens.inc()
+            if event.finish_reason is not None:
+                m.requests_finished.labels(event.finish_reason).inc()
+                handle.finished.add(i)
+                with self.lock:
+                    self.held -= 1
+                    if len(handle.finished) == len(handle.requests):
+                        self.live.discard(handle)
+            post(handle, i, event)
+
+
+def post(handle: Handle, i: int, event: Event) -> None:
+    """Put (i, event) on the handle's queue, in its event loop's thread (gone at shutdown: nobody reads it then)."""
+    try:
+        handle.loop.call_soon_threadsafe(handle.events.put_nowait, (i, event))
+    except RuntimeError:  # the event loop has closed
+        pass

@@ -34,15 +34,17 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(BaseModel):
     """POST /v1/completions. OpenAI's defaults (max_tokens 16, temperature 1, top_p 1); extras top_k,
-    repetition_penalty, ignore_eos as in vLLM."""
+    repetition_penalty, ignore_eos as in vLLM. `model` may be left out: it is the served model, as vLLM and
+    llama-server take it. The sampling values' ranges are the engine's one set (core/sampling.py's
+    SamplingParams), checked when the request becomes engine work; these models check types and the API's limits."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = 1.0
+    top_p: float = 1.0
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -50,26 +52,17 @@ class CompletionRequest(BaseModel):
     echo: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # accepted for compatibility, rejected unless they ask for nothing different
     suffix: str | None = None
     best_of: int | None = None
     # extras
-    top_k: int = Field(default=0, ge=0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_k: int = 0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_empty(cls, v: Any) -> Any:
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be an empty list")
-        if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
-            raise ValueError("a token-id prompt must not be empty")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -84,11 +77,9 @@ class CompletionRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
+        for key in v or {}:
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
 
     @model_validator(mode="after")

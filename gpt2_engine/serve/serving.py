@@ -4,62 +4,39 @@ the engine's events to OpenAI completion responses (whole or as server-sent even
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ..core.config import GPT2Config
 from ..core.errors import GenerationError
+from ..core.requests import GenerationSettings, Request, build_requests, encode_prompts
 from ..core.sampling import SamplingParams
-from ..core.scheduler import Event, Request, check_request
+from ..core.scheduler import Event
 from ..core.tokenizer import Tokenizer
-from .engine import AsyncEngine, Handle, QueueFull
+from .engine import AsyncEngine, EngineDown, Handle, QueueFull
 from .protocol import APIError, Choice, Completion, CompletionRequest, Logprobs, Usage
 
-
-def prompts_of(req: CompletionRequest, tokenizer: Tokenizer, vocab: int) -> list[list[int]]:
-    """The request's prompts as token ids: a string, a list of strings, a list of ids, or a list of id lists."""
-    p = req.prompt
-    if isinstance(p, str):
-        texts = [p]
-    elif all(isinstance(x, str) for x in p):
-        texts = p
-    else:
-        lists = [p] if all(isinstance(x, int) for x in p) else p
-        for ids in lists:
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return [list(ids) for ids in lists]
-    # an empty string starts from <|endoftext|>, as the CLI does
-    return [tokenizer.encode(t) or [tokenizer.eot_id] for t in texts]
+# the engine's names for the settings OpenAI's API calls otherwise
+API_PARAM = {"max_new_tokens": "max_tokens", "num_samples": "n", "top_logprobs": "logprobs"}
 
 
-def engine_requests(req: CompletionRequest, prompts: list[list[int]], config) -> list[Request]:
-    """n Requests per prompt; choice j of a prompt draws with seed + j (a random seed when none is given)."""
-    seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(7), "little")
-    bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
-    for token, _ in bias:
-        if token >= config.vocab_size:
-            raise APIError(400, f"logit_bias token id {token} is outside the vocabulary [0, {config.vocab_size})",
-                           param="logit_bias")
+def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config) -> list[Request]:
+    """The request's sequences, through the engine's one request builder: n per prompt, choice j of a prompt drawing
+    with seed + j (a random seed when none is given). Every bad value is a 400 that names its field."""
     try:
+        prompts = encode_prompts(req.prompt, tokenizer)
+        bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
                                   req.presence_penalty, req.frequency_penalty, bias)
+        settings = GenerationSettings(max_new_tokens=16 if req.max_tokens is None else req.max_tokens,
+                                      sampling=sampling, stop=req.stops, ignore_eos=req.ignore_eos, seed=req.seed,
+                                      num_samples=req.n, top_logprobs=req.logprobs or 0,
+                                      prompt_logprobs=req.echo and req.logprobs is not None)
+        return build_requests(prompts, settings, config, tokenizer.eot_id).requests
     except GenerationError as e:
-        raise APIError(400, str(e)) from None
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    out = []
-    for prompt in prompts:
-        for j in range(req.n):
-            r = Request(prompt, max_tokens, sampling, req.stops, req.ignore_eos, (seed + j) % 2**63,
-                        top_logprobs=req.logprobs or 0, prompt_logprobs=req.echo and req.logprobs is not None)
-            try:
-                check_request(r, config)
-            except GenerationError as e:
-                raise APIError(400, str(e), param="max_tokens" if max_tokens else "prompt") from None
-            out.append(r)
-    return out
+        raise APIError(400, str(e), param=API_PARAM.get(e.param, e.param)) from None
 
 
 @dataclass
@@ -81,17 +58,23 @@ class CompletionRun:
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, req: CompletionRequest, model_name: str,
                  requests: list[Request]) -> None:
+        """Submit the requests to the engine (429 when it holds too many, 503 once it has failed)."""
         self.engine, self.tok, self.req, self.model_name = engine, tokenizer, req, model_name
         self.requests = requests
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = [ChoiceState(i, r.prompt, logprobs=Logprobs() if req.logprobs is not None else None)
                         for i, r in enumerate(requests)]
+        self.errors: dict[int, str] = {}  # choice index -> what failed, for the 500
         try:
             self.handle: Handle = engine.submit(requests)
         except QueueFull as e:
             raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
+        except EngineDown as e:
+            raise APIError(503, str(e), type="service_unavailable", code="engine_failed") from None
+        except GenerationError as e:  # fits the model, but not the server's cache
+            raise APIError(400, str(e), param=API_PARAM.get(e.param, e.param)) from None
 
     def cancel(self) -> None:
         if any(c.finish_reason is None for c in self.choices):
@@ -102,16 +85,13 @@ class CompletionRun:
         completion = sum(len(c.tokens) for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def _token_text(self, token: int) -> str:
-        return self.tok.token_bytes(token).decode("utf-8", errors="replace")
-
     def _add_logprob(self, c: ChoiceState, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                      rank: int | None) -> None:
-        text = self._token_text(token)
+        text = self.tok.token_text(token)
         lp = c.logprobs
         lp.tokens.append(text)
         lp.token_logprobs.append(logprob)
-        lp.top_logprobs.append(None if top is None else {self._token_text(t): v for t, v in top})
+        lp.top_logprobs.append(None if top is None else {self.tok.token_text(t): v for t, v in top})
         lp.text_offset.append(c.offset)
         lp.token_ranks.append(rank)
         c.offset += len(text)
@@ -121,7 +101,9 @@ class CompletionRun:
         the prompt first as a piece of its own, then the new token."""
         c = self.choices[i]
         pieces: list[tuple[str, Logprobs | None]] = []
-        failed = e.finish_reason in ("shutdown", "queue_timeout", "cancelled")
+        failed = e.finish_reason in ("shutdown", "queue_timeout", "cancelled", "error")
+        if e.finish_reason == "error":
+            self.errors[i] = e.error or "unknown error"
         if c.finish_reason is None and not c.echoed and self.req.echo and not failed:
             c.echoed = True
             before = self._mark(c)
@@ -166,8 +148,11 @@ class CompletionRun:
                         top_logprobs=lp.top_logprobs[before:], text_offset=lp.text_offset[before:],
                         token_ranks=lp.token_ranks[before:])
 
-    @staticmethod
-    def _check_failure(reason: str | None) -> None:
+    def _check_failure(self, i: int) -> None:
+        reason = self.choices[i].finish_reason
+        if reason == "error":
+            raise APIError(500, f"the engine failed while running this request: {self.errors[i]}", type="server_error",
+                           code="engine_error")
         if reason == "queue_timeout":
             raise APIError(503, "the request waited too long for a free slot; retry later", type="service_unavailable",
                            code="queue_timeout", headers={"Retry-After": "1"})
@@ -180,7 +165,7 @@ class CompletionRun:
             while any(c.finish_reason is None for c in self.choices):
                 i, e = await self.handle.events.get()
                 self._apply(i, e)
-                self._check_failure(self.choices[i].finish_reason)
+                self._check_failure(i)
         finally:
             self.cancel()
         return Completion(id=self.id, created=self.created, model=self.model_name, usage=self.usage(),
@@ -200,7 +185,7 @@ class CompletionRun:
                 pieces = self._apply(i, e)
                 c = self.choices[i]
                 try:
-                    self._check_failure(c.finish_reason)
+                    self._check_failure(i)
                 except APIError as err:
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return

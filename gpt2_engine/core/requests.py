@@ -1,0 +1,146 @@
+"""From what a user asks for to the scheduler's Requests: the one request builder of the command line, the Python API
+and the server.
+
+It owns every decision about turning prompts and settings into sequences: the prompt forms (text, texts, token ids,
+lists of them), the empty prompt (it starts from <|endoftext|>, as GPT-2's training documents do), the seed (a random
+one when none is given, reported back), sample j of a prompt drawing with seed + j (so a prompt's samples are the same
+alone or in a batch), truncation from the left, and whether a sequence fits the context.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from .config import GPT2Config
+from .errors import GenerationError
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate. `top_logprobs` alternatives are reported per generated token (0: none);
+    `prompt_logprobs` scores the prompt's tokens too (OpenAI's echo + logprobs)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int = 0
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything that shapes one generation run; the defaults are the CLI's and the API's (the server fills these
+    from an OpenAI request, with OpenAI's defaults)."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()  # the text ends before the first stop string
+    ignore_eos: bool = False  # never end at <|endoftext|>: its logit is set to -inf, as llama.cpp's --ignore-eos does
+    seed: int | None = None  # None: a fresh random seed, reported in RequestSet.seed
+    num_samples: int = 1  # completions per prompt
+    truncate: str | None = None  # "left": keep the last tokens of a prompt that does not fit
+    top_logprobs: int = 0  # alternatives reported per generated token
+    prompt_logprobs: bool = False  # score the prompt's tokens too
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
+            raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}",
+                                  param="max_new_tokens")
+        if not isinstance(self.num_samples, int) or isinstance(self.num_samples, bool) or self.num_samples < 1:
+            raise GenerationError(f"num_samples must be an integer >= 1, got {self.num_samples!r}", param="num_samples")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise GenerationError(f"stop strings must be non-empty strings, got {list(self.stop)!r}", param="stop")
+        if self.truncate not in (None, "left"):
+            raise GenerationError(f"truncate must be None or 'left', got {self.truncate!r}", param="truncate")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise GenerationError(f"seed must be an integer in [0, 2^63), got {self.seed!r}", param="seed")
+        if not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise GenerationError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}", param="logprobs")
+
+
+@dataclass(frozen=True)
+class RequestSet:
+    """The Requests of one call: sample j of prompt i is requests[i * num_samples + j]."""
+
+    requests: list[Request]
+    seed: int  # the seed of sample 0 (the one given, or the random one drawn)
+    truncated_tokens: int = 0  # the most prompt tokens truncate="left" dropped from one prompt
+
+
+def encode_prompts(prompt: Prompt, tokenizer: Tokenizer, *, allow_special: bool = False) -> list[list[int]]:
+    """Token ids of each prompt: a text, a list of texts, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, allow_special=allow_special)]
+    if not isinstance(prompt, Seq):
+        raise GenerationError("prompt must be a string, a list of strings, a list of token ids or a list of such "
+                              f"lists; got {type(prompt).__name__}", param="prompt")
+    if not prompt:
+        raise GenerationError("prompt must not be an empty list", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p, allow_special=allow_special) for p in prompt]
+    lists = [prompt] if all(isinstance(t, int) for t in prompt) else prompt
+    for ids in lists:
+        if not isinstance(ids, Seq) or isinstance(ids, str) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise GenerationError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                  "such lists", param="prompt")
+        if not ids:
+            raise GenerationError("a token-id prompt must not be empty", param="prompt")
+    return [list(ids) for ids in lists]
+
+
+def prompt_or_endoftext(ids: list[int], eot_id: int) -> list[int]:
+    """The ids a prompt starts from: an empty prompt starts from <|endoftext|>, as GPT-2's training documents do."""
+    return list(ids) or [eot_id]
+
+
+def check_request(request: Request, config: GPT2Config) -> None:
+    """Raise GenerationError unless the request fits the model: valid ids, and prompt + max_new_tokens - 1 positions
+    (the last new token is never fed back) within the context."""
+    if not request.prompt:
+        raise GenerationError("the prompt is empty (an empty text prompt starts from <|endoftext|>)", param="prompt")
+    if any(not 0 <= t < config.vocab_size for t in request.prompt):
+        raise GenerationError(f"prompt token ids must be in [0, {config.vocab_size})", param="prompt")
+    need = len(request.prompt) + max(request.max_new_tokens - 1, 0)
+    if need > config.n_positions:
+        raise GenerationError(
+            f"prompt of {len(request.prompt)} tokens + max_new_tokens {request.max_new_tokens} exceeds the context of "
+            f"{config.n_positions} tokens; shorten the prompt or lower max_new_tokens", param="max_new_tokens")
+
+
+def build_requests(prompts: list[list[int]], settings: GenerationSettings, config: GPT2Config,
+                   eot_id: int) -> RequestSet:
+    """num_samples Requests per prompt (token ids), checked against the model; see the module's docstring."""
+    if not prompts:
+        raise GenerationError("no prompt given", param="prompt")
+    limit = config.n_positions
+    if settings.max_new_tokens > limit and settings.truncate == "left":  # no prompt could be cut short enough
+        raise GenerationError(f"max_new_tokens ({settings.max_new_tokens}) must be at most the context length {limit}",
+                              param="max_new_tokens")
+    for token, _ in settings.sampling.logit_bias:
+        if token >= config.vocab_size:
+            raise GenerationError(f"logit_bias token id {token} is outside the vocabulary [0, {config.vocab_size})",
+                                  param="logit_bias")
+    seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(7), "little")
+    room = limit - max(settings.max_new_tokens - 1, 0)  # the last new token is never fed back: it needs no position
+    requests, truncated = [], 0
+    for prompt in prompts:
+        prompt = prompt_or_endoftext(prompt, eot_id)
+        if len(prompt) > room and settings.truncate == "left":
+            truncated = max(truncated, len(prompt) - room)
+            prompt = prompt[-room:]
+        for j in range(settings.num_samples):
+            request = Request(prompt, settings.max_new_tokens, settings.sampling, settings.stop, settings.ignore_eos,
+                              (seed + j) % 2**63, settings.top_logprobs, settings.prompt_logprobs)
+            check_request(request, config)
+            requests.append(request)
+    return RequestSet(requests, seed, truncated)

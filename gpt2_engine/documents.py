@@ -1,0 +1,61 @@
+"""Reading documents: each FILE is one UTF-8 document, a `.jsonl` file holds one document per line in its "text"
+field, `-` is stdin. Every reading error is one line that names the file (and the line or byte offset).
+
+`gpt2 score` and its Ray workers read through this module.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO
+
+from .core.errors import GPT2EngineError
+
+
+class InputError(GPT2EngineError):
+    """An input file that cannot be read as documents."""
+
+
+def decode_utf8(data: bytes, name: str, base: int = 0) -> str:
+    """`data` as text; invalid UTF-8 is an InputError that names the file and the byte offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{name}: invalid UTF-8 at byte offset {base + e.start} (expected UTF-8 text)") from None
+
+
+def read_bytes(path: str, stdin: IO[bytes]) -> bytes:
+    if path == "-":
+        return stdin.read()
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, expected a text or .jsonl file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:
+    """(name, text) of every document, in input order: `PATH:N` for line N of a .jsonl file, `-` for stdin."""
+    docs: list[tuple[str, str]] = []
+    for path in paths:
+        data = read_bytes(path, stdin)
+        if not path.endswith(".jsonl"):
+            docs.append((path, decode_utf8(data, path)))
+            continue
+        offset = 0
+        for n, line in enumerate(data.split(b"\n"), start=1):
+            where, base, offset = f"{path}:{n}", offset, offset + len(line) + 1
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(decode_utf8(line, path, base))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise InputError(f"{where}: expected a JSON object with a string \"text\" field")
+            docs.append((where, record["text"]))
+    return docs

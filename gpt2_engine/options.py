@@ -1,0 +1,63 @@
+"""What every command that loads a model shares: the model options, their command-line flags, and loading.
+
+This module sits below every command (generate, score, serve, inspect, the Ray modules): they import it, and
+nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from .core.errors import GPT2EngineError
+from .core.weights import DEFAULT_WEIGHTS
+
+
+class UsageError(GPT2EngineError):
+    """Bad command-line input."""
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which checkpoint to load and how: the `--weights`, `--dtype`, `--quantize` and `--threads` flags."""
+
+    weights: Path = DEFAULT_WEIGHTS
+    dtype: str = "float32"
+    quantize: str | None = None
+    threads: int | None = None  # torch's CPU threads (None: torch's choice)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelOptions:
+        return cls(args.weights, args.dtype, args.quantize, args.threads)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+positive_int.__name__ = "positive integer"  # argparse names the type in its error: "invalid positive integer value"
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS, metavar="DIR",
+                   help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="quantize the projections at load time to blockwise int8 or int4 (the head to int8): "
+                        "faster decoding, a little less accurate (see README)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+
+
+def load_model(options: ModelOptions):
+    """The GPT2 these options name (torch's thread count set first)."""
+    import torch
+
+    from .core.engine import GPT2
+
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    return GPT2.from_pretrained(options.weights, dtype=options.dtype, quantize=options.quantize)
