@@ -2,6 +2,7 @@
 """Benchmark `gpt2 serve` under concurrent streaming clients (`make bench-serve`).
 
     python scripts/bench_serve.py [--weights DIR] [--clients 1,4,8,16] [--max-tokens 64] [--requests 8]
+    python scripts/bench_serve.py --baseline /tmp/base --rounds 3    # against another checkout, alternating
 
 Starts the real server on 127.0.0.1 (default: the full-size fixture, 8 slots), then for each client count starts
 that many clients together (each built before the clock starts), each sending --requests streaming completions one
@@ -14,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
+import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -63,28 +68,20 @@ def one_client(url: str, index: int, requests: int, max_tokens: int,
     return ttft, gaps, tokens
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture)")
-    p.add_argument("--clients", default="1,4,8,16", help="concurrent client counts (default 1,4,8,16)")
-    p.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
-    p.add_argument("--parallel", type=int, default=8, help="server slots (default 8)")
-    args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import fixtures
-    from gpt2_engine.core.kernels import cpu
-
-    weights = args.weights or fixtures.ensure("small")
+@contextlib.contextmanager
+def server(tree: Path, weights: Path, parallel: int) -> Iterator[str]:
+    """`gpt2 serve` of the checkout at `tree` on a free 127.0.0.1 port, healthy and warmed up; its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(weights), "--port",
-                               str(port), "--parallel", str(args.parallel), "--threads", "2"])
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(weights), "--port",
+                             str(port), "--parallel", str(parallel), "--threads", "2"], cwd=tree, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
+            assert proc.poll() is None, f"the server of {tree} exited with {proc.returncode}"
             try:
                 if httpx.get(f"{url}/health").status_code == 200:
                     break
@@ -92,37 +89,105 @@ def main() -> int:
                 pass
             time.sleep(0.2)
         one_client(url, 0, 1, 8)  # warm-up
-        rows = []
-        for n in [int(c) for c in args.clients.split(",")]:
-            ready = threading.Barrier(n + 1)
-            with concurrent.futures.ThreadPoolExecutor(n) as pool:
-                futures = [pool.submit(one_client, url, i, args.requests, args.max_tokens, ready) for i in range(n)]
-                ready.wait(timeout=60)
-                t0 = time.perf_counter()
-                results = [f.result() for f in futures]
-            wall = time.perf_counter() - t0
-            ttft = [x for r in results for x in r[0]]
-            gaps = [x for r in results for x in r[1]]
-            rows.append({"clients": n, "tokens_per_s": sum(r[2] for r in results) / wall,
-                         "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-                         "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99)})
-            print(f"  {n} clients: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        yield url
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def measure(url: str, n: int, requests: int, max_tokens: int) -> dict:
+    """One run of n clients together: aggregate tokens/s, TTFT and ITL percentiles."""
+    ready = threading.Barrier(n + 1)
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(one_client, url, i, requests, max_tokens, ready) for i in range(n)]
+        ready.wait(timeout=60)
+        t0 = time.perf_counter()
+        results = [f.result() for f in futures]
+    wall = time.perf_counter() - t0
+    ttft = [x for r in results for x in r[0]]
+    gaps = [x for r in results for x in r[1]]
+    return {"clients": n, "tokens_per_s": sum(r[2] for r in results) / wall,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99)}
+
+
+def median_row(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture)")
+    p.add_argument("--clients", default="1,4,8,16", help="concurrent client counts (default 1,4,8,16)")
+    p.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--parallel", type=int, default=8, help="server slots (default 8)")
+    p.add_argument("--baseline", type=Path, metavar="DIR",
+                   help="another checkout of the project (e.g. `git worktree add /tmp/base main`): its server runs "
+                        "alternately with this one's, and the table gives both and this / baseline")
+    p.add_argument("--rounds", type=int, default=1, help="alternating rounds with --baseline; medians (default 1)")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fixtures
+    from gpt2_engine.core.kernels import cpu
+
+    weights = args.weights or fixtures.ensure("small")
+    counts = [int(c) for c in args.clients.split(",")]
+    header = (f"gpt2 serve, {weights.name}, {args.parallel} slots, {args.max_tokens} tokens x {args.requests} "
+              f"requests per client, greedy; {cpu().summary()}, 2 threads")
+    if args.baseline is not None:
+        return compare(args, weights, counts, header)
+    rows = []
+    with server(ROOT, weights, args.parallel) as url:
+        for n in counts:
+            rows.append(measure(url, n, args.requests, args.max_tokens))
+            print(f"  {n} clients: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     base = rows[0]
-    print(f"\ngpt2 serve, {weights.name}, {args.parallel} slots, {args.max_tokens} tokens x {args.requests} requests per "
-          f"client, greedy; {cpu().summary()}, 2 threads")
+    print(f"\n{header}")
     print("| clients | aggregate tok/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) | p99 TTFT vs 1 | ITL p50 (ms) | ITL p99 (ms) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
               f"{r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | {r['ttft_p99'] / base['ttft_p99']:.2f}x | "
               f"{r['itl_p50'] * 1e3:.1f} | {r['itl_p99'] * 1e3:.1f} |")
+    save({"weights": str(weights), "rows": rows})
+    return 0
+
+
+def compare(args: argparse.Namespace, weights: Path, counts: list[int], header: str) -> int:
+    """This checkout against --baseline: both servers up, each client count measured on one then the other,
+    alternating which goes first, for --rounds rounds; medians."""
+    trees = {"baseline": args.baseline.resolve(), "this": ROOT}
+    runs: dict[tuple[str, int], list[dict]] = {}
+    with server(trees["baseline"], weights, args.parallel) as base_url, server(ROOT, weights, args.parallel) as url:
+        urls = {"baseline": base_url, "this": url}
+        for r in range(args.rounds):
+            for n in counts:
+                for name in (["baseline", "this"] if (r + n) % 2 == 0 else ["this", "baseline"]):
+                    runs.setdefault((name, n), []).append(measure(urls[name], n, args.requests, args.max_tokens))
+                    print(f"  round {r + 1}, {n} clients, {name}: {runs[name, n][-1]['tokens_per_s']:.1f} tok/s",
+                          file=sys.stderr, flush=True)
+    print(f"\n{header}; this checkout against {trees['baseline']}, {args.rounds} alternating round(s), medians")
+    print("| clients | tok/s baseline | tok/s this | ratio | TTFT p99 baseline (ms) | TTFT p99 this (ms) | ratio | "
+          "ITL p50 baseline (ms) | ITL p50 this (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    table = []
+    for n in counts:
+        b, t = median_row(runs["baseline", n]), median_row(runs["this", n])
+        table.append({"clients": n, "baseline": b, "this": t})
+        print(f"| {n} | {b['tokens_per_s']:.1f} | {t['tokens_per_s']:.1f} | {t['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+              f"{b['ttft_p99'] * 1e3:.0f} | {t['ttft_p99'] * 1e3:.0f} | {t['ttft_p99'] / b['ttft_p99']:.2f}x | "
+              f"{b['itl_p50'] * 1e3:.1f} | {t['itl_p50'] * 1e3:.1f} |")
+    save({"weights": str(weights), "baseline": str(trees["baseline"]), "rounds": args.rounds, "rows": table})
+    return 0
+
+
+def save(result: dict) -> None:
+    from gpt2_engine.core.kernels import cpu
+
     out = ROOT / "bench-results" / "bench_serve.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu().summary(), "weights": str(weights), "rows": rows}, indent=2) + "\n")
-    return 0
+    out.write_text(json.dumps({"cpu": cpu().summary(), **result}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
