@@ -164,3 +164,16 @@ def test_compare_bad_weights_exits_2_with_the_loader_message(capsys, tmp_path: P
 def test_compare_rtol_zero_fails_on_rounding(capsys, small_dir: Path) -> None:
     code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--prompt", "Hi there", "--rtol", "0", "--json")
     assert code == 1 and json.loads(out)["passed"] is False
+
+
+def test_generate_reports_an_engine_failure_as_an_internal_error(capsys, monkeypatch, small_dir: Path) -> None:
+    """A fault inside the engine is not bad input: exit 1 with the internal-error line, not exit 2."""
+    from gpt2_engine.core.runner import ModelRunner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(ModelRunner, "open", broken)
+    code, out, err = run(capsys, "generate", "Hi", "-n", "3", "--weights", str(small_dir))
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("gpt2 generate: internal error: RuntimeError: generation failed: RuntimeError: kernel exploded")

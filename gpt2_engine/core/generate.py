@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .config import GPT2Config
-from .errors import GenerationError
 from .loop import EngineLoop
 from .requests import GenerationSettings, RequestSet, build_requests
 from .runner import ModelRunner
@@ -81,8 +80,8 @@ class Generation:
             for outputs in loop.step():
                 for seq, e in outputs:
                     b = seq.index
-                    if e.finish_reason == "error":
-                        raise GenerationError(f"generation failed: {e.error}")
+                    if e.finish_reason == "error":  # the engine failed, not the input
+                        raise RuntimeError(f"generation failed: {e.error}")
                     if e.token is not None and e.token != self.tokenizer.eot_id:
                         logprobs[b].append(e.logprob)
                         self.stats.new_tokens += 1
