@@ -1,4 +1,4 @@
-"""`gpt2 generate | score | serve | inspect | compare | download`: a thin command line over the library.
+"""`gpt2 generate | score | finetune | serve | inspect | compare | download`: a thin command line over the library.
 
 Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
 """
@@ -16,6 +16,7 @@ from .core.errors import GPT2EngineError
 from .core.requests import GenerationSettings
 from .core.sampling import SamplingParams
 from .download import add_download
+from .finetune import add_finetune
 from .inspect.cli import add_inspect
 from .options import ModelOptions, UsageError, add_model_options, load_model, positive_int
 from .score import add_score
@@ -109,10 +110,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpt2", description="A from-scratch GPT-2 inference engine.")
+    parser = argparse.ArgumentParser(prog="gpt2", description="A from-scratch GPT-2 engine: generate, score, fine-tune, serve, inspect.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_generate(sub)
     add_score(sub)
+    add_finetune(sub)
     add_serve(sub)
     add_inspect(sub)
     add_compare(sub)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .core.scoring import Score, ScoreSettings
-from .documents import InputError, read_documents
+from .core.documents import InputError, read_documents
 from .options import ModelOptions, add_model_options, load_model
 
 TOP_ALTERNATIVES = 5  # per token in --per-token output

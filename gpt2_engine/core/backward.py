@@ -1,125 +1,203 @@
-"""Causal self-attention in training mode: a forward that keeps its activations, and a hand-written backward.
+"""GPT-2's layers in training mode: each a forward that keeps what its backward needs, and a hand-written backward.
 
-This follows ../shared/seeds/002 (llm.c's attention layer), with explicit tensors and no autograd. Same notation as
-model.py: B batch, T tokens, C channels, nh heads, hs = C // nh. Dropout is inverted dropout: kept values are
-scaled by 1 / (1 - p), so p = 0 (or eval mode) is exactly the engine's inference forward.
+llm.c's layout (train_gpt2.c), in torch: every function works on 2-D row-major views of buffers that the caller
+allocated once for the run (core/training.py), writes its outputs with `out=`, and `+=`s into gradient buffers.
+Nothing here allocates a tensor the size of an activation but the temporaries a single torch expression makes.
+No autograd: the chain rule is written out, one line in each docstring. torch runs the matmuls and elementwise ops.
 
-Forward, for x [B, T, C]:
-    qkv = x W_attn + b_attn                       [B, T, 3C]   (Conv1D: W_attn is (C, 3C))
-    q, k, v = split_qkv(qkv), as heads            [B, nh, T, hs] each
-    S = q k^T / sqrt(hs), S_ij = -inf for j > i   [B, nh, T, T]
-    A = softmax(S)                                [B, nh, T, T]
-    A' = A * M_att / (1 - p_attn)                 [B, nh, T, T]  (M_att: the kept positions)
-    y = merge_heads(A' v)                         [B, T, C]
-    out = (y W_proj + b_proj) * M_res / (1 - p_resid)   [B, T, C]
-
-Backward, from G = dL/d out [B, T, C], each line the chain rule through one forward line, last to first:
-    dO = G * M_res / (1 - p_resid)
-    dW_proj = y^T dO,  db_proj = sum dO,  dy = dO W_proj^T
-    dY_h = heads of dy;  dA' = dY_h v^T;  dv = A'^T dY_h     (the seed writes A' dY_h; the transpose is needed)
-    dA = dA' * M_att / (1 - p_attn)
-    dS = A * (dA - sum_j(dA * A))                 softmax backward, row by row
-    dS_ij = 0 for j > i                           masked scores did not reach the output
-    dS = dS / sqrt(hs)
-    dq = dS k;  dk = dS^T q
-    dqkv = [merge_heads(dq), merge_heads(dk), merge_heads(dv)]   (the inverse of split_qkv)
-    dW_attn = x^T dqkv,  db_attn = sum dqkv,  dx = dqkv W_attn^T
+Notation as in model.py: B batch, T tokens, C channels, nh heads, hs = C // nh, N = B*T rows, V vocabulary.
+Dropout is inverted dropout with masks drawn ahead (`keep`: 0 where dropped, 1 / (1 - p) where kept), so the same
+multiply is the forward and the backward of dropout, and p = 0 (keep is None) is the inference forward.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from .model import attention_mask, attention_weights, linear, merge_heads, split_heads
-from .weights import Linear, split_qkv
+from .model import merge_heads, split_heads
+from .weights import LayerNorm, Linear, split_qkv
 
 
-@dataclass(frozen=True)
-class AttentionActivations:
-    """What the training forward keeps for the backward."""
-
-    x: torch.Tensor  # [B, T, C] input
-    qkv: torch.Tensor  # [B, T, 3C]
-    att: torch.Tensor  # [B, nh, T, T] softmax weights, before dropout
-    att_keep: torch.Tensor | None  # [B, nh, T, T] bool dropout mask on att (None: no dropout)
-    att_dropped: torch.Tensor  # [B, nh, T, T] after dropout
-    y: torch.Tensor  # [B, T, C] heads merged, the input of c_proj
-    out_keep: torch.Tensor | None  # [B, T, C] bool dropout mask on the output
-    p_attn: float
-    p_resid: float
+def draw_keep(keep: torch.Tensor | None, p: float, generator: torch.Generator) -> None:
+    """Refill a dropout mask in place: each entry 1 / (1 - p) with probability 1 - p, else 0 (None: no dropout)."""
+    if keep is not None:
+        keep.bernoulli_(1.0 - p, generator=generator).mul_(1.0 / (1.0 - p))
 
 
-@dataclass(frozen=True)
-class AttentionGradients:
-    x: torch.Tensor  # [B, T, C]
-    c_attn: Linear  # weight (C, 3C), bias (3C,)
-    c_proj: Linear  # weight (C, C), bias (C,)
+# --- layer norm ------------------------------------------------------------------------------------------------------
+
+def layer_norm_forward(x: torch.Tensor, p: LayerNorm, eps: float, out: torch.Tensor, mean: torch.Tensor,
+                       rstd: torch.Tensor) -> None:
+    """x [N, C] -> out [N, C] = (x - mean) * rstd * w + b, keeping mean and rstd = 1 / sqrt(var + eps) [N].
+    torch's fused layer norm, the kernel of model.layer_norm, which also hands back the two statistics."""
+    y, m, r = torch.native_layer_norm(x, (x.shape[-1],), p.weight, p.bias, eps)
+    out.copy_(y)
+    mean.copy_(m.view(-1))
+    rstd.copy_(r.view(-1))
 
 
-def dropout_keep(shape: tuple[int, ...], p: float, generator: torch.Generator | None,
-                 device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """A bool mask of kept positions, each kept with probability 1 - p; None when p == 0."""
-    if not 0 <= p < 1:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    if p == 0:
-        return None
-    return torch.rand(shape, generator=generator, device=device) >= p
+def layer_norm_backward(d_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, p: LayerNorm,
+                        grad: LayerNorm, d_x: torch.Tensor, xhat: torch.Tensor) -> None:
+    """d_out [N, C] -> d_x [N, C] += dL/dx; grad.weight += sum_rows(d_out * xhat), grad.bias += sum_rows(d_out).
+
+    With xhat = (x - mean) * rstd and g = d_out * w, the chain rule through the normalisation is
+        dx = rstd * (g - mean_c(g) - xhat * mean_c(g * xhat)).
+    `xhat` [N, C] is scratch.
+    """
+    torch.sub(x, mean[:, None], out=xhat).mul_(rstd[:, None])  # [N, C]
+    grad.weight.add_((d_out * xhat).sum(0))
+    grad.bias.add_(d_out.sum(0))
+    g = d_out * p.weight  # [N, C]
+    C = x.shape[-1]
+    g_mean = g.sum(-1, keepdim=True).div_(C)  # [N, 1]
+    gx_mean = (g * xhat).sum(-1, keepdim=True).div_(C)  # [N, 1]
+    d_x.add_(g.sub_(g_mean).sub_(xhat.mul_(gx_mean)).mul_(rstd[:, None]))
 
 
-def apply_dropout(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
-    """Inverted dropout with a given mask: kept values scaled by 1 / (1 - p). Also its own backward."""
-    return x if keep is None else x * keep / (1.0 - p)
+# --- Conv1D projections ----------------------------------------------------------------------------------------------
+
+def linear_forward(x: torch.Tensor, p: Linear, out: torch.Tensor) -> None:
+    """x [N, in] -> out [N, out] = x W + b (Conv1D: W is (in, out))."""
+    torch.addmm(p.bias, x, p.weight, out=out)
 
 
-def attention_forward_train(x: torch.Tensor, c_attn: Linear, c_proj: Linear, n_head: int, *, p_attn: float = 0.0,
-                            p_resid: float = 0.0, generator: torch.Generator | None = None
-                            ) -> tuple[torch.Tensor, AttentionActivations]:
-    """[B, T, C] -> [B, T, C] and the activations the backward needs (see the module docstring)."""
-    B, T, C = x.shape
-    qkv = linear(x, c_attn)  # [B, T, 3C]
+def linear_backward(d_out: torch.Tensor, x: torch.Tensor, p: Linear, grad: Linear | None,
+                    d_x: torch.Tensor | None) -> None:
+    """d_out [N, out] -> d_x [N, in] = d_out W^T (written, not added); grad.weight += x^T d_out,
+    grad.bias += sum_rows(d_out). grad None: a frozen layer, only d_x."""
+    if grad is not None:
+        grad.weight.addmm_(x.t(), d_out)  # [in, out]
+        grad.bias.add_(d_out.sum(0))
+    if d_x is not None:
+        torch.mm(d_out, p.weight.t(), out=d_x)
+
+
+# --- tanh GELU -------------------------------------------------------------------------------------------------------
+
+GELU_C = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+
+
+def gelu_forward(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh form (model.gelu's kernel)."""
+    torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
+
+
+def gelu_backward(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Tensor) -> None:
+    """d_x = d_out * gelu'(x), written. With u = sqrt(2/pi) (x + a x^3) and t = tanh(u):
+        gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 a x^2)."""
+    x2 = x * x
+    t = torch.tanh(x2.mul(GELU_A).add_(1.0).mul_(x).mul_(GELU_C))  # tanh(u)
+    # 0.5 x (1 - t^2) c (1 + 3a x^2), then + 0.5 (1 + t)
+    x2.mul_(3.0 * GELU_A).add_(1.0).mul_(x).mul_(0.5 * GELU_C).mul_(1.0 - t * t)
+    torch.mul(x2.add_(t.add_(1.0).mul_(0.5)), d_out, out=d_x)
+
+
+# --- causal self-attention (seed 002, llm.c's attention layer) -----------------------------------------------------
+
+def attention_forward(qkv: torch.Tensor, n_head: int, att: torch.Tensor, keep: torch.Tensor | None,
+                      future: torch.Tensor, y: torch.Tensor, heads: torch.Tensor, dropped: torch.Tensor | None) -> None:
+    """qkv [B, T, 3C] -> y [B, T, C], the heads merged; keeps att [B, nh, T, T], the softmax before dropout.
+
+        S = q k^T / sqrt(hs), S_ij = -inf for j > i;  A = softmax(S);  A' = A * keep;  y = merge_heads(A' v)
+
+    `future` [T, T] is True above the diagonal; `heads` [B, nh, T, hs] and `dropped` [B, nh, T, T] (only with
+    dropout) are scratch.
+    """
+    q, k, v = (split_heads(t, n_head) for t in split_qkv(qkv))  # 3 x [B, nh, T, hs], views
+    torch.matmul(q, k.transpose(-2, -1), out=att)  # [B, nh, T, T]
+    att.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(future, -math.inf)
+    # softmax in place, row by row: exp(s - max) / sum; a masked score's exp is exactly 0
+    att.sub_(att.amax(-1, keepdim=True)).exp_()
+    att.div_(att.sum(-1, keepdim=True))
+    if keep is not None:
+        att = torch.mul(att, keep, out=dropped)  # A'
+    torch.matmul(att, v, out=heads)  # [B, nh, T, hs]
+    y.view(heads.shape[0], heads.shape[2], n_head, -1).copy_(heads.transpose(1, 2))  # merge_heads into y
+
+
+def attention_backward(d_y: torch.Tensor, qkv: torch.Tensor, att: torch.Tensor, keep: torch.Tensor | None,
+                       n_head: int, d_qkv: torch.Tensor, d_att: torch.Tensor, heads: torch.Tensor,
+                       dropped: torch.Tensor | None) -> None:
+    """d_y [B, T, C] -> d_qkv [B, T, 3C] (written), each line the chain rule through one forward line, last first:
+
+        dA' = dY_h v^T;  dv = A'^T dY_h             y_h = A' v
+        dA = dA' * keep                              A' = A * keep
+        dS = A * (dA - rowsum(dA * A))               softmax; a masked entry has A = 0, so dS = 0 there
+        dq = dS k / sqrt(hs);  dk = dS^T q / sqrt(hs)    S = q k^T / sqrt(hs)
+
+    `d_att` [B, nh, T, T], `heads` [B, nh, T, hs] and `dropped` [B, nh, T, T] (only with dropout) are scratch.
+    """
+    B, T, C = d_y.shape
     q, k, v = (split_heads(t, n_head) for t in split_qkv(qkv))  # 3 x [B, nh, T, hs]
-    att = attention_weights(q, k, attention_mask(T, 0, None, x.device))  # [B, nh, T, T]
-    att_keep = dropout_keep(tuple(att.shape), p_attn, generator, x.device)
-    att_dropped = apply_dropout(att, att_keep, p_attn)
-    y = merge_heads(att_dropped @ v)  # [B, T, C]
-    out_keep = dropout_keep((B, T, C), p_resid, generator, x.device)
-    out = apply_dropout(linear(y, c_proj), out_keep, p_resid)  # [B, T, C]
-    return out, AttentionActivations(x, qkv, att, att_keep, att_dropped, y, out_keep, p_attn, p_resid)
-
-
-def attention_backward(grad_out: torch.Tensor, acts: AttentionActivations, c_attn: Linear, c_proj: Linear,
-                       n_head: int) -> AttentionGradients:
-    """dL/d out [B, T, C] -> gradients for the input and the c_attn / c_proj parameters."""
-    B, T, C = grad_out.shape
-    hs = C // n_head
-
-    # output dropout, then the output projection (Conv1D: out = y W + b)
-    d_out = apply_dropout(grad_out, acts.out_keep, acts.p_resid)  # [B, T, C]
-    d_proj_w = acts.y.reshape(-1, C).t() @ d_out.reshape(-1, C)  # [C, C]
-    d_proj_b = d_out.sum(dim=(0, 1))  # [C]
-    d_y = d_out @ c_proj.weight.t()  # [B, T, C]
-
-    # per head: y_h = A' v
-    q, k, v = (split_heads(t, n_head) for t in split_qkv(acts.qkv))  # [B, nh, T, hs]
+    dq, dk, dv = (t.view(B, T, n_head, C // n_head) for t in split_qkv(d_qkv))  # [B, T, nh, hs] views
     d_yh = split_heads(d_y, n_head)  # [B, nh, T, hs]
-    d_att_dropped = d_yh @ v.transpose(-2, -1)  # [B, nh, T, T]
-    d_v = acts.att_dropped.transpose(-2, -1) @ d_yh  # [B, nh, T, hs]
+    a_used = att if keep is None else torch.mul(att, keep, out=dropped)  # A'
+    torch.matmul(a_used.transpose(-2, -1), d_yh, out=heads)  # dv [B, nh, T, hs]
+    dv.copy_(heads.transpose(1, 2))
+    torch.matmul(d_yh, v.transpose(-2, -1), out=d_att)  # dA'
+    if keep is not None:
+        d_att.mul_(keep)  # dA
+    # rowsum(dA * A) as a batched dot product per row: [.., 1, T] @ [.., T, 1], no [B, nh, T, T] temporary
+    row = (d_att.unsqueeze(-2) @ att.unsqueeze(-1)).squeeze(-1)  # [B, nh, T, 1]
+    d_att.sub_(row).mul_(att).mul_(1.0 / math.sqrt(C // n_head))  # dS / sqrt(hs)
+    torch.matmul(d_att, k, out=heads)  # dq
+    dq.copy_(heads.transpose(1, 2))
+    torch.matmul(d_att.transpose(-2, -1), q, out=heads)  # dk
+    dk.copy_(heads.transpose(1, 2))
 
-    # attention dropout, softmax, causal mask, scale
-    d_att = apply_dropout(d_att_dropped, acts.att_keep, acts.p_attn)  # [B, nh, T, T]
-    d_scores = acts.att * (d_att - (d_att * acts.att).sum(dim=-1, keepdim=True))  # [B, nh, T, T]
-    future = torch.ones(T, T, dtype=torch.bool, device=grad_out.device).triu(1)  # [T, T]
-    d_scores = d_scores.masked_fill(future, 0.0) * (1.0 / math.sqrt(hs))
 
-    d_q = d_scores @ k  # [B, nh, T, hs]
-    d_k = d_scores.transpose(-2, -1) @ q  # [B, nh, T, hs]
-    d_qkv = torch.cat([merge_heads(d_q), merge_heads(d_k), merge_heads(d_v)], dim=-1)  # [B, T, 3C]
+# --- embeddings ------------------------------------------------------------------------------------------------------
 
-    # the fused Q/K/V projection (Conv1D: qkv = x W + b)
-    d_attn_w = acts.x.reshape(-1, C).t() @ d_qkv.reshape(-1, 3 * C)  # [C, 3C]
-    d_attn_b = d_qkv.sum(dim=(0, 1))  # [3C]
-    d_x = d_qkv @ c_attn.weight.t()  # [B, T, C]
-    return AttentionGradients(d_x, Linear(d_attn_w, d_attn_b), Linear(d_proj_w, d_proj_b))
+def embedding_forward(ids: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor, out: torch.Tensor) -> None:
+    """ids [B, T] -> out [B, T, C] = wte[ids] + wpe[0:T]."""
+    T = ids.shape[1]
+    torch.index_select(wte, 0, ids.reshape(-1), out=out.view(-1, out.shape[-1]))
+    out.add_(wpe[:T])
+
+
+def embedding_backward(d_out: torch.Tensor, ids: torch.Tensor, grad_wte: torch.Tensor, grad_wpe: torch.Tensor) -> None:
+    """d_out [B, T, C]: grad_wte[ids[b, t]] += d_out[b, t] (a scatter-add: repeated tokens add up);
+    grad_wpe[t] += sum_b d_out[b, t]."""
+    T = ids.shape[1]
+    grad_wte.index_add_(0, ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))
+    grad_wpe[:T].add_(d_out.sum(0))
+
+
+# --- the tied head with cross-entropy, fused -------------------------------------------------------------------------
+
+def head_cross_entropy(x: torch.Tensor, wte: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor,
+                       grad_scale: float, grad_wte: torch.Tensor | None, d_x: torch.Tensor | None) -> float:
+    """x [N, C] (after ln_f), targets [N] (-1: not scored) -> the summed cross-entropy of the scored rows.
+
+    With grad_wte and d_x (the backward fused in, scaling the loss's gradient by `grad_scale`):
+        z = x wte^T;  P = softmax(z);  L = sum_i (logsumexp(z_i) - z_i[target_i])
+        dz = grad_scale * (P - onehot(target)), 0 on unscored rows
+        d_x = dz wte (written);  grad_wte += dz^T x      (the head is wte itself: GPT-2 ties them)
+    The rows go through in chunks of R = logits.shape[1]: `logits` [V, R] is the one vocabulary-wide buffer there
+    is. It holds z transposed, one column per row of x, because wte x^T runs a third faster in MKL's GEMM than
+    x wte^T does at these shapes (a tall (V, C) operand, not a transposed wide one).
+    """
+    R = logits.shape[1]
+    total = torch.zeros((), dtype=torch.float64)
+    for r0 in range(0, x.shape[0], R):
+        xc, tc = x[r0 : r0 + R], targets[r0 : r0 + R]  # [r, C], [r]
+        z = logits[:, : xc.shape[0]]  # [V, r]
+        torch.mm(wte, xc.t(), out=z)
+        scored = (tc >= 0).to(z.dtype)[None, :]  # [1, r]: 1 for a scored row, 0 for one that is not
+        t = tc.clamp(min=0)[None, :]  # [1, r]
+        target_logit = z.gather(0, t)  # [1, r]
+        top = z.amax(0, keepdim=True)  # [1, r]
+        z.sub_(top).exp_()  # exp(z - max), in (0, 1]
+        sums = z.sum(0, keepdim=True)  # [1, r]
+        nll = sums.log().add_(top).sub_(target_logit)  # [1, r]: logsumexp(z) - z[target]
+        total += (nll * scored).sum(dtype=torch.float64)
+        if grad_wte is None:
+            continue
+        z.mul_(scored.mul(grad_scale).div_(sums))  # grad_scale * P, zero on unscored rows
+        z.scatter_add_(0, t, scored.mul(-grad_scale))  # - grad_scale * onehot(target)
+        torch.mm(z.t(), wte, out=d_x[r0 : r0 + xc.shape[0]])  # [r, C]
+        grad_wte.addmm_(z, xc)  # [V, C]
+    return float(total)

@@ -39,6 +39,18 @@ class GPT2Config:
     def mlp_width(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    def to_json_dict(self) -> dict[str, object]:
+        """This config as the official checkpoints' config.json writes it (transformers reads it back as is)."""
+        raw: dict[str, object] = {
+            "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+            "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+            "layer_norm_epsilon": self.layer_norm_epsilon, "model_type": "gpt2", "n_ctx": self.n_positions,
+            "n_embd": self.n_embd, "n_head": self.n_head, "n_inner": self.n_inner, "n_layer": self.n_layer,
+            "n_positions": self.n_positions, "resid_pdrop": 0.1, "scale_attn_weights": True,
+            "vocab_size": self.vocab_size,
+        }  # fmt: skip
+        return raw
+
     @classmethod
     def from_json(cls, path: str | Path) -> GPT2Config:
         """Read a Hugging Face GPT-2 `config.json`, rejecting options this engine does not implement."""

@@ -268,6 +268,81 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
     return GPT2Weights(wte=wte, wpe=t("wpe.weight"), blocks=blocks, ln_f=ln("ln_f"), head=wte)
 
 
+# Each Block field and the official name of its part: `h.{i}.` + name + `.weight` / `.bias`.
+BLOCK_PARTS = {"ln_1": "ln_1", "c_attn": "attn.c_attn", "attn_c_proj": "attn.c_proj", "ln_2": "ln_2",
+               "c_fc": "mlp.c_fc", "mlp_c_proj": "mlp.c_proj"}
+
+
+def named_tensors(w: GPT2Weights) -> dict[str, torch.Tensor]:
+    """Every parameter under its official name, in expected_shapes' order (the tied head is wte, not listed)."""
+    named = {"wte.weight": w.wte, "wpe.weight": w.wpe}
+    for i, blk in enumerate(w.blocks):
+        for field, part in BLOCK_PARTS.items():
+            p = getattr(blk, field)
+            if isinstance(p.weight, QuantizedMatrix):
+                raise ValueError(f"h.{i}.{part}.weight is quantized; only float weights have named tensors")
+            named[f"h.{i}.{part}.weight"], named[f"h.{i}.{part}.bias"] = p.weight, p.bias
+    named["ln_f.weight"], named["ln_f.bias"] = w.ln_f.weight, w.ln_f.bias
+    return named
+
+
+def assemble(named: dict[str, torch.Tensor], config: GPT2Config) -> GPT2Weights:
+    """GPT2Weights over tensors named as in the official files (no copies; the head is wte, as GPT-2 ties them)."""
+    def part(i: int, field: str) -> Linear | LayerNorm:
+        name = f"h.{i}.{BLOCK_PARTS[field]}"
+        kind = LayerNorm if field.startswith("ln") else Linear
+        return kind(named[name + ".weight"], named[name + ".bias"])
+
+    blocks = tuple(Block(**{field: part(i, field) for field in BLOCK_PARTS}) for i in range(config.n_layer))
+    return GPT2Weights(wte=named["wte.weight"], wpe=named["wpe.weight"], blocks=blocks,
+                       ln_f=LayerNorm(named["ln_f.weight"], named["ln_f.bias"]), head=named["wte.weight"])
+
+
+GENERATION_CONFIG = {"bos_token_id": 50256, "eos_token_id": 50256}
+
+
+def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weights, bpe_source: Path) -> None:
+    """Write `weights` in the official layout: config.json, model.safetensors (Conv1D shapes, official names, no
+    `transformer.` prefix, the tied head left out, as the Hub's files), generation_config.json, and the BPE files
+    vocab.json and merges.txt copied from `bpe_source` (a checkpoint directory or the packaged files). Each file is
+    written beside its destination and renamed over it, so a reader never sees half a file."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def atomic(name: str, write) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=directory)
+        os.close(fd)
+        try:
+            write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / name)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def text(content: str):
+        return lambda tmp: Path(tmp).write_text(content, encoding="utf-8")
+
+    tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in named_tensors(weights).items()}
+    atomic(SAFETENSORS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic(CONFIG, text(json.dumps(config.to_json_dict(), indent=2) + "\n"))
+    atomic("generation_config.json", text(json.dumps(GENERATION_CONFIG, indent=2) + "\n"))
+    for (vocab, merges) in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+        if (bpe_source / vocab).is_file() and (bpe_source / merges).is_file():
+            atomic("vocab.json", lambda tmp: shutil.copyfile(bpe_source / vocab, tmp))
+            atomic("merges.txt", lambda tmp: shutil.copyfile(bpe_source / merges, tmp))
+            return
+    raise WeightsError(f"{bpe_source}: no BPE files (vocab.json + merges.txt or encoder.json + vocab.bpe) to copy")
+
+
 MADV_DONTNEED = 4  # Linux
 CHECK_CHUNK = 1 << 20  # elements checked for NaN/Inf at a time
 

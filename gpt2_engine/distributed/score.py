@@ -22,7 +22,7 @@ import numpy as np
 
 from ..core.errors import GPT2EngineError
 from ..core.scoring import Score, ScoreSettings
-from ..documents import InputError, read_documents
+from ..core.documents import InputError, read_documents
 from ..options import ModelOptions, load_model
 
 DOCUMENTS_PER_BATCH = 16

@@ -2,8 +2,8 @@
 
 decode.cpp holds float32/bfloat16 matmuls for decode-sized inputs whose results do not depend on the number of rows;
 quant.cpp the blockwise int8/int4 matmul with integer dot products; attention.cpp one decode step's attention over
-many cache slots (see their headers). Both are compiled on first
-use, as one module, by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from there
+many cache slots; adamw.cpp the optimizer's one-pass update (see their headers). All are compiled on first use,
+as one module, by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from there
 afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the build fails, one
 warning line says so and the model runs on torch's kernels (correct; float32 decoding is then not batch-invariant,
 and the quantized reference is slow).
@@ -79,17 +79,24 @@ def decode_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp")]
+        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp", "adamw.cpp")]
+        # -fno-math-errno: sqrt never sets errno here, and without the flag the compiler keeps adamw's loop scalar
         # -fopenmp: without it at::parallel_for compiles to a plain serial call (ATen/Parallel-inl.h), and every
         # kernel ran on one thread. With it, the kernels' OpenMP calls bind to the libgomp.so.1 torch has already
         # loaded (same soname), so they share torch's thread pool rather than start a second one.
         # the name carries where these sources are: torch's extension cache is per user, and two checkouts under
         # one name would rebuild over each other's module at every switch (~40 s each)
         name = "gpt2_engine_decode_" + hashlib.sha1(str(HERE).encode()).hexdigest()[:10]
-        return load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        return load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]
         print(f"gpt2-engine: warning: the native kernels could not be built ({reason}); the model runs on torch's "
               f"kernels ({FALLBACK})", file=sys.stderr)
         return None
+
+
+def training_kernels() -> ModuleType | None:
+    """The compiled module for the training step's AdamW (adamw.cpp, built with the others); None where it cannot
+    be built, and the optimizer then runs its torch reference."""
+    return decode_kernels()

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import IO
 
-from .core.errors import GPT2EngineError
+from .errors import GPT2EngineError
 
 
 class InputError(GPT2EngineError):
@@ -59,3 +59,23 @@ def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:
                 raise InputError(f"{where}: expected a JSON object with a string \"text\" field")
             docs.append((where, record["text"]))
     return docs
+
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".text")
+
+
+def expand_paths(paths: list[str]) -> list[str]:
+    """The paths with each directory replaced by the text files under it (.txt, .md, .rst, .text, .jsonl; hidden
+    files and folders skipped), sorted, so that a folder of text is a corpus. An empty folder is an InputError."""
+    expanded: list[str] = []
+    for path in paths:
+        p = Path(path)
+        if path == "-" or not p.is_dir():
+            expanded.append(path)
+            continue
+        found = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES
+                       and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        if not found:
+            raise InputError(f"{path}: the folder holds no text files (expected {', '.join(TEXT_SUFFIXES)})")
+        expanded += found
+    return expanded

@@ -1,0 +1,488 @@
+"""Fine-tuning (and training from scratch): the data, the loop, evaluation, samples, checkpoints and exact resume.
+
+The loop is a generator of events (Step, Eval, Sample, Saved, Stopped) that `gpt2 finetune` renders as a progress
+bar and a JSONL log and that `GPT2.finetune` drains; nothing here prints. The step itself is core/training.py's
+hand-written forward and backward and core/optim.py's AdamW.
+
+Data: the documents are joined with <|endoftext|> after each (gpt-2-simple's convention) into one token stream,
+cut into windows of context + 1 tokens that overlap by one (inputs and next-token targets). Window k of the run is
+window perm_e[k mod n] of epoch e = k // n, where perm_e is a permutation drawn from (seed, e): the data position of
+any step follows from the step number alone, which is what makes a resumed run read the same batches.
+
+Files in `out`: the best validation checkpoint in the official layout at the top, and `last/` (the latest, also
+official, plus optimizer.safetensors and trainer_state.json for --resume). `last/` is replaced by writing
+`last.new/` in full, then renaming `last` to `last.old` and `last.new` to `last`: a run killed at any moment leaves
+one complete checkpoint, which the next run recovers (recover_last) before it reads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .config import GPT2Config
+from .errors import GPT2EngineError
+from .generate import Generation
+from .optim import AdamW, AdamWSettings, clip_factor, learning_rate
+from .requests import GenerationSettings
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+from .training import Buffers, decayed, forward_loss, zero_, zeros_like
+from .weights import SAFETENSORS, GPT2Weights, WeightsError, named_tensors, save_checkpoint
+
+STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.safetensors"
+LAST = "last"
+STATE_VERSION = 1
+
+
+class TrainError(GPT2EngineError):
+    """Training cannot start or go on: bad data or settings, a state that does not match, a non-finite loss."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything that decides a run's trajectory (the resume check compares these) and how it reports."""
+
+    context: int | None = None  # T; None: min(512, n_positions)
+    batch_size: int = 4  # B windows a micro-batch
+    accumulate: int = 1  # micro-batches an update
+    steps: int | None = None  # updates; None: from epochs
+    epochs: float | None = None  # passes over the training windows; None with steps None: 1
+    lr: float = 1e-4
+    min_lr: float | None = None  # None: lr / 10
+    warmup: int | None = None  # None: 5% of the updates, at most 100
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    clip: float | None = 1.0  # global gradient norm; None: no clipping
+    dropout: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    val_fraction: float = 0.05  # of the documents, when no validation texts are given
+    eval_every: int | None = None  # None: 10 evaluations a run
+    sample_every: int = 0  # 0: no samples
+    sample_prompt: str = ""  # "" : start from <|endoftext|>
+    sample_tokens: int = 40
+    save_every: int | None = None  # None: at each evaluation
+    early_stopping: int | None = None  # evaluations without a new best before stopping
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, expected: str) -> None:
+            if not ok:
+                raise TrainError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        for name in ("batch_size", "accumulate", "sample_tokens"):
+            check(name, isinstance(getattr(self, name), int) and getattr(self, name) >= 1, "an integer >= 1")
+        for name in ("context", "steps", "eval_every", "save_every", "early_stopping"):
+            value = getattr(self, name)
+            check(name, value is None or (isinstance(value, int) and value >= 1), "an integer >= 1")
+        check("epochs", self.epochs is None or self.epochs > 0, "a number > 0")
+        check("lr", self.lr > 0 and math.isfinite(self.lr), "a finite number > 0")
+        check("min_lr", self.min_lr is None or 0 <= self.min_lr <= self.lr, "a number in [0, lr]")
+        check("warmup", self.warmup is None or self.warmup >= 0, "an integer >= 0")
+        check("weight_decay", self.weight_decay >= 0, "a number >= 0")
+        check("clip", self.clip is None or self.clip > 0, "a number > 0")
+        check("dropout", 0 <= self.dropout < 1, "a probability in [0, 1)")
+        check("val_fraction", 0 <= self.val_fraction < 1, "a fraction in [0, 1)")
+        check("sample_every", self.sample_every >= 0, "an integer >= 0")
+        if self.steps is not None and self.epochs is not None:
+            raise TrainError("give steps or epochs, not both")
+
+
+# --- events -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Started:
+    steps: int  # total updates of the run
+    first_step: int  # 0, or the step a resumed run continues from
+    train_tokens: int
+    val_tokens: int
+    windows: int  # training windows of context + 1 tokens
+    tokens_per_step: int
+    parameters: int
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int  # 1-based: updates done
+    loss: float  # mean cross-entropy of the update's batch (before it)
+    lr: float
+    grad_norm: float
+    tokens: int  # tokens trained on so far
+    tokens_per_second: float  # of this update
+    elapsed: float  # seconds of training in this run and the runs it resumes
+
+
+@dataclass(frozen=True)
+class Eval:
+    step: int
+    val_loss: float
+    val_ppl: float
+    best: bool  # a new best, saved at the top of `out`
+
+
+@dataclass(frozen=True)
+class Sample:
+    step: int
+    greedy: str
+    sampled: str
+
+
+@dataclass(frozen=True)
+class Saved:
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    step: int
+    reason: str
+
+
+Event = Started | Step | Eval | Sample | Saved | Stopped
+
+
+@dataclass
+class TrainResult:
+    steps: int  # updates done
+    tokens: int  # tokens trained on
+    seconds: float  # wall time of training (this run and the runs it resumes)
+    final_loss: float  # the last update's loss
+    best_val_loss: float | None  # None without validation data
+    best_step: int | None
+    saved: str | None  # where the best (or, without validation, the last) checkpoint is
+    history: list[dict] = field(default_factory=list)  # every event as a JSON record
+
+
+def record(event: Event) -> dict:
+    """An event as one JSONL log record: {"event": "step", ...its fields}."""
+    return {"event": type(event).__name__.lower(), **asdict(event)}
+
+
+# --- data ---------------------------------------------------------------------------------------------------------
+
+def token_stream(texts: list[str], tokenizer: Tokenizer) -> torch.Tensor:
+    """All documents as one stream of token ids, each followed by <|endoftext|>."""
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text)
+        ids.append(tokenizer.eot_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def split_validation(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(training, validation) documents: every (1 / fraction)-th document held out, so that both span the corpus.
+    With too few documents for that (a single file), the last `fraction` of the text of the last document."""
+    if fraction == 0 or not texts:
+        return texts, []
+    every = max(2, round(1 / fraction))
+    if len(texts) >= every:
+        return [t for i, t in enumerate(texts) if i % every != every - 1], texts[every - 1 :: every]
+    last = texts[-1]
+    cut = int(len(last) * (1 - fraction))
+    cut = last.rfind(" ", 0, cut) + 1 or cut  # at a word boundary where there is one
+    return [*texts[:-1], last[:cut]], [last[cut:]] if last[cut:].strip() else []
+
+
+def window_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the n training windows in `epoch`: a permutation drawn from (seed, epoch) alone."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def batch_windows(stream: torch.Tensor, context: int, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and targets [len(windows), context] of the given training windows."""
+    rows = torch.stack([stream[w * context : w * context + context + 1] for w in windows])  # [B, T + 1]
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def eval_batches(stream: torch.Tensor, context: int, batch: int, pad: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The validation stream in consecutive windows, all of it scored once; the last window and the last batch are
+    filled out with unscored rows (target -1)."""
+    starts = list(range(0, max(1, len(stream) - 1), context))
+    for b0 in range(0, len(starts), batch):
+        ids = torch.full((batch, context), pad, dtype=torch.long)
+        targets = torch.full((batch, context), -1, dtype=torch.long)
+        for row, s in enumerate(starts[b0 : b0 + batch]):
+            piece = stream[s : s + context + 1]
+            ids[row, : len(piece) - 1] = piece[:-1]
+            targets[row, : len(piece) - 1] = piece[1:]
+        yield ids, targets
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+
+def recover_last(out: Path) -> None:
+    """Finish or undo a replacement of out/last that a kill interrupted (see the module docstring)."""
+    last, new, old = out / LAST, out / (LAST + ".new"), out / (LAST + ".old")
+    if not last.exists() and old.exists():
+        old.rename(last)  # killed between the two renames: the old one is complete
+    shutil.rmtree(new, ignore_errors=True)  # never renamed into place: incomplete, or superseded
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def fingerprint(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()[:16]
+
+
+class Trainer:
+    """One run: the parameters (owned float32 copies), their gradients, the optimizer and the buffers, set up once."""
+
+    def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, texts: list[str],
+                 settings: TrainSettings, *, val_texts: list[str] | None = None, out: Path | None = None,
+                 bpe_source: Path | None = None, base: str = "", resume: bool = False,
+                 overwrite: bool = False) -> None:
+        context = settings.context or min(512, config.n_positions)
+        if context > config.n_positions:
+            raise TrainError(f"context: {context} tokens exceed the model's n_positions {config.n_positions}")
+        self.settings = settings = replace(settings, context=context)
+        self.config, self.tokenizer, self.out, self.base = config, tokenizer, out, base
+        self.bpe_source = bpe_source or tokenizer.source
+        if not any(t.strip() for t in texts):
+            raise TrainError("no training text: every document is empty")
+        if val_texts is None:
+            texts, val_texts = split_validation(texts, settings.val_fraction)
+        self.train = token_stream(texts, tokenizer)
+        self.val = token_stream(val_texts, tokenizer) if val_texts else torch.zeros(0, dtype=torch.long)
+        self.windows = (len(self.train) - 1) // context
+        if self.windows < 1:
+            raise TrainError(f"the training text is {len(self.train)} tokens, shorter than one window of "
+                             f"{context + 1}; lower --context or add text")
+        per_step = settings.batch_size * settings.accumulate
+        self.total = settings.steps or max(1, math.ceil((settings.epochs or 1.0) * self.windows / per_step))
+        self.warmup = settings.warmup if settings.warmup is not None else min(100, self.total // 20)
+        self.min_lr = settings.min_lr if settings.min_lr is not None else settings.lr / 10
+        self.eval_every = settings.eval_every or max(1, self.total // 10)
+        self.save_every = settings.save_every or self.eval_every
+
+        self.params = named_tensors(weights)  # owned float32 tensors, updated in place
+        self.weights = weights
+        self.grads_w = zeros_like(weights, config)
+        self.grads = named_tensors(self.grads_w)
+        decay = {n for n in self.params if decayed(n, settings.decay_embeddings)}
+        self.optimizer = AdamW(self.params, decay, AdamWSettings(settings.beta1, settings.beta2, 1e-8,
+                                                                 settings.weight_decay))
+        self.buffers = Buffers.allocate(config, settings.batch_size, context, settings.dropout)
+        self.eval_buffers = self.buffers if settings.dropout == 0 else Buffers.allocate(config, settings.batch_size,
+                                                                                         context, 0.0)
+        self.generator = torch.Generator().manual_seed(settings.seed)  # dropout masks
+        self.step = 0
+        self.tokens = 0
+        self.elapsed = 0.0
+        self.best: tuple[float, int] | None = None  # (val loss, step)
+        self.evals_since_best = 0
+        if out is not None:
+            self._prepare_out(resume, overwrite)
+        elif resume:
+            raise TrainError("resume needs an output directory to resume from")
+
+    # -- the run ------------------------------------------------------------------------------------------------
+
+    def run(self) -> Iterator[Event]:
+        """Train to the end (or early stopping), yielding events; a non-finite loss raises TrainError."""
+        s = self.settings
+        T = s.context
+        yield Started(self.total, self.step, len(self.train), len(self.val), self.windows,
+                      s.batch_size * s.accumulate * T, sum(p.numel() for p in self.params.values()))
+        if self.step == 0 and len(self.val) > 1:
+            yield self._evaluate()
+        orders: dict[int, torch.Tensor] = {}
+        last_loss = math.nan
+        with torch.no_grad():
+            while self.step < self.total:
+                t0 = time.perf_counter()
+                zero_(self.grads_w)
+                scale = 1.0 / (s.batch_size * s.accumulate * T)
+                loss_sum = 0.0
+                for micro in range(s.accumulate):
+                    first = (self.step * s.accumulate + micro) * s.batch_size
+                    windows = []
+                    for k in range(first, first + s.batch_size):
+                        epoch = k // self.windows
+                        if epoch not in orders:
+                            orders = {epoch: window_order(self.windows, s.seed, epoch)}
+                        windows.append(int(orders[epoch][k % self.windows]))
+                    ids, targets = batch_windows(self.train, T, windows)
+                    loss_sum += forward_loss(self.weights, self.config, self.buffers, ids, targets, grads=self.grads_w,
+                                             grad_scale=scale, generator=self.generator)
+                loss = loss_sum * scale
+                if not math.isfinite(loss):
+                    kept = f"; the last good checkpoint is in {self.out / LAST}" if self.out and (self.out / LAST).exists() else ""
+                    raise TrainError(f"the loss became {loss} at step {self.step + 1}; training stopped{kept} "
+                                     "(try a lower --lr)")
+                norm, factor = clip_factor(self.grads, s.clip)
+                lr = learning_rate(self.step, self.total, s.lr, self.min_lr, self.warmup)
+                self.optimizer.step(self.grads, lr, factor)
+                self.step += 1
+                self.tokens += s.batch_size * s.accumulate * T
+                seconds = time.perf_counter() - t0
+                self.elapsed += seconds
+                last_loss = loss
+                yield Step(self.step, loss, lr, norm, self.tokens, s.batch_size * s.accumulate * T / seconds,
+                           self.elapsed)
+                end = self.step == self.total
+                stop = None
+                if len(self.val) > 1 and (self.step % self.eval_every == 0 or end):
+                    ev = self._evaluate()
+                    yield ev
+                    if not ev.best and s.early_stopping and self.evals_since_best >= s.early_stopping:
+                        stop = (f"early stopping: {self.evals_since_best} evaluations without a new best "
+                                f"(best {self.best[0]:.4f} at step {self.best[1]})")
+                if s.sample_every and (self.step % s.sample_every == 0 or end):
+                    yield self._sample()
+                if self.out is not None and (self.step % self.save_every == 0 or end or stop):
+                    yield self._save_last()
+                if stop:
+                    yield Stopped(self.step, stop)
+                    break
+        self.final_loss = last_loss
+
+    def result(self, history: list[dict]) -> TrainResult:
+        saved = None
+        if self.out is not None:
+            saved = str(self.out)
+        return TrainResult(self.step, self.tokens, self.elapsed, getattr(self, "final_loss", math.nan),
+                           self.best[0] if self.best else None, self.best[1] if self.best else None, saved, history)
+
+    # -- evaluation and samples -----------------------------------------------------------------------------------
+
+    def validation_loss(self) -> float:
+        """Mean cross-entropy over every validation token (no dropout)."""
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for ids, targets in eval_batches(self.val, self.settings.context, self.settings.batch_size,
+                                             self.tokenizer.eot_id):
+                total += forward_loss(self.weights, self.config, self.eval_buffers, ids, targets)
+                count += int((targets >= 0).sum())
+        return total / count
+
+    def _evaluate(self) -> Eval:
+        loss = self.validation_loss()
+        best = self.best is None or loss < self.best[0]
+        if best:
+            self.best, self.evals_since_best = (loss, self.step), 0
+            if self.out is not None:
+                save_checkpoint(self.out, self.config, self.weights, self.bpe_source)
+        else:
+            self.evals_since_best += 1
+        return Eval(self.step, loss, math.exp(min(loss, 700.0)), best)
+
+    def _sample(self) -> Sample:
+        prompt = self.tokenizer.encode(self.settings.sample_prompt) or [self.tokenizer.eot_id]
+        texts = []
+        for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=40)):
+            settings = GenerationSettings(max_new_tokens=self.settings.sample_tokens, sampling=sampling,
+                                          seed=self.settings.seed, truncate="left")
+            texts.append(Generation(self.weights, self.config, self.tokenizer, [prompt], settings).run()[0].text)
+        return Sample(self.step, *texts)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    def trajectory(self) -> dict:
+        """What must be equal for a resumed run to continue this one: the settings that shape it, the data, the base."""
+        s = asdict(self.settings)
+        for reporting in ("sample_every", "sample_prompt", "sample_tokens", "save_every"):
+            s.pop(reporting)
+        return {"settings": s, "train_tokens": fingerprint(self.train), "val_tokens": fingerprint(self.val),
+                "config": asdict(self.config), "base": self.base}
+
+    def _state(self) -> dict:
+        return {"version": STATE_VERSION, "step": self.step, "tokens": self.tokens, "elapsed": self.elapsed,
+                "best": list(self.best) if self.best else None, "evals_since_best": self.evals_since_best,
+                "generator": self.generator.get_state().tolist(), "total_steps": self.total,
+                "trajectory": self.trajectory()}
+
+    def _save_last(self) -> Saved:
+        from safetensors.torch import save_file
+
+        out = self.out
+        new, last, old = out / (LAST + ".new"), out / LAST, out / (LAST + ".old")
+        shutil.rmtree(new, ignore_errors=True)
+        save_checkpoint(new, self.config, self.weights, self.bpe_source)
+        save_file({n: t.contiguous() for n, t in self.optimizer.state().items()}, str(new / OPTIMIZER),
+                  metadata={"step": str(self.step)})
+        (new / STATE).write_text(json.dumps(self._state()) + "\n", encoding="utf-8")
+        _fsync_dir(new)
+        if last.exists():
+            last.rename(old)
+        new.rename(last)
+        _fsync_dir(out)
+        shutil.rmtree(old, ignore_errors=True)
+        if self.best is None:  # no validation data: the top of `out` is the latest model
+            save_checkpoint(out, self.config, self.weights, self.bpe_source)
+        return Saved(self.step, str(last))
+
+    def _prepare_out(self, resume: bool, overwrite: bool) -> None:
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise TrainError(f"{out}: exists and is not a directory")
+        out.mkdir(parents=True, exist_ok=True)
+        recover_last(out)
+        holds = [p.name for p in out.iterdir() if p.name in (SAFETENSORS, LAST, "config.json")]
+        if resume:
+            if not (out / LAST / STATE).is_file():
+                raise TrainError(f"{out}: nothing to resume (no {LAST}/{STATE}); run without --resume to start")
+            self._load_last()
+        elif holds and not overwrite:
+            raise TrainError(f"{out}: already holds a model ({', '.join(sorted(holds))}); pass --resume to continue "
+                             "its run or --overwrite to replace it")
+        elif holds:
+            shutil.rmtree(out / LAST, ignore_errors=True)
+
+    def _load_last(self) -> None:
+        from safetensors.torch import load_file
+
+        from .weights import load_weights
+
+        last = self.out / LAST
+        try:
+            state = json.loads((last / STATE).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise TrainError(f"{last / STATE}: not a readable training state ({e})") from None
+        if state.get("version") != STATE_VERSION:
+            raise TrainError(f"{last / STATE}: training-state version {state.get('version')!r}, expected {STATE_VERSION}")
+        saved, mine = state["trajectory"], self.trajectory()
+        for key in ("config", "base", "train_tokens", "val_tokens"):
+            if saved.get(key) != mine[key]:
+                what = {"config": "model shape", "base": "base weights", "train_tokens": "training data",
+                        "val_tokens": "validation data"}[key]
+                raise TrainError(f"--resume: the {what} differ from the run saved in {last} (resume with the same "
+                                 "data, --weights/--init and settings, or start a new run)")
+        for key, value in mine["settings"].items():
+            if saved["settings"].get(key) != value:
+                raise TrainError(f"--resume: {key} is {value!r} but the run in {last} used "
+                                 f"{saved['settings'].get(key)!r}")
+        try:
+            loaded = load_weights(last, self.config)
+            moments = load_file(str(last / OPTIMIZER))
+        except (WeightsError, OSError) as e:
+            raise TrainError(f"--resume: {e}") from None
+        for name, p in named_tensors(loaded).items():
+            self.params[name].copy_(p)
+        expected = set(self.optimizer.state())
+        if set(moments) != expected:
+            raise TrainError(f"{last / OPTIMIZER}: optimizer state does not match the model's parameters")
+        self.optimizer.load_state(moments, state["step"])
+        self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed"]
+        self.best = tuple(state["best"]) if state["best"] else None
+        self.evals_since_best = state["evals_since_best"]
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,233 @@
+"""`gpt2 finetune`: train GPT-2 on your own text with the engine's hand-written backward (core/trainer.py).
+
+This module reads the command line and the data, and renders the trainer's events: a tqdm bar on stderr (step, loss,
+learning rate, tokens/s, ETA), the evaluations and samples above it, every event as a line of the --log JSONL, and a
+summary line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from .core.config import PRESETS, GPT2Config
+from .core.documents import expand_paths, read_documents
+from .core.errors import WeightsError
+from .core.tokenizer import load_tokenizer
+from .core.trainer import Eval, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings, record
+from .core.training import initial_weights, trainable_copy
+from .core.weights import CONFIG, find_weights_file, load_weights
+from .options import UsageError, positive_int
+
+INIT_NAMES = {"small": "gpt2", "medium": "gpt2-medium", "large": "gpt2-large", "xl": "gpt2-xl"}
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise ValueError
+    return value
+
+
+fraction.__name__ = "fraction in [0, 1)"
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError
+    return value
+
+
+non_negative_float.__name__ = "non-negative number"
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError
+    return value
+
+
+positive_float.__name__ = "positive number"
+
+
+def add_finetune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "finetune", help="train the model on your own text (hand-written backward, AdamW)",
+        description="Fine-tune GPT-2 on text files, .jsonl files (one {\"text\": ...} per line), folders of them or "
+                    "stdin (-), with the engine's own backward pass and AdamW. Writes the best validation checkpoint "
+                    "to --out in the official layout (transformers and gpt2 --weights both load it), the latest to "
+                    "--out/last with the state that --resume continues from exactly.",
+        epilog="example: gpt2 finetune notes/ --weights weights --out runs/notes --steps 300 --sample-every 100")
+    p.add_argument("data", nargs="+", metavar="DATA", help="text or .jsonl files, folders of them, or - for stdin")
+    p.add_argument("--weights", type=Path, default=Path("weights"), metavar="DIR",
+                   help="checkpoint to start from (default weights/); with --init, only its BPE files are used")
+    p.add_argument("--init", metavar="CONFIG",
+                   help="train from scratch instead: small|medium|large|xl, a preset name (gpt2, gpt2-medium, ...) "
+                        "or a config.json; GPT-2's initialisation")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where checkpoints go")
+    p.add_argument("--context", type=positive_int, metavar="N", help="tokens a window (default min(512, n_positions))")
+    p.add_argument("--batch-size", type=positive_int, default=4, metavar="B", help="windows a micro-batch (default 4)")
+    p.add_argument("--accumulate", type=positive_int, default=1, metavar="K",
+                   help="micro-batches an update (gradient accumulation; default 1)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=positive_int, metavar="N", help="updates to train for")
+    length.add_argument("--epochs", type=positive_float, metavar="E", help="passes over the data (default 1)")
+    p.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (default 1e-4)")
+    p.add_argument("--min-lr", type=non_negative_float, help="learning rate at the end of the cosine decay (default lr/10)")
+    p.add_argument("--warmup", type=int, metavar="N", help="updates of linear warmup (default 5%% of them, at most 100)")
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                   help="AdamW's decoupled weight decay on the 2-D weight matrices (default 0.1)")
+    p.add_argument("--decay-embeddings", action="store_true", help="apply weight decay to wte and wpe too")
+    p.add_argument("--clip", type=non_negative_float, default=1.0, help="global gradient-norm clip, 0 for none (default 1.0)")
+    p.add_argument("--dropout", type=fraction, default=0.0,
+                   help="dropout on embeddings, attention and residual paths (GPT-2 pretrained with 0.1; default 0)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val", nargs="+", metavar="FILE", help="validation files (default: a fraction of DATA)")
+    val.add_argument("--val-fraction", type=fraction, default=0.05, metavar="F",
+                     help="fraction of the documents held out for validation (default 0.05)")
+    p.add_argument("--eval-every", type=positive_int, metavar="N", help="updates between evaluations (default: 10 a run)")
+    p.add_argument("--sample-every", type=int, default=0, metavar="N", help="updates between samples (default: none)")
+    p.add_argument("--sample-prompt", default="", metavar="TEXT", help="prompt of the samples (default <|endoftext|>)")
+    p.add_argument("--sample-tokens", type=positive_int, default=40, metavar="N", help="tokens a sample (default 40)")
+    p.add_argument("--save-every", type=positive_int, metavar="N", help="updates between saves of last/ (default: at each evaluation)")
+    p.add_argument("--early-stopping", type=positive_int, metavar="PATIENCE",
+                   help="stop after this many evaluations without a new best")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out/last exactly")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
+    p.add_argument("--seed", type=int, default=0, help="data order and dropout masks (default 0)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--log", type=Path, metavar="FILE.jsonl", help="append every event (steps, evaluations, ...) as JSON lines")
+    p.set_defaults(run=run_finetune)
+
+
+def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    if args.warmup is not None and args.warmup < 0:
+        raise UsageError(f"--warmup: expected an integer >= 0, got {args.warmup}")
+    if args.sample_every < 0:
+        raise UsageError(f"--sample-every: expected an integer >= 0, got {args.sample_every}")
+    return TrainSettings(context=args.context, batch_size=args.batch_size, accumulate=args.accumulate,
+                         steps=args.steps, epochs=args.epochs, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
+                         weight_decay=args.weight_decay, decay_embeddings=args.decay_embeddings,
+                         clip=args.clip or None, dropout=args.dropout, val_fraction=args.val_fraction,
+                         eval_every=args.eval_every, sample_every=args.sample_every, sample_prompt=args.sample_prompt,
+                         sample_tokens=args.sample_tokens, save_every=args.save_every,
+                         early_stopping=args.early_stopping, seed=args.seed)
+
+
+def init_config(spec: str) -> GPT2Config:
+    """The config that --init names: small|medium|large|xl, a preset, or a config.json file."""
+    name = INIT_NAMES.get(spec, spec)
+    if name in PRESETS:
+        return PRESETS[name]
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        try:
+            return GPT2Config.from_json(path)
+        except WeightsError as e:
+            raise UsageError(f"--init: {e}") from None
+    raise UsageError(f"--init: {spec!r} is neither small|medium|large|xl, a preset ({', '.join(PRESETS)}) nor a "
+                     "config.json file")
+
+
+def base_identity(directory: Path) -> str:
+    """Which checkpoint a run started from, for the resume check: the weights file's size and the hash of its
+    first 8 MB (cheap, and any other checkpoint differs there)."""
+    import hashlib
+
+    path = find_weights_file(directory)
+    with open(path, "rb") as f:
+        head = f.read(8 << 20)
+    return f"{path.name}:{path.stat().st_size}:{hashlib.sha256(head).hexdigest()[:16]}"
+
+
+def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
+    settings = settings_from_args(args)
+    docs = read_documents(expand_paths(args.data), stdin)
+    if not docs:
+        raise UsageError("no documents: DATA named no files with text")
+    val = [text for _, text in read_documents(expand_paths(args.val), stdin)] if args.val else None
+    if args.init:
+        config = init_config(args.init)
+        tokenizer = load_tokenizer(args.weights if args.weights.is_dir() else None)
+        weights = initial_weights(config, torch.Generator().manual_seed(args.seed))
+        base = "init:" + json.dumps(config.to_json_dict(), sort_keys=True) + f":seed={args.seed}"
+    else:
+        find_weights_file(args.weights)
+        config = GPT2Config.from_json(args.weights / CONFIG)
+        tokenizer = load_tokenizer(args.weights)
+        weights = trainable_copy(load_weights(args.weights, config), config)
+        base = base_identity(args.weights)
+    if tokenizer.n_vocab > config.vocab_size:
+        raise UsageError(f"the tokenizer has {tokenizer.n_vocab} tokens, more than the model's vocab_size {config.vocab_size}")
+    return Trainer(weights, config, tokenizer, [text for _, text in docs], settings, val_texts=val, out=args.out,
+                   base=base, resume=args.resume, overwrite=args.overwrite)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trainer = build_trainer(args, sys.stdin.buffer)
+    log = None
+    if args.log:
+        try:
+            log = open(args.log, "a", encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--log {args.log}: cannot write ({e.strerror or e})") from None
+    bar = None
+    t0 = time.perf_counter()
+    first_eval: Eval | None = None
+    last_eval: Eval | None = None
+    try:
+        for event in trainer.run():
+            if log is not None:
+                log.write(json.dumps(record(event)) + "\n")
+                log.flush()
+            if isinstance(event, Started):
+                print(f"finetune: {event.parameters:,} parameters | {event.train_tokens:,} training tokens in "
+                      f"{event.windows:,} windows | {event.val_tokens:,} validation tokens | {event.steps:,} updates "
+                      f"of {event.tokens_per_step:,} tokens" + (f" | resuming at update {event.first_step}"
+                                                                  if event.first_step else ""), file=sys.stderr)
+                bar = tqdm(total=event.steps, initial=event.first_step, desc="finetune", unit="step",
+                           file=sys.stderr, dynamic_ncols=True)
+            elif isinstance(event, Step):
+                bar.update(1)
+                bar.set_postfix_str(f"loss {event.loss:.4f} | lr {event.lr:.2e} | {event.tokens_per_second:,.0f} tok/s")
+            elif isinstance(event, Eval):
+                first_eval = first_eval or event
+                last_eval = event
+                tqdm.write(f"step {event.step}: validation loss {event.val_loss:.4f}, perplexity {event.val_ppl:.2f}"
+                           + (" (best, saved)" if event.best else ""), file=sys.stderr)
+            elif isinstance(event, Sample):
+                tqdm.write(f"step {event.step}: greedy: {event.greedy!r}\nstep {event.step}: sampled: "
+                           f"{event.sampled!r}", file=sys.stderr)
+            elif isinstance(event, Saved):
+                pass
+            elif isinstance(event, Stopped):
+                tqdm.write(f"step {event.step}: {event.reason}", file=sys.stderr)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+    result = trainer.result([])
+    wall = time.perf_counter() - t0
+    if result.best_val_loss is not None:
+        before = f" (from {first_eval.val_loss:.4f} at step {first_eval.step})" if first_eval and first_eval is not last_eval else ""
+        head = (f"best validation loss {result.best_val_loss:.4f} (perplexity {math.exp(result.best_val_loss):.2f}) "
+                f"at step {result.best_step}{before}, saved in {args.out}")
+    else:
+        head = f"no validation data; the last model is saved in {args.out}"
+    print(f"finetune: {head} | {result.tokens:,} tokens trained in {result.steps} updates | {wall:.1f} s",
+          file=sys.stderr)
+    return 0
