@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from .requests import GenerationSettings, Prompt, encode_prompts
 from .sampling import SamplingParams
 from .scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .tokenizer import Tokenizer, load_tokenizer
+from .trainer import TrainResult
 from .weights import CONFIG, GPT2Weights, find_weights_file, load_weights
 
 
@@ -183,6 +185,40 @@ class GPT2:
     def generate_ids(self, ids: Sequence[int], **kwargs: Any) -> list[int]:
         """The generated token ids (without the prompt) for a prompt given as token ids."""
         return self.generation([list(ids)], **kwargs).run()[0].token_ids
+
+    def finetune(self, texts_or_paths: Sequence[str | Path], *, val: Sequence[str | Path] | None = None,
+                 out: str | Path | None = None, resume: bool = False, overwrite: bool = False,
+                 **settings: Any) -> TrainResult:
+        """Fine-tune this model on texts (strings) or files (Paths: text, .jsonl, folders) with the engine's own
+        backward and AdamW; afterwards the model holds the trained weights. `settings` are TrainSettings' fields
+        (steps, epochs, lr, batch_size, context, ...); `out`: checkpoints as `gpt2 finetune --out` writes them
+        (None: none). Same code as `gpt2 finetune`."""
+        from .documents import expand_paths, read_documents
+        from .trainer import Trainer, TrainSettings, record
+        from .training import trainable_copy
+
+        if self.quantize or self.dtype != torch.float32:
+            raise GPT2EngineError("finetune trains float32 weights; load the model without quantize= or dtype=")
+
+        def texts(items: Sequence[str | Path]) -> list[str]:
+            if isinstance(items, (str, Path)):
+                raise GPT2EngineError("texts_or_paths: expected a list of texts or paths, got one (wrap it in a list)")
+            found = []
+            for item in items:
+                if isinstance(item, Path):
+                    found += [text for _, text in read_documents(expand_paths([str(item)]), sys.stdin.buffer)]
+                elif isinstance(item, str):
+                    found.append(item)
+                else:
+                    raise GPT2EngineError(f"texts_or_paths: expected str or Path items, got {type(item).__name__}")
+            return found
+
+        trainer = Trainer(trainable_copy(self.weights, self.config), self.config, self.tokenizer,
+                          texts(texts_or_paths), TrainSettings(**settings), val_texts=None if val is None else texts(val),
+                          out=None if out is None else Path(out), resume=resume, overwrite=overwrite)
+        history = [record(event) for event in trainer.run()]
+        self.weights = trainer.weights
+        return trainer.result(history)
 
     def check_ids(self, ids: torch.Tensor) -> None:
         """Raise GPT2EngineError unless `ids` is a [B, T] integer tensor of valid tokens that fits the context."""

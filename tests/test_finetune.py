@@ -1,0 +1,250 @@
+"""`gpt2 finetune` and the trainer under it: AdamW against torch's, the data windows, checkpoints transformers loads,
+exact resume after kill -9, and every bad input's one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2_engine import GPT2
+from gpt2_engine.core.kernels import training_kernels
+from gpt2_engine.core.optim import AdamW, AdamWSettings, adamw_reference, clip_factor, learning_rate
+from gpt2_engine.core.trainer import eval_batches, split_validation, window_order
+from gpt2_engine.core.training import Buffers, decayed, forward_loss, trainable_copy, zero_, zeros_like
+from gpt2_engine.core.weights import named_tensors
+
+from test_training import TINY, hf_model, random_batch, tiny_weights
+
+RUN_TIMEOUT = 300  # seconds for one CLI training run of a few updates
+
+
+def corpus(directory: Path, n: int = 40) -> Path:
+    """A small corpus of distinct docstring-like documents as a .jsonl file."""
+    words = "return the value of a list or dict given as input and raise an error when it is missing".split()
+    lines = []
+    for i in range(n):
+        text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(30 + i % 11)).capitalize() + "."
+        lines.append(json.dumps({"text": text}))
+    path = directory / "corpus.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def finetune(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpt2_engine", "finetune", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def small_run(trained_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [str(data), "--weights", str(trained_dir), "--out", str(out), "--context", "32", "--batch-size", "2",
+            "--threads", "2", *extra]
+
+
+def logged(path: Path, event: str) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
+
+
+# --- the optimizer ------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(training_kernels() is None, reason="the native kernels could not be built here")
+def test_native_adamw_matches_its_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    p, grad, m, v = (torch.randn(10_007, generator=g) for _ in range(4))
+    v.abs_()
+    ref = [t.clone() for t in (p, grad, m, v)]
+    args = (3e-3, 0.9, 0.95, 1e-8, 0.1, 1 - 0.9**3, 1 - 0.95**3, 0.7)
+    training_kernels().adamw(p, grad, m, v, *args)
+    adamw_reference(*ref, *args)
+    for name, mine, theirs in zip("pgmv", (p, grad, m, v), ref):
+        assert torch.allclose(mine, theirs, rtol=1e-6, atol=1e-7), name
+
+
+def test_ten_adamw_steps_match_torch_driving_transformers() -> None:
+    """Ten updates (clipping that binds, weight decay on the 2-D matrices only, warmup then cosine) of the engine's
+    step against torch.optim.AdamW on transformers' model with the same batches.
+
+    In float64: the key bias's gradient is zero in exact arithmetic (it adds one constant to a softmax row), so both
+    sides compute rounding noise there, and Adam divides that noise by its own size. In float32 the noise (~1e-9)
+    is near eps (1e-8) and the two sides' updates of those 16 entries differ by up to lr; in float64 it is far below
+    eps and they vanish. The float32 native update is compared with its torch reference above."""
+    w = tiny_weights(5, torch.float64)
+    model = hf_model(w, TINY, torch.float64, 0.0)
+    B, T, steps, lr0, clip = 3, 16, 10, 3e-3, 0.5
+    names = named_tensors(w)
+    decay = {n for n in names if decayed(n)}
+    settings = AdamWSettings(weight_decay=0.1)
+    opt = AdamW(names, decay, settings)
+    hf_params = dict((k.removeprefix("transformer."), p) for k, p in model.named_parameters())
+    ref = torch.optim.AdamW([{"params": [hf_params[n] for n in names if n in decay], "weight_decay": 0.1},
+                             {"params": [hf_params[n] for n in names if n not in decay], "weight_decay": 0.0}],
+                            lr=lr0, betas=(settings.beta1, settings.beta2), eps=settings.eps)
+    grads = zeros_like(w, TINY)
+    buf = Buffers.allocate(TINY, B, T, dtype=torch.float64)
+    clipped = 0
+    for step in range(steps):
+        ids, targets = random_batch(TINY, B, T, seed=100 + step)
+        lr = learning_rate(step, steps, lr0, lr0 / 10, 3)
+        zero_(grads)
+        forward_loss(w, TINY, buf, ids, targets, grads=grads, grad_scale=1 / (B * T))
+        norm, factor = clip_factor(named_tensors(grads), clip)
+        clipped += factor < 1
+        opt.step(named_tensors(grads), lr, factor)
+
+        logits = model(ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, TINY.vocab_size), targets.reshape(-1))
+        ref.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        for group in ref.param_groups:
+            group["lr"] = lr
+        ref.step()
+    assert clipped > 0, "the test should exercise clipping"
+    for name, p in names.items():
+        r = hf_params[name].detach()
+        err = (p - r).abs().max().item()
+        assert err <= 1e-5 * r.abs().max().item(), f"{name}: max |diff| {err:.3g} after {steps} steps"
+
+
+def test_learning_rate_schedule() -> None:
+    rates = [learning_rate(s, 10, 1.0, 0.1, 2) for s in range(10)]
+    assert rates[:2] == [0.5, 1.0]  # linear warmup
+    assert rates[2] == pytest.approx(1.0) and rates[-1] == pytest.approx(0.1)  # cosine from lr down to min_lr
+    assert all(a >= b for a, b in zip(rates[1:], rates[2:]))
+
+
+# --- data ---------------------------------------------------------------------------------------------------------
+
+def test_validation_split_and_windows() -> None:
+    docs = [f"doc {i}" for i in range(40)]
+    train, val = split_validation(docs, 0.05)
+    assert val == ["doc 19", "doc 39"] and len(train) == 38
+    train, val = split_validation(["one two three four five six seven eight nine ten"], 0.2)
+    assert train == ["one two three four five six seven "] and val == ["eight nine ten"]  # at a space
+    assert torch.equal(window_order(10, 3, 1), window_order(10, 3, 1))
+    assert not torch.equal(window_order(10, 3, 1), window_order(10, 3, 2))
+    assert sorted(window_order(10, 3, 1).tolist()) == list(range(10))
+    stream = torch.arange(23)
+    batches = list(eval_batches(stream, 5, 2, pad=-7))
+    scored = torch.cat([t[t >= 0] for _, t in batches])
+    assert scored.tolist() == list(range(1, 23))  # every token after the first scored exactly once
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+def test_finetune_lowers_validation_loss_and_writes_a_checkpoint_transformers_loads(trained_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    out, log = tmp_path / "out", tmp_path / "log.jsonl"
+    done = finetune(*small_run(trained_dir, corpus(tmp_path), out, "--steps", "8", "--eval-every", "4", "--lr",
+                               "1e-3", "--sample-every", "8", "--sample-prompt", "Return", "--log", str(log)))
+    assert done.returncode == 0, done.stderr
+    evals = logged(log, "eval")
+    assert [e["step"] for e in evals] == [0, 4, 8]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
+    assert "best validation loss" in done.stderr.splitlines()[-1] and str(out) in done.stderr.splitlines()[-1]
+    assert len(logged(log, "sample")) == 1 and len(logged(log, "step")) == 8
+    for name in ("config.json", "model.safetensors", "vocab.json", "merges.txt", "generation_config.json"):
+        assert (out / name).is_file() and (out / "last" / name).is_file()
+
+    engine = GPT2.from_pretrained(out)
+    reference = GPT2LMHeadModel.from_pretrained(out).eval()
+    ids = torch.tensor([engine.tokenizer.encode("Return the value of a list given as input.")])
+    with torch.no_grad():
+        ref = reference(ids).logits
+    got = engine(ids)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert min(evals, key=lambda e: e["val_loss"])["step"] == 8  # the top of out/ is the best: the last here
+
+
+def test_resume_after_kill_reproduces_the_uninterrupted_losses(trained_dir: Path, tmp_path: Path) -> None:
+    data = corpus(tmp_path)
+    args = ("--steps", "14", "--save-every", "3", "--eval-every", "7", "--dropout", "0.1", "--lr", "1e-3")
+    whole = finetune(*small_run(trained_dir, data, tmp_path / "whole", *args, "--log", str(tmp_path / "whole.jsonl")))
+    assert whole.returncode == 0, whole.stderr
+
+    out, log = tmp_path / "killed", tmp_path / "killed.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "finetune",
+                             *small_run(trained_dir, data, out, *args, "--log", str(log))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if log.exists() and any(r["step"] >= 8 for r in logged(log, "step")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert (out / "last" / "trainer_state.json").is_file()
+    resumed = finetune(*small_run(trained_dir, data, out, *args, "--log", str(log), "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at update 6" in resumed.stderr
+
+    def losses(path: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in logged(path, "step")}  # a step logged twice: the resumed run's
+
+    assert losses(log) == losses(tmp_path / "whole.jsonl")
+    assert len(losses(log)) == 14
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+
+
+def test_resume_refuses_other_settings_and_out_refuses_a_second_run(trained_dir: Path, tmp_path: Path) -> None:
+    data, out = corpus(tmp_path), tmp_path / "out"
+    assert finetune(*small_run(trained_dir, data, out, "--steps", "2")).returncode == 0
+    again = finetune(*small_run(trained_dir, data, out, "--steps", "2"))
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"gpt2 finetune: error: {out}: already holds a model (config.json, last, model.safetensors); pass --resume "
+        "to continue its run or --overwrite to replace it"]
+    other = finetune(*small_run(trained_dir, data, out, "--steps", "2", "--lr", "3e-4", "--resume"))
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines() == [
+        f"gpt2 finetune: error: --resume: lr is 0.0003 but the run in {out / 'last'} used 0.0001"]
+    assert finetune(*small_run(trained_dir, data, out, "--steps", "2", "--overwrite")).returncode == 0
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("empty", (), "no training text: every document is empty"),
+    ("short", (), "the training text is 6 tokens, shorter than one window of 33; lower --context or add text"),
+    ("ok", ("--context", "4096"), "context: 4096 tokens exceed the model's n_positions 512"),
+    ("ok", ("--resume",), "nothing to resume (no last/trainer_state.json); run without --resume to start"),
+    ("ok", ("--lr", "1e30", "--steps", "3", "--clip", "0"), "at step 2; training stopped"),
+    ("ok", ("--init", "huge"), "--init: 'huge' is neither small|medium|large|xl"),
+    ("missing", (), "no such file"),
+])
+def test_bad_input_is_one_line_and_exit_2(trained_dir: Path, tmp_path: Path, case: str, extra: tuple[str, ...],
+                                          message: str) -> None:
+    data = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "ok": corpus(tmp_path),
+            "missing": tmp_path / "nope.txt"}[case]
+    if case == "empty":
+        data.write_text("   \n")
+    elif case == "short":
+        data.write_text("Return the value of it.")
+    done = finetune(*small_run(trained_dir, data, tmp_path / "out", "--steps", "2", *extra))
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("gpt2 finetune: error:")]
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_python_api_trains_the_model_in_place(trained_dir: Path) -> None:
+    model = GPT2.from_pretrained(trained_dir)
+    before = model(torch.tensor([[464, 1988]]))
+    texts = ["Return the value of the given key, or raise KeyError when it is missing. " * 8] * 6
+    result = model.finetune(texts, steps=3, context=32, batch_size=2, lr=1e-3, val_fraction=0.2)
+    assert result.steps == 3 and result.tokens == 3 * 2 * 32
+    assert [h["event"] for h in result.history][:2] == ["started", "eval"]
+    assert result.best_val_loss is not None and result.best_val_loss < result.history[1]["val_loss"]
+    assert not torch.equal(model(torch.tensor([[464, 1988]])), before)
+    with pytest.raises(Exception, match="expected a list of texts or paths"):
+        model.finetune("just one text", steps=1)
