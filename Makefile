@@ -1,4 +1,5 @@
-# gpt2-engine. On a fresh machine: `make generate PROMPT="..."` runs the engine, `make test` runs the tests.
+# gpt2-engine. On a fresh machine: `make generate PROMPT="..."` runs the engine (the demo model where the official
+# weights cannot be downloaded), `make test` runs the tests.
 # Each target installs what is missing first (a .venv in this directory).
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test generate weights compare bench bench-serve bench-inspect serve fixtures clean
+.PHONY: install test generate demo weights compare bench bench-serve bench-inspect bench-train serve fixtures clean
 
 install: $(STAMP)
 
@@ -28,10 +29,15 @@ test: install
 weights: install
 	$(PY) scripts/download_weights.py --dest $(WEIGHTS) $(ARGS)
 
-# Downloads the official weights only when $(WEIGHTS)/ holds none yet.
+# Downloads the official weights only when $(WEIGHTS)/ holds none yet; where they cannot be downloaded (offline), it
+# says so in one line and uses the demo model (trained once, a few minutes, see `make demo`).
 generate: install
-	@test -f $(WEIGHTS)/model.safetensors -o -f $(WEIGHTS)/pytorch_model.bin || $(PY) scripts/download_weights.py --dest $(WEIGHTS)
-	$(VENV)/bin/gpt2 generate "$$PROMPT" --weights $(WEIGHTS) $(ARGS)
+	@dir=$$($(PY) scripts/demo.py --weights $(WEIGHTS)) && $(VENV)/bin/gpt2 generate "$$PROMPT" --weights "$$dir" $(ARGS)
+
+# The demo model on purpose: a small GPT-2 trained from scratch by `gpt2 finetune --init` on the standard library's
+# docstrings (built once into .cache/demo/), then a generation from it.
+demo: install
+	@dir=$$($(PY) scripts/demo.py) && $(VENV)/bin/gpt2 generate "$$PROMPT" --weights "$$dir" $(ARGS)
 
 compare: install
 	$(VENV)/bin/gpt2 compare --weights $(WEIGHTS) $(ARGS)
@@ -44,6 +50,10 @@ bench-serve: install
 
 bench-inspect: install
 	$(PY) scripts/bench_inspect.py $(ARGS)
+
+# A full training step of GPT-2 small against transformers + autograd + torch's AdamW (a few minutes).
+bench-train: install
+	$(PY) scripts/bench_train.py --out .cache/artifacts/bench-train.json $(ARGS)
 
 # An OpenAI-compatible server on 127.0.0.1:8000 (gpt2 serve --help for the options).
 serve: install

@@ -162,3 +162,19 @@ def test_p_zero_is_the_inference_forward(model: GPT2) -> None:
     expected = causal_self_attention(x, blk, model.config.n_head, attention_mask(20, 0, None, x.device), None, 0)
     # the training forward's softmax is written out in place (max, exp, divide), torch's is fused: rounding apart
     assert (run.out - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+
+
+def test_gelu_backward_is_its_written_out_derivative() -> None:
+    from gpt2_engine.core.backward import gelu_backward, gelu_backward_reference
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-14), (torch.float32, 2e-6)):
+        x = torch.randn(64, 96, generator=g, dtype=dtype) * 4
+        d = torch.randn(64, 96, generator=g, dtype=dtype)
+        fast, ref = torch.empty_like(x), torch.empty_like(x)
+        gelu_backward(d, x, fast)
+        gelu_backward_reference(d, x, ref)
+        assert (fast - ref).abs().max().item() <= tol * ref.abs().max().item()
+        xs = x.clone().requires_grad_(True)  # and both are the derivative autograd finds
+        torch.nn.functional.gelu(xs, approximate="tanh").backward(d)
+        assert (ref - xs.grad).abs().max().item() <= tol * xs.grad.abs().max().item()

@@ -3,6 +3,8 @@ exact resume after kill -9, and every bad input's one line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2
+from gpt2_engine.cli import main
 from gpt2_engine.core.kernels import training_kernels
 from gpt2_engine.core.optim import AdamW, AdamWSettings, adamw_reference, clip_factor, learning_rate
 from gpt2_engine.core.trainer import eval_batches, split_validation, window_order
@@ -38,9 +41,12 @@ def corpus(directory: Path, n: int = 40) -> Path:
     return path
 
 
-def finetune(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpt2_engine", "finetune", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def finetune(*args: str) -> subprocess.CompletedProcess:
+    """`gpt2 finetune ARGS` run in this process (the CLI's main, its exit code and stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["finetune", *args])
+    return subprocess.CompletedProcess(args, code, "", err.getvalue())
 
 
 def small_run(trained_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -168,7 +174,9 @@ def test_finetune_lowers_validation_loss_and_writes_a_checkpoint_transformers_lo
 def test_resume_after_kill_reproduces_the_uninterrupted_losses(trained_dir: Path, tmp_path: Path) -> None:
     data = corpus(tmp_path)
     args = ("--steps", "14", "--save-every", "3", "--eval-every", "7", "--dropout", "0.1", "--lr", "1e-3")
-    whole = finetune(*small_run(trained_dir, data, tmp_path / "whole", *args, "--log", str(tmp_path / "whole.jsonl")))
+    whole = subprocess.run([sys.executable, "-m", "gpt2_engine", "finetune", *small_run(
+        trained_dir, data, tmp_path / "whole", *args, "--log", str(tmp_path / "whole.jsonl"))],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert whole.returncode == 0, whole.stderr
 
     out, log = tmp_path / "killed", tmp_path / "killed.jsonl"
@@ -186,7 +194,9 @@ def test_resume_after_kill_reproduces_the_uninterrupted_losses(trained_dir: Path
     finally:
         proc.wait(timeout=30)
     assert (out / "last" / "trainer_state.json").is_file()
-    resumed = finetune(*small_run(trained_dir, data, out, *args, "--log", str(log), "--resume"))
+    resumed = subprocess.run([sys.executable, "-m", "gpt2_engine", "finetune",
+                              *small_run(trained_dir, data, out, *args, "--log", str(log), "--resume")],
+                             capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming at update 6" in resumed.stderr
 

@@ -2,7 +2,7 @@
 
 decode.cpp holds float32/bfloat16 matmuls for decode-sized inputs whose results do not depend on the number of rows;
 quant.cpp the blockwise int8/int4 matmul with integer dot products; attention.cpp one decode step's attention over
-many cache slots; adamw.cpp the optimizer's one-pass update (see their headers). All are compiled on first use,
+many cache slots; training.cpp the optimizer's one-pass AdamW update (see their headers). All are compiled on first use,
 as one module, by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from there
 afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the build fails, one
 warning line says so and the model runs on torch's kernels (correct; float32 decoding is then not batch-invariant,
@@ -79,8 +79,8 @@ def decode_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp", "adamw.cpp")]
-        # -fno-math-errno: sqrt never sets errno here, and without the flag the compiler keeps adamw's loop scalar
+        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp", "training.cpp")]
+        # -fno-math-errno: sqrt never sets errno here, and without the flag the compiler keeps training.cpp's loop scalar
         # -fopenmp: without it at::parallel_for compiles to a plain serial call (ATen/Parallel-inl.h), and every
         # kernel ran on one thread. With it, the kernels' OpenMP calls bind to the libgomp.so.1 torch has already
         # loaded (same soname), so they share torch's thread pool rather than start a second one.
@@ -97,6 +97,6 @@ def decode_kernels() -> ModuleType | None:
 
 
 def training_kernels() -> ModuleType | None:
-    """The compiled module for the training step's AdamW (adamw.cpp, built with the others); None where it cannot
-    be built, and the optimizer then runs its torch reference."""
+    """The compiled module for the optimizer's AdamW update (training.cpp, built with the others); None where it
+    cannot be built, and the optimizer then runs its torch reference."""
     return decode_kernels()

@@ -316,7 +316,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
 
-// adamw.cpp
+// training.cpp
 void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double lr, double beta1, double beta2,
            double eps, double wd, double bias1, double bias2, double grad_scale);
 
@@ -331,5 +331,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)",
         release());
-  m.def("adamw", &adamw, "one AdamW update of a float32 parameter in one pass (adamw.cpp)", release());
+  m.def("adamw", &adamw, "one AdamW update of a float32 parameter in one pass (training.cpp)", release());
 }

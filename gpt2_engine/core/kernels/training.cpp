@@ -34,3 +34,4 @@ void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, d
     }
   });
 }
+
