@@ -21,7 +21,7 @@ from gpt2_engine.cli import main
 from gpt2_engine.core.kernels import training_kernels
 from gpt2_engine.core.optim import AdamW, AdamWSettings, adamw_reference, clip_factor, learning_rate
 from gpt2_engine.core.trainer import eval_batches, split_validation, window_order
-from gpt2_engine.core.training import Buffers, decayed, forward_loss, trainable_copy, zero_, zeros_like
+from gpt2_engine.core.training import Buffers, decayed, forward_loss, zero_, zeros_like
 from gpt2_engine.core.weights import named_tensors
 
 from test_training import TINY, hf_model, random_batch, tiny_weights
