@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2
-from gpt2_engine.core.backward import (attention_backward, attention_forward, draw_keep, linear_backward,
-                                       linear_forward)
+from gpt2_engine.core.backward import (attention_backward, attention_buffers, attention_forward, causal_blocks,
+                                       draw_keep, linear_backward, linear_forward)
 from gpt2_engine.core.model import attention_mask, causal_self_attention
 from gpt2_engine.core.weights import Linear
 
@@ -24,8 +24,8 @@ class AttentionRun:
 
     out: torch.Tensor  # [B, T, C]
     qkv: torch.Tensor
-    att: torch.Tensor
-    att_keep: torch.Tensor | None
+    att: tuple[torch.Tensor, ...]  # by causal block
+    att_keep: tuple[torch.Tensor, ...] | None
     out_keep: torch.Tensor | None
     y: torch.Tensor
     p: float
@@ -35,12 +35,14 @@ def attention_forward_train(x, c_attn: Linear, c_proj: Linear, n_head: int, p: f
                             generator: torch.Generator | None = None) -> AttentionRun:
     B, T, C = x.shape
     new = lambda *shape: torch.zeros(shape, dtype=x.dtype)  # noqa: E731
-    qkv, att, y, heads = new(B, T, 3 * C), new(B, n_head, T, T), new(B, T, C), new(B, n_head, T, C // n_head)
-    att_keep, out_keep, dropped = (new(B, n_head, T, T), new(B, T, C), new(B, n_head, T, T)) if p else (None, None, None)
+    qkv, att, y = new(B, T, 3 * C), attention_buffers(B, n_head, T, x.dtype), new(B, T, C)
+    att_keep, out_keep, dropped = ((attention_buffers(B, n_head, T, x.dtype), new(B, T, C), new(B * n_head * T * T))
+                                   if p else (None, None, None))
     linear_forward(x.view(-1, C), c_attn, qkv.view(-1, 3 * C))
-    draw_keep(att_keep, p, generator)
+    for keep in att_keep or ():
+        draw_keep(keep, p, generator)
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    attention_forward(qkv, n_head, att, att_keep, future, y, heads, dropped)
+    attention_forward(qkv, n_head, att, att_keep, future, y, dropped)
     out = new(B * T, C)
     linear_forward(y.view(-1, C), c_proj, out)
     draw_keep(out_keep, p, generator)
@@ -56,9 +58,9 @@ def attention_backward_run(grad_out, run: AttentionRun, x, c_attn: Linear, c_pro
     d_out = grad_out if run.out_keep is None else grad_out * run.out_keep
     d_y, d_qkv, d_x = new(B * T, C), new(B, T, 3 * C), new(B * T, C)
     linear_backward(d_out.reshape(-1, C), run.y.view(-1, C), c_proj, g_proj, d_y)
-    dropped = None if run.att_keep is None else new(B, n_head, T, T)
-    attention_backward(d_y.view(B, T, C), run.qkv, run.att, run.att_keep, n_head, d_qkv, new(B, n_head, T, T),
-                       new(B, n_head, T, C // n_head), dropped)
+    dropped = None if run.att_keep is None else new(B * n_head * T * T)
+    attention_backward(d_y.view(B, T, C), run.qkv, run.att, run.att_keep, n_head, d_qkv, new(B * n_head * T * T),
+                       new(B, n_head, T, C // n_head), new(B, n_head, T, C // n_head), dropped)
     linear_backward(d_qkv.view(-1, 3 * C), x.reshape(-1, C), c_attn, g_attn, d_x)
     return d_x.view(B, T, C), g_attn, g_proj
 
@@ -77,12 +79,20 @@ def autograd_attention(x, w_attn, b_attn, w_proj, b_proj, n_head, run: Attention
         scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
         att = torch.softmax(scores, dim=-1)
         if run.att_keep is not None:
-            att = att * run.att_keep[:, h]
+            att = att * full_mask(run.att_keep, T)[:, h]
         heads.append(att @ v)
     out = torch.cat(heads, dim=-1) @ w_proj + b_proj
     if run.out_keep is not None:
         out = out * run.out_keep
     return out
+
+
+def full_mask(blocks: tuple[torch.Tensor, ...], T: int) -> torch.Tensor:
+    """[B, nh, T, T] from the per-block masks (0 above the diagonal, where the weights are 0 anyway)."""
+    full = torch.zeros(*blocks[0].shape[:2], T, T, dtype=blocks[0].dtype)
+    for (i, j), keep in zip(causal_blocks(T), blocks):
+        full[:, :, i:j, :j] = keep
+    return full
 
 
 def check_against_autograd(x, c_attn: Linear, c_proj: Linear, n_head: int, p: float, seed: int) -> None:
@@ -107,7 +117,7 @@ def random_linear(n_in: int, n_out: int, g: torch.Generator) -> Linear:
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
-@pytest.mark.parametrize("B, T, C, n_head", [(2, 7, 16, 4), (1, 1, 8, 2), (3, 33, 48, 6)])
+@pytest.mark.parametrize("B, T, C, n_head", [(2, 7, 16, 4), (1, 1, 8, 2), (3, 33, 48, 6), (1, 261, 16, 2)])
 def test_gradients_match_autograd_on_random_inputs(B: int, T: int, C: int, n_head: int, p: float) -> None:
     g = torch.Generator().manual_seed(B * 1000 + T)
     x = torch.randn(B, T, C, dtype=torch.float64, generator=g)
@@ -132,12 +142,12 @@ def test_dropout_masks_are_reproducible_with_a_seeded_generator() -> None:
     x = torch.randn(2, 9, 16, dtype=torch.float64, generator=g)
     c_attn, c_proj = random_linear(16, 48, g), random_linear(16, 16, g)
     a, b = (attention_forward_train(x, c_attn, c_proj, 4, 0.2, torch.Generator().manual_seed(42)) for _ in range(2))
-    assert torch.equal(a.out, b.out) and torch.equal(a.att_keep, b.att_keep)
+    assert torch.equal(a.out, b.out) and all(torch.equal(m, n) for m, n in zip(a.att_keep, b.att_keep))
     other = attention_forward_train(x, c_attn, c_proj, 4, 0.2, torch.Generator().manual_seed(43))
     assert not torch.equal(other.out, a.out)
-    kept = (a.att_keep > 0).double().mean().item()
+    kept = (a.att_keep[0] > 0).double().mean().item()
     assert 0.75 < kept < 0.85  # about 1 - p over 2 x 4 x 9 x 9 entries
-    assert set(a.att_keep.unique().tolist()) == {0.0, 1 / 0.8}  # inverted dropout: kept entries scaled by 1 / (1 - p)
+    assert set(a.att_keep[0].unique().tolist()) == {0.0, 1 / 0.8}  # inverted dropout: kept entries scaled by 1 / (1 - p)
 
 
 def test_backward_is_causal() -> None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .backward import (attention_backward, attention_forward, draw_keep, embedding_backward, embedding_forward,
-                       gelu_backward, gelu_forward, head_cross_entropy, layer_norm_backward, layer_norm_forward,
-                       linear_backward, linear_forward)
+from .backward import (attention_backward, attention_buffers, attention_forward, causal_blocks, draw_keep,
+                       embedding_backward, embedding_forward, gelu_backward, gelu_forward, head_cross_entropy,
+                       layer_norm_backward, layer_norm_forward, linear_backward, linear_forward)
 from .config import GPT2Config
 from .weights import Block, GPT2Weights, assemble, expected_shapes, named_tensors
 
@@ -74,8 +74,8 @@ class LayerActivations:
     ln1_mean: torch.Tensor  # [N]
     ln1_rstd: torch.Tensor  # [N]
     qkv: torch.Tensor  # [B, T, 3C]
-    att: torch.Tensor  # [B, nh, T, T] softmax, before dropout
-    att_keep: torch.Tensor | None  # [B, nh, T, T]
+    att: tuple[torch.Tensor, ...]  # softmax before dropout, by causal block: [B, nh, j - i, j] (backward.causal_blocks)
+    att_keep: tuple[torch.Tensor, ...] | None  # shaped as att
     y: torch.Tensor  # [B, T, C] heads merged, c_proj's input
     attn_keep: torch.Tensor | None  # [B, T, C] residual dropout of the attention's output
     x_mid: torch.Tensor  # [B, T, C] after the attention's residual add
@@ -108,9 +108,10 @@ class Buffers:
     act: torch.Tensor  # [N, 4C] gelu's output
     d_act: torch.Tensor  # [N, 4C]
     d_qkv: torch.Tensor  # [B, T, 3C]
-    d_att: torch.Tensor  # [B, nh, T, T]
-    heads: torch.Tensor  # [B, nh, T, hs]
-    dropped: torch.Tensor | None  # [B, nh, T, T] attention after dropout
+    d_att: torch.Tensor  # flat, the largest causal block's [B, nh, r, j]
+    dk: torch.Tensor  # [B, nh, T, hs]
+    dv: torch.Tensor  # [B, nh, T, hs]
+    dropped: torch.Tensor | None  # flat like d_att: a block's attention after dropout
     future: torch.Tensor  # [T, T] bool, True above the diagonal
     logits: torch.Tensor  # [V, min(N, HEAD_ROWS)]
 
@@ -129,17 +130,20 @@ class Buffers:
         def mask(*shape: int) -> torch.Tensor | None:
             return new(*shape) if dropout > 0 else None
 
+        block = max((j - i) * j for i, j in causal_blocks(T)) * B * nh  # the largest causal block's entries
+
         layers = []
         for _ in range(config.n_layer):
             layers.append(LayerActivations(
                 x=new(B, T, C), ln1=new(N, C), ln1_mean=new(N), ln1_rstd=new(N), qkv=new(B, T, 3 * C),
-                att=new(B, nh, T, T), att_keep=mask(B, nh, T, T), y=new(B, T, C), attn_keep=mask(B, T, C),
+                att=attention_buffers(B, nh, T, dtype), y=new(B, T, C), attn_keep=mask(B, T, C),
+                att_keep=attention_buffers(B, nh, T, dtype) if dropout > 0 else None,
                 x_mid=new(B, T, C), ln2=new(N, C), ln2_mean=new(N), ln2_rstd=new(N), pre=new(N, F),
                 mlp_keep=mask(B, T, C)))
         return cls(B, T, dropout, mask(B, T, C), tuple(layers), new(B, T, C), new(N, C), new(N), new(N),
                    d_res=new(N, C), d_ln=new(N, C), d_y=new(N, C), branch=new(N, C), xhat=new(N, C),
-                   act=new(N, F), d_act=new(N, F), d_qkv=new(B, T, 3 * C), d_att=new(B, nh, T, T),
-                   heads=new(B, nh, T, C // nh), dropped=mask(B, nh, T, T),
+                   act=new(N, F), d_act=new(N, F), d_qkv=new(B, T, 3 * C), d_att=new(block),
+                   dk=new(B, nh, T, C // nh), dv=new(B, nh, T, C // nh), dropped=mask(block),
                    future=torch.ones(T, T, dtype=torch.bool).triu(1), logits=new(config.vocab_size, min(N, head_rows)))
 
 
@@ -150,9 +154,9 @@ def block_forward(x_out: torch.Tensor, a: LayerActivations, blk: Block, config: 
     layer_norm_forward(a.x.view(n, C), blk.ln_1, eps, a.ln1, a.ln1_mean, a.ln1_rstd)
     linear_forward(a.ln1, blk.c_attn, a.qkv.view(n, 3 * C))
     att_keep = a.att_keep if train else None
-    if att_keep is not None:
-        draw_keep(att_keep, buf.dropout, generator)
-    attention_forward(a.qkv, config.n_head, a.att, att_keep, buf.future, a.y, buf.heads, buf.dropped)
+    for keep in att_keep or ():
+        draw_keep(keep, buf.dropout, generator)
+    attention_forward(a.qkv, config.n_head, a.att, att_keep, buf.future, a.y, buf.dropped)
     linear_forward(a.y.view(n, C), blk.attn_c_proj, buf.branch)
     _residual_add(a.x.view(n, C), buf.branch, a.attn_keep if train else None, buf.dropout, generator, a.x_mid.view(n, C))
     layer_norm_forward(a.x_mid.view(n, C), blk.ln_2, eps, a.ln2, a.ln2_mean, a.ln2_rstd)
@@ -186,7 +190,7 @@ def block_backward(a: LayerActivations, blk: Block, grad: Block, config: GPT2Con
     d_branch = buf.d_res if a.attn_keep is None else torch.mul(buf.d_res, a.attn_keep.view(n, C), out=buf.branch)
     linear_backward(d_branch, a.y.view(n, C), blk.attn_c_proj, grad.attn_c_proj, buf.d_y)
     attention_backward(buf.d_y.view(buf.batch, buf.context, C), a.qkv, a.att, a.att_keep, config.n_head, buf.d_qkv,
-                       buf.d_att, buf.heads, buf.dropped)
+                       buf.d_att, buf.dk, buf.dv, buf.dropped)
     linear_backward(buf.d_qkv.view(n, 3 * C), a.ln1, blk.c_attn, grad.c_attn, buf.d_ln)
     layer_norm_backward(buf.d_ln, a.x.view(n, C), a.ln1_mean, a.ln1_rstd, blk.ln_1, grad.ln_1,
                         buf.d_res, buf.xhat)
