@@ -258,3 +258,31 @@ def test_python_api_trains_the_model_in_place(trained_dir: Path) -> None:
     assert not torch.equal(model(torch.tensor([[464, 1988]])), before)
     with pytest.raises(Exception, match="expected a list of texts or paths"):
         model.finetune("just one text", steps=1)
+
+
+def test_accumulation_equals_the_larger_batch(trained_model: GPT2) -> None:
+    """Two micro-batches of 2 windows make the same update as one batch of 4 (the same windows, in the same order)."""
+    texts = [f"Return the value number {i} of the list, or raise an error when it is missing. " * 3 for i in range(12)]
+    runs = []
+    for batch, accumulate in ((4, 1), (2, 2)):
+        model = GPT2(trained_model.config, trained_model.weights, trained_model.tokenizer, dtype=torch.float32,
+                     device=torch.device("cpu"))
+        result = model.finetune(texts, steps=3, context=32, batch_size=batch, accumulate=accumulate, lr=1e-3,
+                                val_fraction=0)
+        runs.append([h["loss"] for h in result.history if h["event"] == "step"])
+    assert runs[0] == pytest.approx(runs[1], rel=1e-5)
+
+
+def test_early_stopping_after_patience_evaluations(trained_model: GPT2, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpt2_engine.core.trainer import Trainer
+
+    scripted = iter([5.0, 4.0, 4.5, 4.0, 3.0])  # evaluations at steps 0, 1, 2, 3, (4: never reached)
+    monkeypatch.setattr(Trainer, "validation_loss", lambda self: next(scripted))
+    model = GPT2(trained_model.config, trained_model.weights, trained_model.tokenizer, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    texts = ["Return the value of the list, or raise an error when it is missing. " * 6] * 8
+    result = model.finetune(texts, steps=10, context=32, batch_size=2, eval_every=1, early_stopping=2)
+    stopped = [h for h in result.history if h["event"] == "stopped"]
+    assert result.steps == 3 and result.best_val_loss == 4.0 and result.best_step == 1  # 4.0 again is no new best
+    assert stopped == [{"event": "stopped", "step": 3,
+                        "reason": "early stopping: 2 evaluations without a new best (best 4.0000 at step 1)"}]

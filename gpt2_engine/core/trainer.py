@@ -272,9 +272,7 @@ class Trainer:
         decay = {n for n in self.params if decayed(n, settings.decay_embeddings)}
         self.optimizer = AdamW(self.params, decay, AdamWSettings(settings.beta1, settings.beta2, 1e-8,
                                                                  settings.weight_decay))
-        self.buffers = Buffers.allocate(config, settings.batch_size, context, settings.dropout)
-        self.eval_buffers = self.buffers if settings.dropout == 0 else Buffers.allocate(config, settings.batch_size,
-                                                                                         context, 0.0)
+        self.buffers = Buffers.allocate(config, settings.batch_size, context, settings.dropout)  # eval uses them too
         self.generator = torch.Generator().manual_seed(settings.seed)  # dropout masks
         self.step = 0
         self.tokens = 0
@@ -362,7 +360,7 @@ class Trainer:
         with torch.no_grad():
             for ids, targets in eval_batches(self.val, self.settings.context, self.settings.batch_size,
                                              self.tokenizer.eot_id):
-                total += forward_loss(self.weights, self.config, self.eval_buffers, ids, targets)
+                total += forward_loss(self.weights, self.config, self.buffers, ids, targets)
                 count += int((targets >= 0).sum())
         return total / count
 
