@@ -279,6 +279,7 @@ class Trainer:
         self.elapsed = 0.0
         self.best: tuple[float, int] | None = None  # (val loss, step)
         self.evals_since_best = 0
+        self.final_loss = math.nan  # the last update's loss
         if out is not None:
             self._prepare_out(resume, overwrite)
         elif resume:
@@ -295,7 +296,6 @@ class Trainer:
         if self.step == 0 and len(self.val) > 1:
             yield self._evaluate()
         orders: dict[int, torch.Tensor] = {}
-        last_loss = math.nan
         with torch.no_grad():
             while self.step < self.total:
                 t0 = time.perf_counter()
@@ -325,7 +325,7 @@ class Trainer:
                 self.tokens += s.batch_size * s.accumulate * T
                 seconds = time.perf_counter() - t0
                 self.elapsed += seconds
-                last_loss = loss
+                self.final_loss = loss
                 yield Step(self.step, loss, lr, norm, self.tokens, s.batch_size * s.accumulate * T / seconds,
                            self.elapsed)
                 end = self.step == self.total
@@ -343,14 +343,11 @@ class Trainer:
                 if stop:
                     yield Stopped(self.step, stop)
                     break
-        self.final_loss = last_loss
 
     def result(self, history: list[dict]) -> TrainResult:
-        saved = None
-        if self.out is not None:
-            saved = str(self.out)
-        return TrainResult(self.step, self.tokens, self.elapsed, getattr(self, "final_loss", math.nan),
-                           self.best[0] if self.best else None, self.best[1] if self.best else None, saved, history)
+        """The run's outcome (after run() is drained); `history` is its events as records, if the caller kept them."""
+        return TrainResult(self.step, self.tokens, self.elapsed, self.final_loss, self.best[0] if self.best else None,
+                           self.best[1] if self.best else None, None if self.out is None else str(self.out), history)
 
     # -- evaluation and samples -----------------------------------------------------------------------------------
 
