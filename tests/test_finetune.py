@@ -286,3 +286,28 @@ def test_early_stopping_after_patience_evaluations(trained_model: GPT2, monkeypa
     assert result.steps == 3 and result.best_val_loss == 4.0 and result.best_step == 1  # 4.0 again is no new best
     assert stopped == [{"event": "stopped", "step": 3,
                         "reason": "early stopping: 2 evaluations without a new best (best 4.0000 at step 1)"}]
+
+
+def test_a_folder_of_text_trains_from_scratch_with_init(tmp_path: Path) -> None:
+    """--init CONFIG.json on a folder (hidden files skipped): GPT-2's initialisation, the packaged BPE, an
+    official-layout result that loads, and a folder with no text is one line."""
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("Return the value of the list, or raise an error when it is missing. " * 20)
+    (folder / "sub" / "b.md").write_text("Compute the sum of the numbers given as input and return it. " * 20)
+    (folder / ".hidden.txt").write_bytes(b"\xff\xfe")  # invalid UTF-8: reading it would fail the run
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64}))
+    out = tmp_path / "out"
+    done = finetune(str(folder), "--init", str(config), "--weights", str(tmp_path / "none"), "--out", str(out),
+                    "--steps", "2", "--context", "16", "--batch-size", "2", "--val-fraction", "0")
+    assert done.returncode == 0, done.stderr
+    assert "no validation data; the last model is saved in" in done.stderr.splitlines()[-1]
+    model = GPT2.from_pretrained(out)
+    assert model.config.n_layer == 1 and model.config.n_embd == 32
+    (tmp_path / "empty").mkdir()
+    empty = finetune(str(tmp_path / "empty"), "--init", str(config), "--out", str(tmp_path / "out2"))
+    assert empty.returncode == 2
+    assert empty.stderr.strip().splitlines() == [
+        f"gpt2 finetune: error: {tmp_path / 'empty'}: the folder holds no text files (expected .txt, .md, .rst, "
+        ".jsonl, .text)"]
