@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .config import GPT2Config
+from .documents import expand_paths, read_documents
 from .errors import GenerationError, GPT2EngineError, WeightsError
 from .generate import Completion, Generation
 from .hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
@@ -19,7 +20,8 @@ from .requests import GenerationSettings, Prompt, encode_prompts
 from .sampling import SamplingParams
 from .scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .tokenizer import Tokenizer, load_tokenizer
-from .trainer import TrainResult
+from .trainer import Trainer, TrainResult, TrainSettings, record
+from .training import trainable_copy
 from .weights import CONFIG, GPT2Weights, find_weights_file, load_weights
 
 
@@ -193,10 +195,6 @@ class GPT2:
         backward and AdamW; afterwards the model holds the trained weights. `settings` are TrainSettings' fields
         (steps, epochs, lr, batch_size, context, ...); `out`: checkpoints as `gpt2 finetune --out` writes them
         (None: none). Same code as `gpt2 finetune`."""
-        from .documents import expand_paths, read_documents
-        from .trainer import Trainer, TrainSettings, record
-        from .training import trainable_copy
-
         if self.quantize or self.dtype != torch.float32:
             raise GPT2EngineError("finetune trains float32 weights; load the model without quantize= or dtype=")
 
