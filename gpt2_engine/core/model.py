@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .config import GPT2Config
 from .kernels import cpu, decode_kernels
-from .projection import head_logits, project
+from .projection import head_logits, lora_rows, project
 from .weights import Block, GPT2Weights, LayerNorm, Linear, QuantizedMatrix, split_qkv
 
 
@@ -92,10 +92,15 @@ def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float, tap: Tap | None = None
     return tap(name + "hook_normalized", y)
 
 
-def linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, p: Linear, adapters: torch.Tensor | None = None) -> torch.Tensor:
     """[..., in] -> [..., out]. Conv1D layout: the weight is (in, out), so this is x @ W + b (not x @ W^T).
-    How it runs for each weight format (float32, bfloat16, int8, int4) is projection.py's concern."""
-    flat = project(x.reshape(-1, x.shape[-1]), p.weight, p.bias)  # [B*T, out]
+    How it runs for each weight format (float32, bfloat16, int8, int4) is projection.py's concern. With LoRA
+    adapters on the projection, each row adds its adapter's low-rank term: adapters [B*T] says which (-1: none;
+    None: adapter 0 for every row, the single-adapter model)."""
+    x2 = x.reshape(-1, x.shape[-1])  # [B*T, in]
+    flat = project(x2, p.weight, p.bias)  # [B*T, out]
+    if p.lora is not None:
+        flat = lora_rows(x2, p.lora, adapters, flat)
     return flat.view(*x.shape[:-1], flat.shape[-1])
 
 
@@ -208,14 +213,14 @@ def tapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.Tensor | None,
                           cache: tuple[torch.Tensor, torch.Tensor] | None, start: int, tap: Tap | None = None,
-                          causal: bool = False) -> torch.Tensor:
+                          causal: bool = False, adapters: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, C] -> [B, T, C]. With a cache, this call's keys/values are written at [start, start+T) first.
-    `causal`: mask is only the causal mask of whole sequences (see attention()).
+    `causal`: mask is only the causal mask of whole sequences (see attention()). `adapters`: linear()'s, per row.
 
     Hook points (TransformerLens's layout, heads before head size): attn.hook_q|hook_k|hook_v|hook_z [B, T, nh, hs],
     attn.hook_attn_scores|hook_pattern [B, nh, T, S].
     """
-    q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [B, T, C]: one matmul over the fused Q/K/V weights
+    q, k, v = split_qkv(linear(x, blk.c_attn, adapters))  # 3 x [B, T, C]: one matmul over the fused Q/K/V weights
     if tap is None:
         q, k, v = split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head)  # 3 x [B, nh, T, hs]
     else:
@@ -230,7 +235,7 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.
     y = attention(q, k, v, mask, tap, causal=causal)  # [B, nh, T, hs]
     if tap is not None:
         y = tap("attn.hook_z", y.transpose(1, 2)).transpose(1, 2)  # hooked as [B, T, nh, hs]
-    return linear(merge_heads(y), blk.attn_c_proj)  # [B, T, C]
+    return linear(merge_heads(y), blk.attn_c_proj, adapters)  # [B, T, C]
 
 
 @dataclass(frozen=True)
@@ -255,7 +260,7 @@ class RowLayout:
 
 
 def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            layout: RowLayout) -> torch.Tensor:
+                            layout: RowLayout, adapters: torch.Tensor | None = None) -> torch.Tensor:
     """[1, R, C] -> [1, R, C] for the rows of several sequences back to back; span (slot, start, n) holds n new
     tokens of the sequence in cache slot `slot` at positions [start, start + n): a running sequence's next token
     (n = 1) or a new prompt (start = 0). One projection over all R rows; each span writes its keys and values
@@ -267,12 +272,12 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
     half again as long as a decode step). Without them, span by span in torch."""
     R, C = x.shape[1], x.shape[2]
     hs = C // n_head
-    q, k, v = split_qkv(linear(x, blk.c_attn))  # 3 x [1, R, C]
+    q, k, v = split_qkv(linear(x, blk.c_attn, adapters))  # 3 x [1, R, C]
     native = decode_kernels() if k_cache.is_contiguous() else None
     if native is not None:
         out = native.decode_attention(q[0].view(R, n_head, hs), k[0].view(R, n_head, hs), v[0].view(R, n_head, hs),
                                       k_cache, v_cache, layout.slots, layout.positions, cpu().avx512)
-        return linear(out.view(1, R, C), blk.attn_c_proj)  # [1, R, C]
+        return linear(out.view(1, R, C), blk.attn_c_proj, adapters)  # [1, R, C]
     out = torch.empty(1, R, C)  # [1, R, C]
     for (slot, start, n), row in zip(layout.spans, layout.first_rows):
         qi, ki, vi = (split_heads(t[:, row : row + n], n_head) for t in (q, k, v))  # 3 x [1, nh, n, hs]
@@ -280,20 +285,21 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
         keys, values = k_cache[slot : slot + 1, :, : start + n], v_cache[slot : slot + 1, :, : start + n]  # [1, nh, S, hs]
         out[:, row : row + n] = merge_heads(attention(qi, keys, values, attention_mask(n, start, None, x.device),
                                                       causal=start == 0))
-    return linear(out, blk.attn_c_proj)  # [1, R, C]
+    return linear(out, blk.attn_c_proj, adapters)  # [1, R, C]
 
 
-def mlp(x: torch.Tensor, blk: Block, tap: Tap | None = None) -> torch.Tensor:
+def mlp(x: torch.Tensor, blk: Block, tap: Tap | None = None, adapters: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer; hook points mlp.hook_pre|hook_post [B, T, 4C]."""
     if tap is None:
-        return linear(gelu(linear(x, blk.c_fc)), blk.mlp_c_proj)
-    h = tap("mlp.hook_post", gelu(tap("mlp.hook_pre", linear(x, blk.c_fc))))  # [B, T, 4C]
-    return linear(h, blk.mlp_c_proj)
+        return linear(gelu(linear(x, blk.c_fc, adapters)), blk.mlp_c_proj, adapters)
+    h = tap("mlp.hook_post", gelu(tap("mlp.hook_pre", linear(x, blk.c_fc, adapters))))  # [B, T, 4C]
+    return linear(h, blk.mlp_c_proj, adapters)
 
 
 def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[torch.Tensor], torch.Tensor],
-          tap: Tap | None = None) -> torch.Tensor:
-    """[B, T, C] -> [B, T, C]: one pre-LN transformer block; `attend` is its self-attention on ln_1(x).
+          tap: Tap | None = None, adapters: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C]: one pre-LN transformer block; `attend` is its self-attention on ln_1(x), `adapters`
+    the LoRA adapter of each of the B*T rows in the MLP (linear()'s argument).
 
     Hook points, in TransformerLens's names within the block: hook_resid_pre, ln1.*, hook_attn_out, hook_resid_mid,
     ln2.*, mlp.*, hook_mlp_out, hook_resid_post (all [B, T, C] but the mlp's).
@@ -301,10 +307,10 @@ def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[tor
     eps = config.layer_norm_epsilon
     if tap is None:
         x = x + attend(layer_norm(x, blk.ln_1, eps))
-        return x + mlp(layer_norm(x, blk.ln_2, eps), blk)
+        return x + mlp(layer_norm(x, blk.ln_2, eps), blk, None, adapters)
     x = tap("hook_resid_pre", x)
     x = tap("hook_resid_mid", x + tap("hook_attn_out", attend(layer_norm(x, blk.ln_1, eps, tap, "ln1."))))
-    return tap("hook_resid_post", x + tap("hook_mlp_out", mlp(layer_norm(x, blk.ln_2, eps, tap, "ln2."), blk, tap)))
+    return tap("hook_resid_post", x + tap("hook_mlp_out", mlp(layer_norm(x, blk.ln_2, eps, tap, "ln2."), blk, tap, adapters)))
 
 
 def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -323,24 +329,34 @@ def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: to
     return mask
 
 
+EMBED_CHUNK = 32  # token ids a quantized model looks up between releases of wte's pages
+
+
 def embed(w: GPT2Weights, ids: torch.Tensor) -> torch.Tensor:
     """ids [...] -> [..., C] float32 token embeddings (wte rows), whatever the weights' dtype. A quantized model
-    drops the float32 pages this read mapped (GPT2Weights.wte_pages), so that its memory stays the quantized size."""
-    rows = w.wte[ids].float()  # [..., C]
-    if w.wte_pages is not None:
+    drops the float32 pages this read mapped (GPT2Weights.wte_pages), so that its memory stays the quantized size;
+    it looks up EMBED_CHUNK ids at a time, since each distinct id can map a folio of ~1 MB until the release."""
+    if w.wte_pages is None:
+        return w.wte[ids].float()  # [..., C]
+    flat = ids.reshape(-1)
+    rows = torch.empty(flat.shape[0], w.wte.shape[1])  # [n, C]
+    for i in range(0, flat.shape[0], EMBED_CHUNK):
+        rows[i : i + EMBED_CHUNK] = w.wte[flat[i : i + EMBED_CHUNK]]
         w.wte_pages.release(w.wte)
-    return rows
+    return rows.view(*ids.shape, -1)
 
 
 def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                     cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
-                    hidden_states: list[torch.Tensor] | None = None, tap: Tap | None = None) -> torch.Tensor:
+                    hidden_states: list[torch.Tensor] | None = None, tap: Tap | None = None,
+                    adapters: torch.Tensor | None = None) -> torch.Tensor:
     """ids [B, T] -> [B, T, C]: the residual stream after the last block (before ln_f).
 
     positions [B, T] default to start..start+T-1. Tokens attend to every earlier slot that key_mask [B, S] marks as
     a real token (False for left padding); with a cache, they occupy cache slots [start, start+T).
     If `hidden_states` is a list, the residual stream after each block is appended to it. Hook points: hook_embed,
-    hook_pos_embed [B, T, C], then blocks.{i}.* (see block()).
+    hook_pos_embed [B, T, C], then blocks.{i}.* (see block()). `adapters` [B]: each sequence's LoRA adapter, where
+    the weights carry several (-1: the base; None: adapter 0, the model's own).
     """
     B, T = ids.shape
     if positions is None:
@@ -351,11 +367,12 @@ def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, po
     x = tokens + pos  # [B, T, C]
     mask = attention_mask(T, start, key_mask, ids.device)
     causal = start == 0 and key_mask is None
+    rows = None if adapters is None else adapters.repeat_interleave(T)  # [B*T]
     for i, blk in enumerate(w.blocks):
         layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
         t = None if tap is None else ScopedTap(tap, f"blocks.{i}.")
         x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, mask, layer_cache, start, t,
-                                                                  causal), t)
+                                                                  causal, rows), t, rows)
         if hidden_states is not None:
             hidden_states.append(x)  # [B, T, C]
     return x
@@ -369,10 +386,10 @@ def logits(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, tap: Tap | None 
 def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
             cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
             last_only: bool = False, hidden_states: list[torch.Tensor] | None = None,
-            tap: Tap | None = None) -> torch.Tensor:
+            tap: Tap | None = None, adapters: torch.Tensor | None = None) -> torch.Tensor:
     """Logits for ids [B, T] -> [B, T, V] (or [B, 1, V] with last_only); the arguments are residual_stream's."""
     x = residual_stream(w, config, ids, positions=positions, cache=cache, start=start, key_mask=key_mask,
-                        hidden_states=hidden_states, tap=tap)  # [B, T, C]
+                        hidden_states=hidden_states, tap=tap, adapters=adapters)  # [B, T, C]
     if last_only:
         x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
     return logits(w, config, x, tap)  # [B, T, V]

@@ -11,6 +11,8 @@
   int8 / int4    (QuantizedMatrix) the native blockwise kernel (kernels/quant.cpp) at every row count, so prefill,
                  scoring and decode share one arithmetic; quantized_reference() is the same arithmetic in torch: the
                  fallback where the native kernels are missing, and what the tests hold the kernel to.
+LoRA adapters (weights.LoraStack on a Linear) add their low-rank term after the base projection, each row with its
+own adapter (lora_rows).
 Inputs that require grad (attribution in inspect/) take the torch path with the weights in float32, since the
 native kernels have no autograd.
 """
@@ -20,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from .kernels import cpu, decode_kernels
-from .quantize import GROUP, dequantize, unpack
-from .weights import QuantizedMatrix
+from .quantize import GROUP, PANEL, dequantize, unpack
+from .weights import LoraStack, QuantizedMatrix
 
 # Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
 # DECODE_ROWS rows, float32 projections and the head run on the native kernels: every output element is reduced in
@@ -129,3 +131,40 @@ def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch
     h = V // chunks
     parts = torch.bmm(x2.expand(chunks, M, C), head[: chunks * h].view(chunks, h, C).transpose(1, 2))  # [chunks, M, h]
     return torch.cat([*parts, x2 @ head[chunks * h :].t()], dim=1)
+
+
+def lora_rows(x2: torch.Tensor, lora: LoraStack, rows: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """y [M, N] + scale[i] * (x2 [M, K] a[i]) b[i] for each row's adapter i = rows[m] (-1: none; rows None: every
+    row adapter 0). The native kernel reduces each row on its own in a fixed order (kernels/lora.cpp), so a row's
+    bits do not depend on the other rows or adapters; it adds in place. The torch form (no kernels, or autograd)
+    groups rows by adapter and returns a new tensor."""
+    native = decode_kernels() if not (x2.requires_grad or lora.a.requires_grad) else None
+    if native is not None and x2.dtype == torch.float32 and lora.a.dtype == torch.float32:
+        index = rows if rows is not None else torch.zeros(x2.shape[0], dtype=torch.long)
+        native.lora_rows(x2.contiguous(), lora.a, lora.b, lora.scale, index, y)
+        return y
+    if rows is None:
+        return y + ((x2 @ lora.a[0]) @ lora.b[0]) * lora.scale[0]
+    out = y.clone()
+    for i in rows.unique().tolist():
+        if i >= 0:
+            sel = rows == i
+            out[sel] += ((x2[sel] @ lora.a[i]) @ lora.b[i]) * lora.scale[i]
+    return out
+
+
+def dequantize_columns(m: QuantizedMatrix, first: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Columns [first, end) of a quantized matrix as float32 (K, end - first); first a multiple of 16. The native
+    kernel writes whole panels into `out` (K, >= panels * 16) where given; the torch form slices dequantize()."""
+    if first % PANEL:
+        raise ValueError(f"dequantize_columns: first column {first} is not a multiple of {PANEL}")
+    native = decode_kernels()
+    if native is None:
+        return dequantize(m)[:, first:end]
+    p0, p1 = first // PANEL, -(-end // PANEL)
+    width = (p1 - p0) * PANEL
+    if out is None or out.numel() < m.in_features * width:
+        out = torch.empty(m.in_features * width)
+    panels = out.view(-1)[: m.in_features * width].view(m.in_features, width)
+    native.dequantize_panels(m.packed, m.scales, m.bits, m.in_features, p0, p1, panels)
+    return panels[:, : end - first]

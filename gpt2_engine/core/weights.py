@@ -50,11 +50,23 @@ class QuantizedMatrix:
 
 
 @dataclass(frozen=True)
+class LoraStack:
+    """Low-rank adapters on one projection (core/lora.py makes them), n of them stacked so that each row of a pass
+    can use its own: row m adds scale[i] * (x_m a[i]) b[i] for its adapter i. Ranks below r are zero-padded."""
+
+    a: torch.Tensor  # [n, in, r]
+    b: torch.Tensor  # [n, r, out]
+    scale: torch.Tensor  # [n] float32: lora_alpha / r (or / sqrt(r) with rsLoRA)
+
+
+@dataclass(frozen=True)
 class Linear:
-    """A Conv1D projection: weight (in, out), bias (out,)."""
+    """A Conv1D projection: weight (in, out), bias (out,), and the LoRA adapters on it, if any. In a gradient
+    GPT2Weights (core/training.py), weight and bias are None where the projection is frozen."""
 
     weight: torch.Tensor | QuantizedMatrix
     bias: torch.Tensor
+    lora: LoraStack | None = None
 
 
 @dataclass(frozen=True)

@@ -315,6 +315,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // quant.cpp
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
+void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits, int64_t K, int64_t p0, int64_t p1,
+                       torch::Tensor out);
+// lora.cpp
+void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
+               torch::Tensor y);
 
 // training.cpp
 void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double lr, double beta1, double beta2,
@@ -330,6 +335,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",
         release());
   m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)",
+        release());
+  m.def("dequantize_panels", &dequantize_panels, "float32 columns of a packed int8/int4 matrix (quant.cpp)",
+        release());
+  m.def("lora_rows", &lora_rows, "y += scale * (x A) B with each row's own adapter, row-invariant (lora.cpp)",
         release());
   m.def("adamw", &adamw, "one AdamW update of a float32 parameter in one pass (training.cpp)", release());
 }
