@@ -23,7 +23,7 @@ class AttentionRun:
     """One attention layer run through core/backward.py's functions on buffers of its own."""
 
     out: torch.Tensor  # [B, T, C]
-    qkv: torch.Tensor
+    heads: torch.Tensor
     att: tuple[torch.Tensor, ...]  # by causal block
     att_keep: tuple[torch.Tensor, ...] | None
     out_keep: torch.Tensor | None
@@ -36,18 +36,19 @@ def attention_forward_train(x, c_attn: Linear, c_proj: Linear, n_head: int, p: f
     B, T, C = x.shape
     new = lambda *shape: torch.zeros(shape, dtype=x.dtype)  # noqa: E731
     qkv, att, y = new(B, T, 3 * C), attention_buffers(B, n_head, T, x.dtype), new(B, T, C)
+    heads = new(3, B, n_head, T, C // n_head)
     att_keep, out_keep, dropped = ((attention_buffers(B, n_head, T, x.dtype), new(B, T, C), new(B * n_head * T * T))
                                    if p else (None, None, None))
     linear_forward(x.view(-1, C), c_attn, qkv.view(-1, 3 * C))
     for keep in att_keep or ():
         draw_keep(keep, p, generator)
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    attention_forward(qkv, n_head, att, att_keep, future, y, dropped)
+    attention_forward(qkv, n_head, heads, att, att_keep, future, y, dropped)
     out = new(B * T, C)
     linear_forward(y.view(-1, C), c_proj, out)
     draw_keep(out_keep, p, generator)
     out = out.view(B, T, C) if out_keep is None else out.view(B, T, C) * out_keep
-    return AttentionRun(out, qkv, att, att_keep, out_keep, y, p)
+    return AttentionRun(out, heads, att, att_keep, out_keep, y, p)
 
 
 def attention_backward_run(grad_out, run: AttentionRun, x, c_attn: Linear, c_proj: Linear, n_head: int):
@@ -59,8 +60,8 @@ def attention_backward_run(grad_out, run: AttentionRun, x, c_attn: Linear, c_pro
     d_y, d_qkv, d_x = new(B * T, C), new(B, T, 3 * C), new(B * T, C)
     linear_backward(d_out.reshape(-1, C), run.y.view(-1, C), c_proj, g_proj, d_y)
     dropped = None if run.att_keep is None else new(B * n_head * T * T)
-    attention_backward(d_y.view(B, T, C), run.qkv, run.att, run.att_keep, n_head, d_qkv, new(B * n_head * T * T),
-                       new(B, n_head, T, C // n_head), new(B, n_head, T, C // n_head), dropped)
+    attention_backward(d_y.view(B, T, C), run.heads, run.att, run.att_keep, n_head, d_qkv, new(B * n_head * T * T),
+                       new(3, B, n_head, T, C // n_head), new(B, n_head, T, C // n_head), dropped)
     linear_backward(d_qkv.view(-1, 3 * C), x.reshape(-1, C), c_attn, g_attn, d_x)
     return d_x.view(B, T, C), g_attn, g_proj
 
