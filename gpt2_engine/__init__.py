@@ -3,11 +3,12 @@
 from .core.config import PRESETS, GPT2Config
 from .core.engine import GPT2
 from .core.errors import DownloadError, GenerationError, GPT2EngineError, TokenizerError, WeightsError
+from .core.lora import LoraError, LoraSettings
 from .core.model import KVCache
 from .core.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
-    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer",
-    "GPT2EngineError", "WeightsError", "TokenizerError", "GenerationError", "DownloadError",
+    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer", "LoraSettings",
+    "GPT2EngineError", "WeightsError", "TokenizerError", "GenerationError", "DownloadError", "LoraError",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`gpt2 generate | score | finetune | serve | inspect | compare | download`: a thin command line over the library.
+"""`gpt2 generate | score | finetune | merge-lora | serve | inspect | compare | download`: a thin command line over the library.
 
 Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
 """
@@ -18,6 +18,7 @@ from .core.sampling import SamplingParams
 from .download import add_download
 from .finetune import add_finetune
 from .inspect.cli import add_inspect
+from .merge import add_merge_lora
 from .options import ModelOptions, UsageError, add_model_options, load_model, positive_int
 from .score import add_score
 from .serve.cli import add_serve
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_score(sub)
     add_finetune(sub)
+    add_merge_lora(sub)
     add_serve(sub)
     add_inspect(sub)
     add_compare(sub)

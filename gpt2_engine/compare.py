@@ -133,7 +133,9 @@ def compare_outputs(name: str, engine: str, ids: torch.Tensor, ref: tuple[torch.
         passed=first_position is None)
 
 
-def load_reference(directory: Path):
+def load_reference(directory: Path, lora: Path | None = None):
+    """transformers' GPT2LMHeadModel on `directory`, float32, eval mode; with `lora`, wrapped by peft's PeftModel
+    with that adapter (peft is then the reference for the adapter's arithmetic)."""
     try:
         from transformers import GPT2LMHeadModel
     except ImportError:
@@ -143,9 +145,19 @@ def load_reference(directory: Path):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        return GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
+        model = GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
     except (OSError, ValueError, RuntimeError) as e:
         raise WeightsError(f"{directory}: transformers cannot load the reference ({' '.join(str(e).split())[:200]})") from None
+    if lora is None:
+        return model
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise GPT2EngineError("peft is not installed; it is the reference for --lora: pip install peft") from None
+    try:
+        return PeftModel.from_pretrained(model, lora).eval()
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise WeightsError(f"{lora}: peft cannot load the adapter ({' '.join(str(e).split())[:200]})") from None
 
 
 def collect_prompts(args: argparse.Namespace) -> dict[str, str]:
@@ -171,11 +183,13 @@ def run_compare(args: argparse.Namespace) -> int:
     variant = args.quantize or (args.dtype if args.dtype != "float32" else None)
     if variant and engines != ["torch"]:
         raise GPT2EngineError("--dtype bfloat16 / --quantize apply to the torch engine; the NumPy reference is float32")
+    if args.lora and engines != ["torch"]:
+        raise GPT2EngineError("--lora applies to the torch engine; the NumPy reference has no adapters")
     min_top1 = args.min_top1 if args.min_top1 is not None else DEFAULT_MIN_TOP1.get(variant or "")
     prompts = collect_prompts(args)
-    model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize)
+    model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize, lora=args.lora)
     reference_dir = args.reference or args.weights
-    hf_model = load_reference(reference_dir)
+    hf_model = load_reference(reference_dir, args.lora)
     if hf_model.config.n_layer != model.config.n_layer or hf_model.config.n_embd != model.config.n_embd:
         raise WeightsError(f"{reference_dir}: the reference has another shape than {args.weights}")
 
@@ -257,6 +271,8 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
                         "not applied to bfloat16 / int8 / int4 unless given)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights dtype (default float32)")
     p.add_argument("--quantize", choices=["int8", "int4"], help="check the engine with blockwise int8 or int4 weights")
+    p.add_argument("--lora", type=Path, metavar="DIR",
+                   help="check with a LoRA adapter (PEFT's format) applied; the reference is peft's PeftModel")
     p.add_argument("--min-top1", type=float, metavar="F",
                    help="for bfloat16 / int8 / int4: the top-1 agreement required over all prompts "
                         "(default 0.995 / 0.99 / 0.95)")

@@ -1,4 +1,5 @@
-"""`gpt2 finetune`: train GPT-2 on your own text with the engine's hand-written backward (core/trainer.py).
+"""`gpt2 finetune`: train GPT-2 on your own text with the engine's hand-written backward (core/trainer.py), the whole
+model or (--lora) a LoRA adapter on a frozen base, float32 or quantized (--quantize: QLoRA).
 
 This module reads the command line and the data, and renders the trainer's events: a tqdm bar on stderr (step, loss,
 learning rate, tokens/s, ETA), the evaluations and samples above it, every event as a line of the --log JSONL, and a
@@ -20,10 +21,13 @@ import torch
 from .core.config import PRESETS, GPT2Config
 from .core.documents import expand_paths, read_documents
 from .core.errors import WeightsError
+from .core.lora import ALL_TARGETS, LoraSettings, parse_targets
+from .core.quantize import FORMATS, quantize_weights
 from .core.tokenizer import load_tokenizer
 from .core.trainer import Eval, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings, record
 from .core.training import initial_weights, trainable_copy
 from .core.weights import CONFIG, find_weights_file, load_weights
+from .merge import merge_lora
 from .options import UsageError, positive_int
 
 INIT_NAMES = {"small": "gpt2", "medium": "gpt2-medium", "large": "gpt2-large", "xl": "gpt2-xl"}
@@ -101,9 +105,24 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=positive_int, metavar="N", help="updates between saves of last/ (default: at each evaluation)")
     p.add_argument("--early-stopping", type=positive_int, metavar="PATIENCE",
                    help="stop after this many evaluations without a new best")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each block's input and recompute the rest in the backward (activation "
+                        "checkpointing): much less memory, about a third more time a step, the same results")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out/last exactly")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
-    p.add_argument("--seed", type=int, default=0, help="data order and dropout masks (default 0)")
+    lora = p.add_argument_group("LoRA", "train a low-rank adapter on the frozen base instead of the whole model; the "
+                                        "checkpoints are then adapters in PEFT's format")
+    lora.add_argument("--lora", type=positive_int, metavar="R", help="train a LoRA adapter of rank R")
+    lora.add_argument("--lora-alpha", type=positive_float, metavar="A", help="its scale is A / R (default 2R)")
+    lora.add_argument("--lora-dropout", type=fraction, metavar="P", help="dropout on the adapters' input (default 0)")
+    lora.add_argument("--lora-targets", metavar="NAMES",
+                      help=f"projections to adapt, comma-separated (default {','.join(ALL_TARGETS)}; c_proj: both)")
+    lora.add_argument("--quantize", choices=list(FORMATS),
+                      help="freeze the base in blockwise int8 or int4 (QLoRA: about a quarter / an eighth of the "
+                           "memory); the adapters stay float32")
+    lora.add_argument("--merge", action="store_true",
+                      help="at the end, also write the base with the best adapter merged in to OUT/merged")
+    p.add_argument("--seed", type=int, default=0, help="data order, dropout masks and the adapters' init (default 0)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--log", type=Path, metavar="FILE.jsonl", help="append every event (steps, evaluations, ...) as JSON lines")
     p.set_defaults(run=run_finetune)
@@ -120,7 +139,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
                          clip=args.clip or None, dropout=args.dropout, val_fraction=args.val_fraction,
                          eval_every=args.eval_every, sample_every=args.sample_every, sample_prompt=args.sample_prompt,
                          sample_tokens=args.sample_tokens, save_every=args.save_every,
-                         early_stopping=args.early_stopping, seed=args.seed)
+                         early_stopping=args.early_stopping, seed=args.seed, recompute=args.recompute)
 
 
 def init_config(spec: str) -> GPT2Config:
@@ -149,8 +168,25 @@ def base_identity(directory: Path) -> str:
     return f"{path.name}:{path.stat().st_size}:{hashlib.sha256(head).hexdigest()[:16]}"
 
 
+def lora_from_args(args: argparse.Namespace) -> LoraSettings | None:
+    """The adapter settings, or None for full fine-tuning; flags that need --lora without it are errors."""
+    if args.lora is None:
+        for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout),
+                            ("--lora-targets", args.lora_targets), ("--merge", args.merge or None),
+                            ("--quantize", args.quantize)):
+            if value is not None:
+                extra = " (QLoRA; full fine-tuning trains float32 weights)" if flag == "--quantize" else ""
+                raise UsageError(f"{flag} needs --lora R{extra}")
+        return None
+    if args.init:
+        raise UsageError("--lora adapts a pretrained model; --init trains one from scratch (use one or the other)")
+    return LoraSettings(r=args.lora, alpha=args.lora_alpha or 2.0 * args.lora, dropout=args.lora_dropout or 0.0,
+                        targets=parse_targets(args.lora_targets) if args.lora_targets is not None else ALL_TARGETS)
+
+
 def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
     settings = settings_from_args(args)
+    lora = lora_from_args(args)
     docs = read_documents(expand_paths(args.data), stdin)
     if not docs:
         raise UsageError("no documents: DATA named no files with text")
@@ -164,12 +200,19 @@ def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
         find_weights_file(args.weights)
         config = GPT2Config.from_json(args.weights / CONFIG)
         tokenizer = load_tokenizer(args.weights)
-        weights = trainable_copy(load_weights(args.weights, config), config)
         base = base_identity(args.weights)
+        if lora is None:
+            weights = trainable_copy(load_weights(args.weights, config), config)
+        else:  # frozen: used in place from the mapped file, or quantized with its float32 pages released as it goes
+            weights = load_weights(args.weights, config, resident=not args.quantize)
+            if args.quantize:
+                weights = quantize_weights(weights, args.quantize, find_weights_file(args.weights))
+                base += f":{args.quantize}"
     if tokenizer.n_vocab > config.vocab_size:
         raise UsageError(f"the tokenizer has {tokenizer.n_vocab} tokens, more than the model's vocab_size {config.vocab_size}")
     return Trainer(weights, config, tokenizer, [text for _, text in docs], settings, val_texts=val, out=args.out,
-                   base=base, resume=args.resume, overwrite=args.overwrite)
+                   base=base, resume=args.resume, overwrite=args.overwrite, lora=lora,
+                   base_name=str(args.weights.resolve()) if lora else "")
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -228,6 +271,11 @@ def run_finetune(args: argparse.Namespace) -> int:
                 f"at step {result.best_step}{before}, saved in {args.out}")
     else:
         head = f"no validation data; the last model is saved in {args.out}"
+    if trainer.lora is not None:
+        head = head.replace("saved in", "adapter saved in")
     print(f"finetune: {head} | {result.tokens:,} tokens trained in {result.steps} updates | {wall:.1f} s",
           file=sys.stderr)
+    if args.merge:
+        merge_lora(args.weights, args.out, args.out / "merged")
+        print(f"finetune: the base with the adapter merged in is saved in {args.out / 'merged'}", file=sys.stderr)
     return 0

@@ -20,16 +20,18 @@ class UsageError(GPT2EngineError):
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """Which checkpoint to load and how: the `--weights`, `--dtype`, `--quantize` and `--threads` flags."""
+    """Which checkpoint to load and how: the `--weights`, `--dtype`, `--quantize`, `--threads` and `--lora` flags."""
 
     weights: Path = DEFAULT_WEIGHTS
     dtype: str = "float32"
     quantize: str | None = None
     threads: int | None = None  # torch's CPU threads (None: torch's choice)
+    lora: Path | None = None  # a PEFT LoRA adapter directory applied on the weights
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelOptions:
-        return cls(args.weights, args.dtype, args.quantize, args.threads)
+        lora = getattr(args, "lora", None)
+        return cls(args.weights, args.dtype, args.quantize, args.threads, lora if isinstance(lora, Path) else None)
 
 
 def positive_int(text: str) -> int:
@@ -42,7 +44,8 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse names the type in its error: "invalid positive integer value"
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
+    """The model flags; `lora`: with --lora DIR (gpt2 serve has its own, NAME=DIR, repeatable)."""
     p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS, metavar="DIR",
                    help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
@@ -50,6 +53,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="quantize the projections at load time to blockwise int8 or int4 (the head to int8): "
                         "faster decoding, a little less accurate (see README)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    if lora:
+        p.add_argument("--lora", type=Path, metavar="DIR",
+                       help="a LoRA adapter (PEFT's format, from gpt2 finetune --lora or peft) applied on the weights")
 
 
 def load_model(options: ModelOptions):
@@ -60,4 +66,4 @@ def load_model(options: ModelOptions):
 
     if options.threads:
         torch.set_num_threads(options.threads)
-    return GPT2.from_pretrained(options.weights, dtype=options.dtype, quantize=options.quantize)
+    return GPT2.from_pretrained(options.weights, dtype=options.dtype, quantize=options.quantize, lora=options.lora)

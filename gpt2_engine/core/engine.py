@@ -14,6 +14,7 @@ from .documents import expand_paths, read_documents
 from .errors import GenerationError, GPT2EngineError, WeightsError
 from .generate import Completion, Generation
 from .hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
+from .lora import LoraAdapter, LoraSettings, attach, load_adapter
 from .model import forward
 from .quantize import FORMATS, quantize_weights
 from .requests import GenerationSettings, Prompt, encode_prompts
@@ -29,22 +30,26 @@ class GPT2:
     """A loaded GPT-2: config, weights and tokenizer, with a from-scratch forward pass."""
 
     def __init__(self, config: GPT2Config, weights: GPT2Weights, tokenizer: Tokenizer, *, dtype: torch.dtype,
-                 device: torch.device, quantize: str | None = None) -> None:
+                 device: torch.device, quantize: str | None = None, lora: LoraAdapter | None = None) -> None:
         self.config = config
-        self.weights = weights
+        self.weights = weights  # with `lora` attached, if given
         self.tokenizer = tokenizer
         self.dtype = dtype  # of the weight matrices; activations, layer norms and the KV cache are float32
         self.device = device
         self.quantize = quantize
+        self.lora = lora
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
-                        device: torch.device | str = "cpu", quantize: str | None = None) -> GPT2:
+                        device: torch.device | str = "cpu", quantize: str | None = None,
+                        lora: str | Path | None = None) -> GPT2:
         """Load the official-format checkpoint in `directory` (config.json, weights, BPE files).
 
         dtype: float32 (default) or bfloat16 weight matrices (bfloat16 is widened to float32 right before each
         matmul). quantize="int8" or "int4": the projections in blockwise int8 or int4 and the output head in int8,
-        quantized now (core/quantize.py); the residual stream stays float32.
+        quantized now (core/quantize.py); the residual stream stays float32. lora: a LoRA adapter directory in
+        PEFT's format (from `gpt2 finetune --lora` or peft's save_pretrained), applied on top of these weights in
+        whatever format they are (core/lora.py).
         """
         directory = Path(directory)
         dtype = parse_dtype(dtype)
@@ -66,7 +71,11 @@ class GPT2:
         weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32)
         if quantize:
             weights = quantize_weights(weights, quantize, find_weights_file(directory))
-        return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize)
+        adapter = None
+        if lora is not None:
+            adapter = load_adapter(lora, config)
+            weights = attach(weights, [adapter])
+        return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] (float32) for a LongTensor of token ids [B, T]."""
@@ -190,13 +199,22 @@ class GPT2:
 
     def finetune(self, texts_or_paths: Sequence[str | Path], *, val: Sequence[str | Path] | None = None,
                  out: str | Path | None = None, resume: bool = False, overwrite: bool = False,
-                 **settings: Any) -> TrainResult:
+                 lora: LoraSettings | int | None = None, **settings: Any) -> TrainResult:
         """Fine-tune this model on texts (strings) or files (Paths: text, .jsonl, folders) with the engine's own
         backward and AdamW; afterwards the model holds the trained weights. `settings` are TrainSettings' fields
         (steps, epochs, lr, batch_size, context, ...); `out`: checkpoints as `gpt2 finetune --out` writes them
-        (None: none). Same code as `gpt2 finetune`."""
-        if self.quantize or self.dtype != torch.float32:
-            raise GPT2EngineError("finetune trains float32 weights; load the model without quantize= or dtype=")
+        (None: none). `lora` (a rank, or LoraSettings): train a LoRA adapter on the frozen weights instead, float32
+        or quantized (QLoRA); afterwards the model carries it (model.lora). Same code as `gpt2 finetune`."""
+        if lora is not None:
+            if self.lora is not None:
+                raise GPT2EngineError("finetune(lora=...): the model already carries an adapter; load the base "
+                                      "without lora= to train a new one")
+            if self.dtype != torch.float32:
+                raise GPT2EngineError("finetune(lora=...) trains on a float32 or quantized base, not bfloat16")
+            lora = LoraSettings(r=lora) if isinstance(lora, int) else lora
+        elif self.quantize or self.dtype != torch.float32:
+            raise GPT2EngineError("finetune trains float32 weights; load the model without quantize= or dtype= (or "
+                                  "train a LoRA adapter on it: lora=R)")
 
         def texts(items: Sequence[str | Path]) -> list[str]:
             if isinstance(items, (str, Path)):
@@ -211,11 +229,14 @@ class GPT2:
                     raise GPT2EngineError(f"texts_or_paths: expected str or Path items, got {type(item).__name__}")
             return found
 
-        trainer = Trainer(trainable_copy(self.weights, self.config), self.config, self.tokenizer,
-                          texts(texts_or_paths), TrainSettings(**settings), val_texts=None if val is None else texts(val),
-                          out=None if out is None else Path(out), resume=resume, overwrite=overwrite)
+        weights = self.weights if lora is not None else trainable_copy(self.weights, self.config)
+        trainer = Trainer(weights, self.config, self.tokenizer, texts(texts_or_paths), TrainSettings(**settings),
+                          val_texts=None if val is None else texts(val), out=None if out is None else Path(out),
+                          resume=resume, overwrite=overwrite, lora=lora)
         history = [record(event) for event in trainer.run()]
         self.weights = trainer.weights
+        if lora is not None:
+            self.lora = trainer.adapter()
         return trainer.result(history)
 
     def check_ids(self, ids: torch.Tensor) -> None:

@@ -9,6 +9,9 @@ cut into windows of context + 1 tokens that overlap by one (inputs and next-toke
 window perm_e[k mod n] of epoch e = k // n, where perm_e is a permutation drawn from (seed, e): the data position of
 any step follows from the step number alone, which is what makes a resumed run read the same batches.
 
+LoRA (core/lora.py): with `lora` settings the given weights are the frozen base (float32 or quantized) and only a
+new adapter is trained; checkpoints are then the adapter alone, in PEFT's format, everything else as below.
+
 Files in `out`: the best validation checkpoint in the official layout at the top, and `last/` (the latest, also
 official, plus optimizer.safetensors and trainer_state.json for --resume). `last/` is replaced by writing
 `last.new/` in full, then renaming `last` to `last.old` and `last.new` to `last`: a run killed at any moment leaves
@@ -32,12 +35,14 @@ import torch
 from .config import GPT2Config
 from .errors import GPT2EngineError
 from .generate import Generation
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraAdapter, LoraError, LoraSettings, load_adapter, new_adapter, \
+    save_adapter, trainable
 from .optim import AdamW, AdamWSettings, clip_factor, learning_rate
 from .requests import GenerationSettings
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .training import Buffers, decayed, forward_loss, zero_, zeros_like
-from .weights import SAFETENSORS, GPT2Weights, WeightsError, named_tensors, save_checkpoint
+from .training import Buffers, adapter_gradients, decayed, forward_loss, zeros_like
+from .weights import SAFETENSORS, GPT2Weights, QuantizedMatrix, WeightsError, named_tensors, save_checkpoint
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -75,6 +80,7 @@ class TrainSettings:
     save_every: int | None = None  # None: at each evaluation
     early_stopping: int | None = None  # evaluations without a new best before stopping
     seed: int = 0
+    recompute: bool = False  # activation checkpointing: less memory, one more forward a step, the same results
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, expected: str) -> None:
@@ -236,12 +242,13 @@ def fingerprint(tensor: torch.Tensor) -> str:
 
 
 class Trainer:
-    """One run: the parameters (owned float32 copies), their gradients, the optimizer and the buffers, set up once."""
+    """One run: the parameters (owned float32 copies, or a LoRA adapter on a frozen base), their gradients, the
+    optimizer and the buffers, set up once."""
 
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, texts: list[str],
                  settings: TrainSettings, *, val_texts: list[str] | None = None, out: Path | None = None,
                  bpe_source: Path | None = None, base: str = "", resume: bool = False,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, lora: LoraSettings | None = None, base_name: str = "") -> None:
         context = settings.context or min(512, config.n_positions)
         if context > config.n_positions:
             raise TrainError(f"context: {context} tokens exceed the model's n_positions {config.n_positions}")
@@ -265,14 +272,23 @@ class Trainer:
         self.eval_every = settings.eval_every or max(1, self.total // 10)
         self.save_every = settings.save_every or self.eval_every
 
-        self.params = named_tensors(weights)  # owned float32 tensors, updated in place
-        self.weights = weights
-        self.grads_w = zeros_like(weights, config)
-        self.grads = named_tensors(self.grads_w)
-        decay = {n for n in self.params if decayed(n, settings.decay_embeddings)}
+        self.lora, self.base_name = lora, base_name
+        if lora is None:
+            self.params = named_tensors(weights)  # owned float32 tensors, updated in place
+            self.weights = weights
+            self.grads_w = zeros_like(weights, config)
+            self.grads = named_tensors(self.grads_w)
+            decay = {n for n in self.params if decayed(n, settings.decay_embeddings)}
+        else:  # the base frozen as it is; the adapter's A and B (views of what the forward reads) are the parameters
+            adapter = new_adapter(config, lora, torch.Generator().manual_seed(settings.seed), base_name)
+            self.weights, self.params = trainable(weights, adapter)
+            self.grads_w, self.grads = adapter_gradients(self.weights, config, lora)
+            decay = set(self.params)  # A and B are matrices
         self.optimizer = AdamW(self.params, decay, AdamWSettings(settings.beta1, settings.beta2, 1e-8,
                                                                  settings.weight_decay))
-        self.buffers = Buffers.allocate(config, settings.batch_size, context, settings.dropout)  # eval uses them too
+        self.buffers = Buffers.allocate(config, settings.batch_size, context, settings.dropout, lora=lora,
+                                        quantized=isinstance(weights.head, QuantizedMatrix),
+                                        recompute=settings.recompute)  # evaluation uses them too
         self.generator = torch.Generator().manual_seed(settings.seed)  # dropout masks
         self.step = 0
         self.tokens = 0
@@ -299,7 +315,8 @@ class Trainer:
         with torch.no_grad():
             while self.step < self.total:
                 t0 = time.perf_counter()
-                zero_(self.grads_w)
+                for g in self.grads.values():
+                    g.zero_()
                 scale = 1.0 / (s.batch_size * s.accumulate * T)
                 loss_sum = 0.0
                 for micro in range(s.accumulate):
@@ -367,7 +384,7 @@ class Trainer:
         if best:
             self.best, self.evals_since_best = (loss, self.step), 0
             if self.out is not None:
-                save_checkpoint(self.out, self.config, self.weights, self.bpe_source)
+                self._save_model(self.out)
         else:
             self.evals_since_best += 1
         return Eval(self.step, loss, math.exp(min(loss, 700.0)), best)
@@ -383,13 +400,24 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
+    def adapter(self) -> LoraAdapter:
+        """The adapter being trained (LoRA runs): its current values, as PEFT's files hold them."""
+        return LoraAdapter(self.lora, dict(self.params), self.base_name)
+
+    def _save_model(self, directory: Path) -> None:
+        if self.lora is None:
+            save_checkpoint(directory, self.config, self.weights, self.bpe_source)
+        else:
+            save_adapter(directory, self.adapter())
+
     def trajectory(self) -> dict:
         """What must be equal for a resumed run to continue this one: the settings that shape it, the data, the base."""
         s = asdict(self.settings)
-        for reporting in ("sample_every", "sample_prompt", "sample_tokens", "save_every"):
+        for reporting in ("sample_every", "sample_prompt", "sample_tokens", "save_every", "recompute"):
             s.pop(reporting)
         return {"settings": s, "train_tokens": fingerprint(self.train), "val_tokens": fingerprint(self.val),
-                "config": asdict(self.config), "base": self.base}
+                "config": asdict(self.config), "base": self.base,
+                "lora": None if self.lora is None else {**asdict(self.lora), "targets": list(self.lora.targets)}}
 
     def _state(self) -> dict:
         return {"version": STATE_VERSION, "step": self.step, "tokens": self.tokens, "elapsed": self.elapsed,
@@ -403,7 +431,7 @@ class Trainer:
         out = self.out
         new, last, old = out / (LAST + ".new"), out / LAST, out / (LAST + ".old")
         shutil.rmtree(new, ignore_errors=True)
-        save_checkpoint(new, self.config, self.weights, self.bpe_source)
+        self._save_model(new)
         save_file({n: t.contiguous() for n, t in self.optimizer.state().items()}, str(new / OPTIMIZER),
                   metadata={"step": str(self.step)})
         (new / STATE).write_text(json.dumps(self._state()) + "\n", encoding="utf-8")
@@ -414,7 +442,7 @@ class Trainer:
         _fsync_dir(out)
         shutil.rmtree(old, ignore_errors=True)
         if self.best is None:  # no validation data: the top of `out` is the latest model
-            save_checkpoint(out, self.config, self.weights, self.bpe_source)
+            self._save_model(out)
         return Saved(self.step, str(last))
 
     def _prepare_out(self, resume: bool, overwrite: bool) -> None:
@@ -423,7 +451,8 @@ class Trainer:
             raise TrainError(f"{out}: exists and is not a directory")
         out.mkdir(parents=True, exist_ok=True)
         recover_last(out)
-        holds = [p.name for p in out.iterdir() if p.name in (SAFETENSORS, LAST, "config.json")]
+        holds = [p.name for p in out.iterdir() if p.name in (SAFETENSORS, LAST, "config.json", ADAPTER_CONFIG,
+                                                             ADAPTER_WEIGHTS)]
         if resume:
             if not (out / LAST / STATE).is_file():
                 raise TrainError(f"{out}: nothing to resume (no {LAST}/{STATE}); run without --resume to start")
@@ -447,10 +476,10 @@ class Trainer:
         if state.get("version") != STATE_VERSION:
             raise TrainError(f"{last / STATE}: training-state version {state.get('version')!r}, expected {STATE_VERSION}")
         saved, mine = state["trajectory"], self.trajectory()
-        for key in ("config", "base", "train_tokens", "val_tokens"):
+        for key in ("config", "base", "lora", "train_tokens", "val_tokens"):
             if saved.get(key) != mine[key]:
                 what = {"config": "model shape", "base": "base weights", "train_tokens": "training data",
-                        "val_tokens": "validation data"}[key]
+                        "val_tokens": "validation data", "lora": "LoRA settings (--lora, --lora-*)"}[key]
                 raise TrainError(f"--resume: the {what} differ from the run saved in {last} (resume with the same "
                                  "data, --weights/--init and settings, or start a new run)")
         for key, value in mine["settings"].items():
@@ -458,11 +487,14 @@ class Trainer:
                 raise TrainError(f"--resume: {key} is {value!r} but the run in {last} used "
                                  f"{saved['settings'].get(key)!r}")
         try:
-            loaded = load_weights(last, self.config)
+            loaded = named_tensors(load_weights(last, self.config)) if self.lora is None else \
+                load_adapter(last, self.config).tensors
             moments = load_file(str(last / OPTIMIZER))
-        except (WeightsError, OSError) as e:
+        except (WeightsError, LoraError, OSError) as e:
             raise TrainError(f"--resume: {e}") from None
-        for name, p in named_tensors(loaded).items():
+        if set(loaded) != set(self.params):
+            raise TrainError(f"--resume: the tensors in {last} do not match this run's parameters")
+        for name, p in loaded.items():
             self.params[name].copy_(p)
         expected = set(self.optimizer.state())
         if set(moments) != expected:

@@ -1,0 +1,45 @@
+"""`gpt2 merge-lora BASE ADAPTER OUT`: fold a LoRA adapter into its base, W + s A B, and write the result as an
+ordinary checkpoint in the official layout (transformers, `gpt2 --weights` and every tool load it; no adapter code
+needed). `gpt2 finetune --lora ... --merge` runs the same function on the run's best adapter."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .core.config import GPT2Config
+from .core.lora import load_adapter, merge
+from .core.tokenizer import load_tokenizer
+from .core.weights import CONFIG, find_weights_file, load_weights, save_checkpoint
+from .options import UsageError
+
+
+def merge_lora(base: Path, adapter: Path, out: Path) -> None:
+    """Write base + adapter, merged, to `out` (official layout; each file written beside its destination and
+    renamed over it)."""
+    find_weights_file(base)
+    if out.resolve() == base.resolve():
+        raise UsageError(f"{out}: is the base checkpoint itself; write the merged model somewhere else")
+    config = GPT2Config.from_json(base / CONFIG)
+    lora = load_adapter(adapter, config)
+    tokenizer = load_tokenizer(base)
+    save_checkpoint(out, config, merge(load_weights(base, config), lora), tokenizer.source)
+
+
+def add_merge_lora(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("merge-lora", help="fold a LoRA adapter into its base model and save the result",
+                       description="Merge a LoRA adapter (PEFT's format: from gpt2 finetune --lora or peft) into the "
+                                   "float32 base checkpoint it was trained on, and write the merged model in the "
+                                   "official layout.",
+                       epilog="example: gpt2 merge-lora weights runs/notes-lora runs/notes-merged")
+    p.add_argument("base", type=Path, metavar="BASE", help="the base checkpoint directory")
+    p.add_argument("adapter", type=Path, metavar="ADAPTER", help="the adapter directory (adapter_config.json, ...)")
+    p.add_argument("out", type=Path, metavar="OUT", help="where the merged checkpoint goes")
+    p.set_defaults(run=run_merge_lora)
+
+
+def run_merge_lora(args: argparse.Namespace) -> int:
+    merge_lora(args.base, args.adapter, args.out)
+    print(f"merge-lora: {args.adapter} merged into {args.base}, saved in {args.out}", file=sys.stderr)
+    return 0
