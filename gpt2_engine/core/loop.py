@@ -80,7 +80,7 @@ class EngineLoop:
         for seq in plan.prefill:
             try:
                 next_logits, stats = runner.prefill(seq.slot, seq.request.prompt, scored=seq.request.prompt_logprobs,
-                                                    top=seq.request.top_logprobs)
+                                                    top=seq.request.top_logprobs, adapter=seq.request.adapter)
             except Exception as e:  # noqa: BLE001 - contained: this prefill's sequence fails, the loop goes on
                 yield self._forget(self._failed([seq], e))
                 continue

@@ -34,6 +34,7 @@ class Request:
     seed: int = 0
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    adapter: int | None = None  # which of the weights' LoRA adapters (-1: the base; None: the model's own)
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,13 @@ from .weights import GPT2Weights
 
 
 class Segment(NamedTuple):
-    """A sequence's rows in a pass: `ids` are fed at positions [start, start + len(ids)) of cache slot `slot`."""
+    """A sequence's rows in a pass: `ids` are fed at positions [start, start + len(ids)) of cache slot `slot`, with
+    LoRA adapter `adapter` of the weights (-1: the base; None: adapter 0, a model with one)."""
 
     slot: int
     start: int
     ids: list[int]
+    adapter: int | None = None
 
 
 def embed_rows(w: GPT2Weights, segments: list[Segment]) -> tuple[torch.Tensor, RowLayout]:
@@ -35,11 +37,19 @@ def embed_rows(w: GPT2Weights, segments: list[Segment]) -> tuple[torch.Tensor, R
     return (embed(w, ids) + w.wpe[layout.positions])[None], layout  # [1, R, C]
 
 
+def adapter_rows(segments: list[Segment]) -> torch.Tensor | None:
+    """[R]: each row's adapter (model.linear's `adapters`), or None where no segment names one."""
+    if all(s.adapter is None for s in segments):
+        return None
+    return torch.tensor([0 if s.adapter is None else s.adapter for s in segments for _ in s.ids], dtype=torch.long)
+
+
 def rows_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, layout: RowLayout,
-               cache: KVCache) -> torch.Tensor:
+               cache: KVCache, adapters: torch.Tensor | None = None) -> torch.Tensor:
     """[1, R, C] -> [1, R, C] through block i, each segment attending within its cache slot."""
     blk = w.blocks[i]
-    return block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout))
+    return block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout,
+                                                                   adapters), adapters=adapters)
 
 
 class Pass:
@@ -56,6 +66,7 @@ class Pass:
         self.w, self.config, self.cache = w, config, cache
         self.segments = list(segments)
         self.x, self.layout = embed_rows(w, self.segments)  # [1, R, C]
+        self.adapters = adapter_rows(self.segments)  # [R] or None
         self.layer = 0  # the next block to run
 
     @property
@@ -72,16 +83,18 @@ class Pass:
         if not segments:
             return
         y, layout = embed_rows(self.w, segments)  # [1, R', C]
+        adapters = adapter_rows(segments)
         for j in range(self.layer):
-            y = rows_block(self.w, self.config, j, y, layout, self.cache)
+            y = rows_block(self.w, self.config, j, y, layout, self.cache, adapters)
         self.segments += segments
         self.x = torch.cat([self.x, y], dim=1)  # [1, R + R', C]
         self.layout = RowLayout.of(self.layout.spans + layout.spans)
+        self.adapters = adapter_rows(self.segments)
 
     @torch.inference_mode()
     def run_block(self) -> None:
         """Run the next block over every row."""
-        self.x = rows_block(self.w, self.config, self.layer, self.x, self.layout, self.cache)
+        self.x = rows_block(self.w, self.config, self.layer, self.x, self.layout, self.cache, self.adapters)
         self.layer += 1
 
     @torch.inference_mode()
@@ -107,17 +120,18 @@ class ModelRunner:
         self.weights, self.config = weights, config
         self.cache = KVCache.allocate(config, slots, max_len or config.n_positions)  # [n_layer, slots, nh, L, hs]
 
-    def prefill(self, slot: int, prompt: list[int], *, scored: bool = False,
-                top: int = 0) -> tuple[torch.Tensor, TokenStats | None]:
+    def prefill(self, slot: int, prompt: list[int], *, scored: bool = False, top: int = 0,
+                adapter: int | None = None) -> tuple[torch.Tensor, TokenStats | None]:
         """Run a prompt alone into cache slot `slot`: (the next token's logits [V], the prompt tokens' stats when
-        `scored`: one row per prompt token after the first, with `top` alternatives)."""
+        `scored`: one row per prompt token after the first, with `top` alternatives). `adapter`: Segment's."""
         w, cfg = self.weights, self.config
         ids = torch.tensor([prompt])  # [1, T]
         view = KVCache(self.cache.k[:, slot : slot + 1], self.cache.v[:, slot : slot + 1])
+        adapters = None if adapter is None else torch.tensor([adapter])  # [1]
         with torch.inference_mode():
             if not scored:
-                return forward(w, cfg, ids, cache=view, start=0, last_only=True)[0, -1], None  # [V]
-            x = residual_stream(w, cfg, ids, cache=view, start=0)[0]  # [T, C]
+                return forward(w, cfg, ids, cache=view, start=0, last_only=True, adapters=adapters)[0, -1], None  # [V]
+            x = residual_stream(w, cfg, ids, cache=view, start=0, adapters=adapters)[0]  # [T, C]
             return logits(w, cfg, x[-1:])[0], token_stats(w, cfg, x[:-1], ids[0, 1:], top=top)
 
     def open(self, segments: list[Segment]) -> Pass:

@@ -75,8 +75,8 @@ class Sequence:
     def segment(self) -> Segment:
         """This sequence's rows in its next pass: the whole prompt from position 0, or its next token."""
         if not self.started:
-            return Segment(self.slot, 0, self.request.prompt)
-        return Segment(self.slot, self.position, [self.next_token])
+            return Segment(self.slot, 0, self.request.prompt, self.request.adapter)
+        return Segment(self.slot, self.position, [self.next_token], self.request.adapter)
 
 
 Output = tuple[Sequence, Event]
@@ -173,7 +173,9 @@ class Scheduler:
     def update(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
         """Consume a pass's logits [n, V], row i for seqs[i]: choose each next token. A sequence whose sampling fails
         ends with an 'error' event; the others go on."""
-        lses = torch.logsumexp(logits, -1).tolist()  # [n]: one call for the pass, not one per row
+        # row by row, as after_prefill computes it: torch's reduction over [n, V] splits the work over threads by n,
+        # and a logprob's last bits would then depend on what else shared the pass
+        lses = [float(torch.logsumexp(row, -1)) for row in logits]
         out = []
         for seq, row, lse in zip(seqs, logits, lses):
             seg = seq.segment()

@@ -43,7 +43,7 @@ class Replica:
 
         replica = serve.get_replica_context().replica_id.unique_id
         model = load_model(options)  # loaded before Ray marks the replica ready: no 503-while-loading here
-        engine = start_engine(model, engine_settings)
+        engine = start_engine(model, engine_settings, [path for _, path in settings.adapters])
         self.state = ServerState(ServerSettings(**{**settings.__dict__, "replica": replica}), model=model, engine=engine)
 
     def __serve_build_asgi_app__(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -40,6 +41,7 @@ class ServeError(GPT2EngineError):
 @dataclass
 class ServerSettings:
     model_name: str = "gpt2"
+    adapters: tuple[tuple[str, Path], ...] = ()  # LoRA adapters served next to the base: (model id, directory)
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
@@ -167,10 +169,18 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
             raise APIError(503, state.engine.failure, type="service_unavailable", code="engine_failed")
         return state.model, state.engine
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != settings.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
+    names = [settings.model_name] + [name for name, _ in settings.adapters]
+
+    def check_model(name: str | None) -> int | None:
+        """The weights' adapter a request names: None for the base where no adapters are served, else -1 for the base
+        and i for the i-th adapter (as the runner's rows take them); 404 for a name this server does not serve."""
+        if name is not None and name not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+        if not settings.adapters:
+            return None
+        return -1 if name in (None, settings.model_name) else names.index(name) - 1
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -179,8 +189,10 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": int(state.started),
-                                            "owned_by": "gpt2-engine"}]}
+        base = {"id": settings.model_name, "object": "model", "created": int(state.started), "owned_by": "gpt2-engine"}
+        # adapters as vLLM lists its LoRA modules: their own id, the base as parent, the directory as root
+        return {"object": "list", "data": [base] + [{**base, "id": name, "root": str(path), "parent": settings.model_name}
+                                                    for name, path in settings.adapters]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -205,10 +217,10 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_model(body.model)
+        adapter = check_model(body.model)
         model, engine = ready()
-        run = CompletionRun(engine, model.tokenizer, body, settings.model_name,
-                            engine_requests(body, model.tokenizer, model.config))
+        run = CompletionRun(engine, model.tokenizer, body, body.model or settings.model_name,
+                            engine_requests(body, model.tokenizer, model.config, adapter))
         if body.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -37,7 +37,36 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.is_dir():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights` or pass --weights DIR)")
-    return ServerSettings(args.model_name, read_api_key(args), tuple(args.cors_origin), args.max_body_bytes)
+    return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
+                          args.max_body_bytes)
+
+
+def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
+    """The --lora NAME=DIR adapters, each read and checked against the base's config now, so that a bad one is an
+    error at the command line rather than a server that never becomes ready."""
+    from ..core.config import GPT2Config
+    from ..core.lora import LoraError, load_adapter
+    from ..core.weights import CONFIG
+
+    adapters: list[tuple[str, Path]] = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        name = name.strip()
+        if not sep or not name or not path:
+            raise ServeError(f"--lora {spec!r}: expected NAME=DIR (the model id clients ask for, and a PEFT adapter "
+                             "directory)")
+        if name == args.model_name or name in (n for n, _ in adapters):
+            raise ServeError(f"--lora {spec!r}: the model id {name!r} is already taken"
+                             + (" by the base (--model-name)" if name == args.model_name else ""))
+        adapters.append((name, Path(path)))
+    if adapters:
+        config = GPT2Config.from_json(args.weights / CONFIG)
+        for name, path in adapters:
+            try:
+                load_adapter(path, config)
+            except LoraError as e:
+                raise ServeError(f"--lora {name}={path}: {e}") from None
+    return tuple(adapters)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -55,8 +84,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def load():
         model = load_model(options)
-        engine = start_engine(model, engine_settings)
-        print(f"gpt2 serve: ready: {args.weights} as {settings.model_name!r}, {args.parallel} slots, "
+        engine = start_engine(model, engine_settings, [path for _, path in settings.adapters])
+        served = "".join(f", {name!r} (LoRA {path})" for name, path in settings.adapters)
+        print(f"gpt2 serve: ready: {args.weights} as {settings.model_name!r}{served}, {args.parallel} slots, "
               f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
         return model, engine
 
@@ -115,5 +145,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--max-replicas", type=int, metavar="M", help="the most replicas --replicas auto may start (default 4)")
     ray.add_argument("--address", metavar="ADDR",
                      help="a running Ray cluster to join (e.g. 10.0.0.1:6379; default: start Ray on this machine)")
-    add_model_options(p)
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="also serve a LoRA adapter (PEFT's format) as model id NAME (repeatable): requests pick it with "
+                        "\"model\": NAME, and requests for every adapter and the base share the batched passes")
+    add_model_options(p, lora=False)
     p.set_defaults(run=run_serve)

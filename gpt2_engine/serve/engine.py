@@ -19,10 +19,13 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..core.kernels import decode_kernels
+from ..core.lora import attach, load_adapter
 from ..core.loop import EngineLoop
 from ..core.requests import Request
 from ..core.runner import ModelRunner
@@ -46,12 +49,15 @@ class EngineSettings:
         return cls(args.parallel, args.max_queue, args.queue_timeout)
 
 
-def start_engine(model: Any, settings: EngineSettings) -> AsyncEngine:
-    """A running engine thread over a loaded GPT2: one server's, or one Ray replica's."""
+def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] = ()) -> AsyncEngine:
+    """A running engine thread over a loaded GPT2: one server's, or one Ray replica's. `adapters`: LoRA adapter
+    directories served next to the base, stacked on its weights as adapters 0, 1, ... (requests name theirs; the
+    base's rows use none), so that one pass runs requests for any of them."""
     decode_kernels()  # built (once per machine) before the first request, not during it
     slots = settings.parallel
+    weights = attach(model.weights, [load_adapter(path, model.config) for path in adapters])
     loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout),
-                      ModelRunner(model.weights, model.config, slots=slots))
+                      ModelRunner(weights, model.config, slots=slots))
     engine = AsyncEngine(loop, max_queue=settings.max_queue)
     engine.start()
     return engine

@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
@@ -22,9 +22,11 @@ from .protocol import APIError, Choice, Completion, CompletionRequest, Logprobs,
 API_PARAM = {"max_new_tokens": "max_tokens", "num_samples": "n", "top_logprobs": "logprobs"}
 
 
-def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config) -> list[Request]:
+def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config,
+                    adapter: int | None = None) -> list[Request]:
     """The request's sequences, through the engine's one request builder: n per prompt, choice j of a prompt drawing
-    with seed + j (a random seed when none is given). Every bad value is a 400 that names its field."""
+    with seed + j (a random seed when none is given), each with the LoRA adapter its `model` named. Every bad value
+    is a 400 that names its field."""
     try:
         prompts = encode_prompts(req.prompt, tokenizer)
         bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
@@ -34,7 +36,8 @@ def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Co
                                       sampling=sampling, stop=req.stops, ignore_eos=req.ignore_eos, seed=req.seed,
                                       num_samples=req.n, top_logprobs=req.logprobs or 0,
                                       prompt_logprobs=req.echo and req.logprobs is not None)
-        return build_requests(prompts, settings, config, tokenizer.eot_id).requests
+        requests = build_requests(prompts, settings, config, tokenizer.eot_id).requests
+        return requests if adapter is None else [replace(r, adapter=adapter) for r in requests]
     except GenerationError as e:
         raise APIError(400, str(e), param=API_PARAM.get(e.param, e.param)) from None
 
