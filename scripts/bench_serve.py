@@ -3,12 +3,17 @@
 
     python scripts/bench_serve.py [--weights DIR] [--clients 1,4,8,16] [--max-tokens 64] [--requests 8]
     python scripts/bench_serve.py --baseline /tmp/base --rounds 3    # against another checkout, alternating
+    python scripts/bench_serve.py --lora 4 --clients 8 --rounds 3     # multi-adapter serving (make bench-serve ARGS=--lora)
 
 Starts the real server on 127.0.0.1 (default: the full-size fixture, 8 slots), then for each client count starts
 that many clients together (each built before the clock starts), each sending --requests streaming completions one
 after another (fixed prompts, greedy, ignore_eos, so every request generates exactly --max-tokens tokens). Reports
 aggregate generated tokens/s, time to first token p50/p99 and inter-token latency p50/p99, and the ratios the
 targets are stated in.
+
+--lora N: N random rank-8 adapters (all four projections) written to the cache, one server with all of them
+(--lora taskK=DIR) and one with none, alternating: the clients spread over the N adapters on the first, all on the
+base on the second; then each adapter's outputs are checked against a server with that adapter alone.
 """
 
 from __future__ import annotations
@@ -39,44 +44,49 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def one_client(url: str, index: int, requests: int, max_tokens: int,
-               ready: threading.Barrier | None = None) -> tuple[list[float], list[float], int]:
+def one_client(url: str, index: int, requests: int, max_tokens: int, ready: threading.Barrier | None = None,
+               model: str = "gpt2", texts: list[str] | None = None) -> tuple[list[float], list[float], int]:
     """(times to first token, inter-token gaps, tokens) of one client's requests, in seconds. With `ready`, the
     client is built before the clock starts and all clients start together: building an httpx client takes
     milliseconds of CPU, and eight of them built on the clock spread the first requests over ~60 ms and charged
-    the first ones' time to first token with the others' set-up."""
+    the first ones' time to first token with the others' set-up. `texts`: each request's text is appended."""
     ttft, gaps, tokens = [], [], 0
-    body = {"model": "gpt2", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=300) as client:
         if ready is not None:
             ready.wait(timeout=60)
         for r in range(requests):
             t0 = last = time.perf_counter()
             first = True
+            text = ""
             with client.stream("POST", f"{url}/v1/completions",
                                json={**body, "prompt": PROMPTS[(index + r) % len(PROMPTS)]}) as resp:
                 resp.raise_for_status()
                 for line in resp.iter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    if not json.loads(line[6:])["choices"]:
+                    choices = json.loads(line[6:])["choices"]
+                    if not choices:
                         continue
+                    text += choices[0]["text"]
                     now = time.perf_counter()
                     (ttft.append(now - t0) if first else gaps.append(now - last))
                     first, last = False, now
                     tokens += 1
+            if texts is not None:
+                texts.append(text)
     return ttft, gaps, tokens
 
 
 @contextlib.contextmanager
-def server(tree: Path, weights: Path, parallel: int) -> Iterator[str]:
+def server(tree: Path, weights: Path, parallel: int, extra: tuple[str, ...] = ()) -> Iterator[str]:
     """`gpt2 serve` of the checkout at `tree` on a free 127.0.0.1 port, healthy and warmed up; its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(weights), "--port",
-                             str(port), "--parallel", str(parallel), "--threads", "2"], cwd=tree, env=env)
+                             str(port), "--parallel", str(parallel), "--threads", "2", *extra], cwd=tree, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -95,11 +105,14 @@ def server(tree: Path, weights: Path, parallel: int) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
-def measure(url: str, n: int, requests: int, max_tokens: int) -> dict:
-    """One run of n clients together: aggregate tokens/s, TTFT and ITL percentiles."""
+def measure(url: str, n: int, requests: int, max_tokens: int, models: list[str] | None = None) -> dict:
+    """One run of n clients together: aggregate tokens/s, TTFT and ITL percentiles. `models`: client i asks for
+    models[i % len(models)] (default: the base, gpt2)."""
     ready = threading.Barrier(n + 1)
+    models = models or ["gpt2"]
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(one_client, url, i, requests, max_tokens, ready) for i in range(n)]
+        futures = [pool.submit(one_client, url, i, requests, max_tokens, ready, models[i % len(models)])
+                   for i in range(n)]
         ready.wait(timeout=60)
         t0 = time.perf_counter()
         results = [f.result() for f in futures]
@@ -126,6 +139,9 @@ def main() -> int:
                    help="another checkout of the project (e.g. `git worktree add /tmp/base main`): its server runs "
                         "alternately with this one's, and the table gives both and this / baseline")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds with --baseline; medians (default 1)")
+    p.add_argument("--lora", type=int, metavar="N", nargs="?", const=4,
+                   help="multi-adapter serving: the clients spread over N LoRA adapters (default 4) against all "
+                        "on the base of an adapter-free server")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
     import fixtures
@@ -137,6 +153,8 @@ def main() -> int:
               f"requests per client, greedy; {cpu().summary()}, 2 threads")
     if args.baseline is not None:
         return compare(args, weights, counts, header)
+    if args.lora:
+        return compare_lora(args, weights, counts, header)
     rows = []
     with server(ROOT, weights, args.parallel) as url:
         for n in counts:
@@ -154,19 +172,28 @@ def main() -> int:
     return 0
 
 
+def alternate(args: argparse.Namespace, counts: list[int],
+              sides: dict[str, tuple[str, list[str] | None]]) -> dict[tuple[str, int], list[dict]]:
+    """Each client count on each of two sides (name -> (url, the models its clients ask for)), alternating which goes
+    first, for --rounds rounds: every run, by (side, clients)."""
+    first, second = sides
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for r in range(args.rounds):
+        for n in counts:
+            for name in ([first, second] if (r + n) % 2 == 0 else [second, first]):
+                url, models = sides[name]
+                runs.setdefault((name, n), []).append(measure(url, n, args.requests, args.max_tokens, models))
+                print(f"  round {r + 1}, {n} clients, {name}: {runs[name, n][-1]['tokens_per_s']:.1f} tok/s",
+                      file=sys.stderr, flush=True)
+    return runs
+
+
 def compare(args: argparse.Namespace, weights: Path, counts: list[int], header: str) -> int:
     """This checkout against --baseline: both servers up, each client count measured on one then the other,
     alternating which goes first, for --rounds rounds; medians."""
     trees = {"baseline": args.baseline.resolve(), "this": ROOT}
-    runs: dict[tuple[str, int], list[dict]] = {}
     with server(trees["baseline"], weights, args.parallel) as base_url, server(ROOT, weights, args.parallel) as url:
-        urls = {"baseline": base_url, "this": url}
-        for r in range(args.rounds):
-            for n in counts:
-                for name in (["baseline", "this"] if (r + n) % 2 == 0 else ["this", "baseline"]):
-                    runs.setdefault((name, n), []).append(measure(urls[name], n, args.requests, args.max_tokens))
-                    print(f"  round {r + 1}, {n} clients, {name}: {runs[name, n][-1]['tokens_per_s']:.1f} tok/s",
-                          file=sys.stderr, flush=True)
+        runs = alternate(args, counts, {"baseline": (base_url, None), "this": (url, None)})
     print(f"\n{header}; this checkout against {trees['baseline']}, {args.rounds} alternating round(s), medians")
     print("| clients | tok/s baseline | tok/s this | ratio | TTFT p99 baseline (ms) | TTFT p99 this (ms) | ratio | "
           "ITL p50 baseline (ms) | ITL p50 this (ms) |")
@@ -182,10 +209,70 @@ def compare(args: argparse.Namespace, weights: Path, counts: list[int], header: 
     return 0
 
 
-def save(result: dict) -> None:
+def write_adapters(weights: Path, n: int) -> list[Path]:
+    """n random rank-8 adapters on all four projections (B nonzero, so that each changes the text), in the cache."""
+    import torch
+
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.core.lora import LoraAdapter, LoraSettings, new_adapter, save_adapter
+
+    config = GPT2Config.from_json(weights / "config.json")
+    paths = []
+    for k in range(n):
+        g = torch.Generator().manual_seed(k)
+        ad = new_adapter(config, LoraSettings(r=8, alpha=16.0), g)
+        tensors = {name: t if name.endswith("lora_A") else 0.02 * torch.randn(t.shape, generator=g)
+                   for name, t in ad.tensors.items()}
+        path = ROOT / ".cache" / "bench-lora" / f"{weights.name}-task{k}"
+        save_adapter(path, LoraAdapter(ad.settings, tensors))
+        paths.append(path)
+    return paths
+
+
+def texts_of(url: str, index: int, max_tokens: int, model: str) -> list[str]:
+    """The texts of client `index`'s 4 requests to `model` (greedy)."""
+    texts: list[str] = []
+    one_client(url, index, 4, max_tokens, None, model, texts)
+    return texts
+
+
+def compare_lora(args: argparse.Namespace, weights: Path, counts: list[int], header: str) -> int:
+    """Clients over N adapters on one server against clients on the base of an adapter-free server, alternating;
+    then every adapter's texts against a server holding that adapter alone."""
+    paths = write_adapters(weights, args.lora)
+    names = [f"task{k}" for k in range(args.lora)]
+    flags = tuple(x for name, path in zip(names, paths) for x in ("--lora", f"{name}={path}"))
+    with server(ROOT, weights, args.parallel) as base_url, server(ROOT, weights, args.parallel, flags) as url:
+        runs = alternate(args, counts, {"base": (base_url, None), "adapters": (url, names)})
+        # the outputs under load: every adapter's prompts at once, 2 clients each
+        with concurrent.futures.ThreadPoolExecutor(2 * len(names)) as pool:
+            jobs = {(name, i): pool.submit(texts_of, url, i, args.max_tokens, name) for name in names for i in range(2)}
+            together = {key: job.result() for key, job in jobs.items()}
+    same = 0
+    for name, path in zip(names, paths):
+        with server(ROOT, weights, args.parallel, ("--lora", f"{name}={path}")) as alone:
+            same += sum(texts_of(alone, i, args.max_tokens, name) == together[name, i] for i in range(2))
+    print(f"\n{header}; {args.lora} LoRA adapters (r=8, all projections), {args.rounds} alternating round(s), medians")
+    print("| clients | base only (adapter-free server) tok/s | spread over the adapters tok/s | ratio | "
+          "ITL p50 base (ms) | ITL p50 adapters (ms) |")
+    print("|---|---|---|---|---|---|")
+    table = [{"clients": n, "base": median_row(runs["base", n]), "adapters": median_row(runs["adapters", n])}
+             for n in counts]
+    for row in table:
+        b, a = row["base"], row["adapters"]
+        print(f"| {row['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
+              f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['itl_p50'] * 1e3:.1f} | {a['itl_p50'] * 1e3:.1f} |")
+    print(f"outputs under load equal to each adapter served alone: {same} of {2 * len(names)} clients "
+          f"({8 * len(names)} requests)")
+    save({"weights": str(weights), "lora": args.lora, "rounds": args.rounds, "rows": table,
+          "same_as_alone": f"{same}/{2 * len(names)}"}, "bench_serve_lora.json")
+    return 0 if same == 2 * len(names) else 1
+
+
+def save(result: dict, name: str = "bench_serve.json") -> None:
     from gpt2_engine.core.kernels import cpu
 
-    out = ROOT / "bench-results" / "bench_serve.json"
+    out = ROOT / "bench-results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu().summary(), **result}, indent=2) + "\n")
 
