@@ -36,6 +36,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model.transformer."  # PeftModel wraps GPT2LMHeadModel, which holds the transformer
 # the projections an adapter can sit on: the name users give (PEFT's target_modules suffixes) -> the Block field
 TARGETS = {"c_attn": "c_attn", "attn.c_proj": "attn_c_proj", "c_fc": "c_fc", "mlp.c_proj": "mlp_c_proj"}
+TARGET_OF = {field: target for target, field in TARGETS.items()}  # Block field -> target
 ALL_TARGETS = tuple(TARGETS)
 
 
@@ -148,14 +149,10 @@ def attach(w: GPT2Weights, adapters: Sequence[LoraAdapter]) -> GPT2Weights:
         scale = torch.tensor([ad.settings.scale for ad in adapters], dtype=dtype)
         return replace(p, lora=LoraStack(a, b, scale))
 
-    blocks = tuple(Block(**{f: stack(i, t, getattr(blk, f)) if (t := _target_of(f)) else getattr(blk, f)
+    blocks = tuple(Block(**{f: stack(i, TARGET_OF[f], getattr(blk, f)) if f in TARGET_OF else getattr(blk, f)
                             for f in BLOCK_PARTS})
                    for i, blk in enumerate(w.blocks))
     return replace(w, blocks=blocks)
-
-
-def _target_of(field: str) -> str | None:
-    return next((t for t, f in TARGETS.items() if f == field), None)
 
 
 def trainable(w: GPT2Weights, adapter: LoraAdapter) -> tuple[GPT2Weights, dict[str, torch.Tensor]]:
@@ -174,8 +171,7 @@ def trainable(w: GPT2Weights, adapter: LoraAdapter) -> tuple[GPT2Weights, dict[s
 def merge(w: GPT2Weights, adapter: LoraAdapter) -> GPT2Weights:
     """The base with the adapter folded in, W + s A B, as new float32 matrices (the base's stay as they are)."""
     def fold(i: int, field: str, p: Linear) -> Linear:
-        target = _target_of(field)
-        pair = adapter.pair(i, target) if target else None
+        pair = adapter.pair(i, TARGET_OF[field])
         if pair is None:
             return p
         if isinstance(p.weight, QuantizedMatrix) or p.weight.dtype != torch.float32:
@@ -184,7 +180,7 @@ def merge(w: GPT2Weights, adapter: LoraAdapter) -> GPT2Weights:
         a, b = pair
         return Linear(torch.addmm(p.weight, a.float(), b.float(), alpha=adapter.settings.scale), p.bias)
 
-    blocks = tuple(Block(**{f: fold(i, f, getattr(blk, f)) if f in TARGETS.values() else getattr(blk, f)
+    blocks = tuple(Block(**{f: fold(i, f, getattr(blk, f)) if f in TARGET_OF else getattr(blk, f)
                             for f in BLOCK_PARTS})
                    for i, blk in enumerate(w.blocks))
     return replace(w, blocks=blocks)
