@@ -287,7 +287,9 @@ torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 // The float32 weights W[k, 16 p0 ..] of panels [p0, p1) of a packed matrix, into out [K, 16 (p1 - p0)]: what a
 // backward pass multiplies by (dL/dx = dL/dy W^T; QLoRA's frozen base). q * scale exactly as the kernel above means
-// it, so the gradient is the quantized model's. Panels are split over threads; each writes its own 16 columns.
+// it, so the gradient is the quantized model's. The work goes by scale group (32 input rows) across all the panels:
+// the 32 output rows being written then span a few pages, where going panel by panel wrote 16 floats on each of K
+// rows kilobytes apart, one TLB miss per 64 bytes. Groups are split over threads.
 void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits, int64_t K, int64_t p0, int64_t p1,
                        torch::Tensor out) {
   TORCH_CHECK(bits == 8 || bits == 4, "dequantize_panels: bits must be 8 or 4");
@@ -301,30 +303,33 @@ void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits,
   const auto* w = packed.data_ptr<uint8_t>();
   const auto* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* o = out.data_ptr<float>();
-  const int64_t width = (p1 - p0) * P, panel_bytes = K * P * bits / 8;
-  at::parallel_for(p0, p1, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p) {
-      const uint8_t* src = w + p * panel_bytes;
-      const uint16_t* sc = ws + p * (K / G) * P;
-      float* dst = o + (p - p0) * P;
-      float s[P];
-      // a lane of 4 bytes per column holds 4 inputs (8 bits) or 8 inputs (4 bits: low nibbles first)
-      const int64_t per_lane = bits == 8 ? 4 : 8;
-      for (int64_t j = 0; j < K / per_lane; ++j) {
-        const int64_t k0 = j * per_lane;
-        if (k0 % G == 0)
-          for (int c = 0; c < P; ++c) s[c] = static_cast<float>(c10::Half(sc[(k0 / G) * P + c], c10::Half::from_bits()));
-        const uint8_t* lane = src + j * P * 4;
-        for (int c = 0; c < P; ++c)
+  const int64_t width = (p1 - p0) * P, panel_bytes = K * P * bits / 8, group_bytes = G * P * bits / 8;
+  // a lane of 4 bytes per column holds 4 inputs (8 bits) or 8 inputs (4 bits: low nibbles first, then high)
+  const int64_t per_lane = bits == 8 ? 4 : 8;
+  at::parallel_for(0, K / G, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; ++g) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* src = w + p * panel_bytes + g * group_bytes;
+        const uint16_t* sc = ws + (p * (K / G) + g) * P;
+        float s[P];
+        for (int c = 0; c < P; ++c) s[c] = static_cast<float>(c10::Half(sc[c], c10::Half::from_bits()));
+        float* dst = o + g * G * width + (p - p0) * P;
+        for (int64_t j = 0; j < G / per_lane; ++j) {
+          const uint8_t* lane = src + j * P * 4;
           for (int i = 0; i < 4; ++i) {
-            const uint8_t u = lane[c * 4 + i];
+            float* row = dst + (j * per_lane + i) * width;
             if (bits == 8) {
-              dst[(k0 + i) * width + c] = static_cast<float>(static_cast<int>(u) - 128) * s[c];
+              for (int c = 0; c < P; ++c) row[c] = static_cast<float>(static_cast<int>(lane[c * 4 + i]) - 128) * s[c];
             } else {
-              dst[(k0 + i) * width + c] = static_cast<float>(static_cast<int>(u & 0x0F) - 8) * s[c];
-              dst[(k0 + 4 + i) * width + c] = static_cast<float>(static_cast<int>(u >> 4) - 8) * s[c];
+              float* high = row + 4 * width;
+              for (int c = 0; c < P; ++c) {
+                const uint8_t u = lane[c * 4 + i];
+                row[c] = static_cast<float>(static_cast<int>(u & 0x0F) - 8) * s[c];
+                high[c] = static_cast<float>(static_cast<int>(u >> 4) - 8) * s[c];
+              }
             }
           }
+        }
       }
     }
   });
