@@ -10,10 +10,10 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
