@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from .quantize import FORMATS, quantize_weights
 from .requests import GenerationSettings, Prompt, encode_prompts
 from .sampling import SamplingParams
 from .scoring import Score, ScoreSettings, score_documents, token_logprobs
+from .speculate import Speculation, check_draft_tokens, load_speculation
 from .tokenizer import Tokenizer, load_tokenizer
 from .trainer import Trainer, TrainResult, TrainSettings, record
 from .training import trainable_copy
@@ -38,6 +40,7 @@ class GPT2:
         self.device = device
         self.quantize = quantize
         self.lora = lora
+        self.drafts: dict[str, Speculation] = {}  # draft models loaded for speculate=, by source
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
@@ -164,13 +167,33 @@ class GPT2:
         return GenerationSettings(sampling=sampling, **kwargs)
 
     def generation(self, prompt: Prompt, *, allow_special: bool = False, settings: GenerationSettings | None = None,
-                   **kwargs: Any) -> Generation:
+                   speculate: str | Path | None = None, draft_tokens: int | None = None, **kwargs: Any) -> Generation:
         """A generation run (iterate it to stream) over a prompt in any of the server's forms: a text, texts, token
-        ids or lists of them; the settings as keyword arguments, or made already. `gpt2 generate` runs this."""
+        ids or lists of them; the settings as keyword arguments, or made already. `gpt2 generate` runs this.
+
+        speculate: speculative decoding with a drafter: 'int4' or 'int8' (this model quantized), 'ngram' (prompt
+        lookup) or a GPT-2 checkpoint directory with this tokenizer; draft_tokens: K, drafted tokens per verify
+        pass (default: adaptive). Greedy output is the same token ids as without; sampled output has the same
+        distribution (core/speculate.py). Loaded once per source and kept."""
         if settings is not None and kwargs:
             raise GenerationError("give settings= or keyword settings, not both")
         ids = encode_prompts(prompt, self.tokenizer, allow_special=allow_special)
-        return Generation(self.weights, self.config, self.tokenizer, ids, settings or self.settings(**kwargs))
+        settings = settings or self.settings(**kwargs)
+        spec = None
+        if speculate is not None:
+            spec = self.speculation(speculate, draft_tokens)
+        elif draft_tokens is not None:
+            raise GenerationError("draft_tokens applies to speculative decoding: give speculate= too", param="draft_tokens")
+        return Generation(self.weights, self.config, self.tokenizer, ids, settings, spec)
+
+    def speculation(self, source: str | Path, draft_tokens: int | None = None,
+                    max_running: int | None = None) -> Speculation:
+        """The Speculation of a drafter source (see generation()), its draft model loaded once per source."""
+        check_draft_tokens(draft_tokens)
+        key = str(source)
+        if key not in self.drafts:
+            self.drafts[key] = load_speculation(key, self.weights, self.config, self.tokenizer)
+        return replace(self.drafts[key], draft_tokens=draft_tokens, max_running=max_running)
 
     def complete(self, prompts: Prompt, *, allow_special: bool = False, **kwargs: Any) -> list[Completion]:
         """Completions (text, ids, logprobs, finish reason) for a batch of prompts; num_samples per prompt."""

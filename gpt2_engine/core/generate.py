@@ -2,7 +2,9 @@
 
 Each prompt (and each sample of it) is a sequence of its own in the scheduler: prefilled into a slot of the KV cache
 (or run as rows of a shared pass), then decoded one token at a time in batched passes with the others
-(core/loop.py). The requests come from core/requests.py, the builder the server uses too.
+(core/loop.py). The requests come from core/requests.py, the builder the server uses too. With a Speculation, the
+loop drafts and the passes verify (core/speculate.py): the same tokens with greedy decoding, the same distribution
+with sampling.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .loop import EngineLoop
 from .requests import GenerationSettings, RequestSet, build_requests
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .speculate import Speculation
 from .tokenizer import Tokenizer
 from .weights import GPT2Weights
 
@@ -40,6 +43,10 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     truncated_tokens: int = 0  # prompt tokens dropped by truncate="left"
+    drafted: int = 0  # speculation: tokens drafted, those the target accepted, and the verify passes run
+    accepted: int = 0
+    verify_passes: int = 0
+    verified_tokens: int = 0  # tokens the verify passes emitted (accepted drafts and the target's own)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -49,6 +56,14 @@ class GenerationStats:
     def decode_tokens_per_second(self) -> float:
         return self.new_tokens / self.decode_seconds if self.decode_seconds else math.nan
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else math.nan
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.verified_tokens / self.verify_passes if self.verify_passes else math.nan
+
 
 class Generation:
     """One generation run over a batch of prompts (token ids), each sequence in a slot of its own. Iterate it to
@@ -56,9 +71,9 @@ class Generation:
     results. Sequence i is sample i % num_samples of prompt i // num_samples."""
 
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, prompts: list[list[int]],
-                 settings: GenerationSettings) -> None:
+                 settings: GenerationSettings, speculation: Speculation | None = None) -> None:
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
-        self.settings = settings
+        self.settings, self.speculation = settings, speculation
         self.batch: RequestSet = build_requests(prompts, settings, config, tokenizer.eot_id)
         self.stats = GenerationStats(seed=self.batch.seed, truncated_tokens=self.batch.truncated_tokens)
         self.completions: list[Completion] = []
@@ -66,8 +81,10 @@ class Generation:
     def __iter__(self) -> Iterator[tuple[int, str]]:
         reqs = self.batch.requests
         max_len = max(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in reqs)
-        loop = EngineLoop(Scheduler(self.config, self.tokenizer, slots=len(reqs), max_len=max_len),
-                          ModelRunner(self.weights, self.config, slots=len(reqs), max_len=max_len))
+        spec = self.speculation
+        loop = EngineLoop(Scheduler(self.config, self.tokenizer, slots=len(reqs), max_len=max_len, speculation=spec),
+                          ModelRunner(self.weights, self.config, slots=len(reqs), max_len=max_len),
+                          None if spec is None else spec.drafter(len(reqs), max_len))
         loop.submit(reqs, tag=None)
         loop.intake()
         seqs = list(loop.scheduler.waiting)  # in request order
@@ -91,6 +108,10 @@ class Generation:
             if first:  # the first step prefills every sequence (each has a slot) and chooses its first token
                 self.stats.prefill_seconds, t0, first = time.perf_counter() - t0, time.perf_counter(), False
         self.stats.decode_seconds = time.perf_counter() - t0
+        st = self.stats
+        st.drafted, st.accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
+        st.verify_passes = sum(s.verified for s in seqs)
+        st.verified_tokens = st.accepted + st.verify_passes
         self.completions = [Completion(seq.detok.text, seq.tokens, logprobs[b], finish[b], len(seq.request.prompt))
                             for b, seq in enumerate(seqs)]
 

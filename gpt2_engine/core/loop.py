@@ -1,6 +1,7 @@
-"""The engine loop: it owns a Scheduler (which plans) and a ModelRunner (which executes), and an inbox through which
-other threads hand it requests and cancellations. Control flows one way: the loop asks the scheduler for a plan, has
-the runner execute it, and hands the results back to the scheduler; neither of them calls the other, nor the loop.
+"""The engine loop: it owns a Scheduler (which plans), a ModelRunner (which executes) and, when it speculates, a
+Drafter (core/speculate.py), and an inbox through which other threads hand it requests and cancellations. Control
+flows one way: the loop asks the scheduler for a plan, has the drafter and the runner execute it, and hands the
+results back to the scheduler; none of them calls another, nor the loop.
 
 `step()` is a generator over one step. It yields the Events of each piece of work (a non-empty list of (Sequence,
 Event)) as soon as they exist, and an empty list before each block of the step's last pass. Before each of those blocks the
@@ -8,7 +9,8 @@ loop takes its inbox, and the scheduler's `join` may hand the open pass new shor
 blocks alone and ride along for the rest: a request that arrives mid-pass gets its first token from that pass. Its
 owner (`gpt2 generate`'s Generation, or the server's engine thread) runs between the yields, in its own thread.
 
-Faults are contained: an exception while the runner executes a prefill or a pass ends the sequences of that work
+Faults are contained: an exception while the runner executes a prefill or a pass (or the drafter drafts) ends the
+sequences of that work
 with finish reason 'error' (the exception named in one line, its traceback logged once) and the loop goes on;
 the KV-cache rows they wrote are never read again (a slot's next sequence writes every position it reads).
 """
@@ -23,6 +25,7 @@ from typing import Any
 from .requests import Request
 from .runner import ModelRunner
 from .scheduler import Output, Scheduler, Sequence, describe
+from .speculate import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +33,8 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     """One thread's engine. `submit` and `cancel` may be called from any thread; `step` and `wait` from the owner's."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
-        self.scheduler, self.runner = scheduler, runner
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, drafter: Drafter | None = None) -> None:
+        self.scheduler, self.runner, self.drafter = scheduler, runner, drafter
         self.inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.tagged: dict[Any, list[Sequence]] = {}  # the sequences of each tag still running (owner's thread only)
 
@@ -85,7 +88,16 @@ class EngineLoop:
                 yield self._forget(self._failed([seq], e))
                 continue
             yield self._forget([sched.after_prefill(seq, next_logits, stats)])
+        if plan.asks:  # every draft of the step in one call: the draft model's passes are shared too
+            try:
+                sched.drafted(plan.asks, self.drafter.propose([ask for _, ask in plan.asks]))
+            except Exception as e:  # noqa: BLE001 - contained: the sequences it drafted for fail, the loop goes on
+                failed = [seq for seq, _ in plan.asks]
+                yield self._forget(self._failed(failed, e))
+                plan.passes = [[s for s in seqs if not s.finished] for seqs in plan.passes]
         for p, seqs in enumerate(plan.passes):
+            if not seqs:
+                continue
             last = p == len(plan.passes) - 1  # only the last pass takes newcomers: earlier ones' events go out first
             try:
                 run = runner.open([s.segment() for s in seqs])

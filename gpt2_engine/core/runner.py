@@ -22,12 +22,14 @@ from .weights import GPT2Weights
 
 class Segment(NamedTuple):
     """A sequence's rows in a pass: `ids` are fed at positions [start, start + len(ids)) of cache slot `slot`, with
-    LoRA adapter `adapter` of the weights (-1: the base; None: adapter 0, a model with one)."""
+    LoRA adapter `adapter` of the weights (-1: the base; None: adapter 0, a model with one). The pass returns the
+    logits after its last `outputs` rows (a speculative verify pass needs every row's: core/speculate.py)."""
 
     slot: int
     start: int
     ids: list[int]
     adapter: int | None = None
+    outputs: int = 1
 
 
 def embed_rows(w: GPT2Weights, segments: list[Segment]) -> tuple[torch.Tensor, RowLayout]:
@@ -58,7 +60,8 @@ class Pass:
     `add(segments)` before block `layer` runs the new segments through blocks 0..layer-1 on their own, then puts their
     rows after the others' for the remaining blocks. Rows never mix (row-invariant projections, per-slot attention),
     so they get the bits they would get from the start, and a prompt that arrives mid-pass need not wait for the
-    pass to end. `logits()` has one row per segment, in the order the segments were given and added.
+    pass to end. `logits()` has `outputs` rows per segment (its last ones), in the order the segments were given
+    and added.
     """
 
     @torch.inference_mode()
@@ -99,14 +102,16 @@ class Pass:
 
     @torch.inference_mode()
     def logits(self) -> torch.Tensor:
-        """[n, V]: the logits after each segment's last row (every block must have run)."""
+        """[n, V]: the logits after each segment's last `outputs` rows, segment by segment (every block must have
+        run). The head is row-invariant too (projection.head_logits), so a row's logits do not depend on n."""
         assert self.done, "the pass has blocks left to run"
-        last = torch.tensor([len(s.ids) for s in self.segments]).cumsum(0) - 1  # [n]
-        return logits(self.w, self.config, self.x[0, last])  # [n, V]
+        ends = torch.tensor([len(s.ids) for s in self.segments]).cumsum(0).tolist()
+        rows = [r for s, end in zip(self.segments, ends) for r in range(end - s.outputs, end)]  # [n]
+        return logits(self.w, self.config, self.x[0, rows])  # [n, V]
 
 
 def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[Segment], cache: KVCache) -> torch.Tensor:
-    """One whole pass: segments -> the logits after each one's last token [n, V]."""
+    """One whole pass: segments -> the logits after each one's last `outputs` tokens [n, V]."""
     p = Pass(w, config, cache, segments)
     while not p.done:
         p.run_block()

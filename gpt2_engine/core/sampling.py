@@ -93,14 +93,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
     return logits
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """[V] penalised logits (apply_penalties) -> the next token id: temperature, top-k, then top-p, and a draw.
+def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """[V] penalised logits -> (weights [k], token ids [k]) of the tokens a draw may pick (not greedy): temperature,
+    top-k, then top-p. The weights are the softmax over the top-k with the tokens top-p drops set to 0 (not
+    renormalised: a draw normalises them).
 
-    Only the top-k survivors are sorted and exponentiated, and the draw is over them: the same kept set and
-    distribution as filtering the whole vocabulary (ties at the k-th value aside), at a fraction of the work.
+    Only the top-k survivors are sorted and exponentiated: the same kept set and distribution as filtering the whole
+    vocabulary (ties at the k-th value aside), at a fraction of the work.
     """
-    if params.greedy:
-        return int(logits.argmax())
     k = params.top_k if 0 < params.top_k < logits.shape[-1] else logits.shape[-1]
     values, ids = logits.topk(k) if k < logits.shape[-1] else logits.sort(descending=True)  # [k], descending
     probs = torch.softmax(apply_temperature(values, params.temperature), dim=-1)  # [k]
@@ -108,4 +108,24 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # keep a token iff the mass of the tokens above it is < p (the nucleus rule, counted from the top)
         above = probs.cumsum(-1) - probs  # [k]
         probs = probs.masked_fill(above >= params.top_p, 0.0)
+    return probs, ids
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """[V] penalised logits (apply_penalties) -> the next token id: the argmax, or a draw from kept()."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs, ids = kept(logits, params)
     return int(ids[torch.multinomial(probs, 1, generator=generator)])
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[V] penalised logits -> [V]: the distribution `choose` draws from as a whole-vocabulary vector (greedy: a point
+    mass on the argmax). Speculative sampling compares these (core/speculate.py)."""
+    p = torch.zeros_like(logits)
+    if params.greedy:
+        p[logits.argmax()] = 1.0
+        return p
+    probs, ids = kept(logits, params)
+    p[ids] = probs / probs.sum()
+    return p

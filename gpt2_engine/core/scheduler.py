@@ -7,6 +7,11 @@ DECODE_ROWS rows a pass). `join(layer, rows)` says which waiting prompts may sti
 block `layer`. The runner (runner.py) executes; `update` and `after_prefill` consume its logits: they choose each
 sequence's next token and return the Events, as data, to whoever drives the loop (loop.py). A finished or cancelled
 sequence frees its slot at once.
+
+Speculative decoding (core/speculate.py): with a Speculation, the plan also asks a drafter for K tokens for each
+running sequence (`Plan.asks`, K adaptive per sequence unless fixed); the loop hands the drafts back (`drafted`),
+and the sequence's next pass feeds its next token and the drafts as K + 1 rows; `update` accepts what the target
+agrees with and emits every accepted token as an Event of its own, in order.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from .requests import Request, check_request
 from .runner import Segment
 from .sampling import apply_penalties, choose
 from .scoring import TokenStats
+from .speculate import PAUSE_TOKENS, Draft, DraftAsk, Speculation, accept, next_k
 from .tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,10 @@ class Sequence:
         self.started = False  # has run through the model (prefilled, or the prompt's rows in a pass)
         self.finished = False
         self.cancelled: str | None = None  # the reason, once cancelled
+        self.draft: Draft | None = None  # drafted tokens riding in this step's pass, to be verified
+        self.k = 0  # tokens to draft next (speculation: adaptive or fixed)
+        self.resume_at = 0  # adaptive K at 0: len(tokens) from which a draft of 1 is tried again
+        self.drafted = self.accepted = self.verified = 0  # drafted tokens, accepted ones, verify passes
         self.queued_at = time.perf_counter()  # when it started waiting for a slot
         s = request.sampling
         self.seen = self.counts = None
@@ -73,10 +83,16 @@ class Sequence:
             self.counts = torch.zeros(vocab)
 
     def segment(self) -> Segment:
-        """This sequence's rows in its next pass: the whole prompt from position 0, or its next token."""
+        """This sequence's rows in its next pass: the whole prompt from position 0, or its next token (and its
+        drafted tokens, each row's logits wanted)."""
         if not self.started:
             return Segment(self.slot, 0, self.request.prompt, self.request.adapter)
-        return Segment(self.slot, self.position, [self.next_token], self.request.adapter)
+        ids = [self.next_token] + (self.draft.tokens if self.draft else [])
+        return Segment(self.slot, self.position, ids, self.request.adapter, outputs=len(ids))
+
+    def context(self) -> list[int]:
+        """The tokens at positions 0 .. position: the prompt, the generated tokens and the next one (not yet fed)."""
+        return self.request.prompt + self.tokens
 
 
 Output = tuple[Sequence, Event]
@@ -84,10 +100,12 @@ Output = tuple[Sequence, Event]
 
 @dataclass
 class Plan:
-    """One step: sequences that ended before running (cancelled, timed out), prompts to prefill alone, then passes."""
+    """One step: sequences that ended before running (cancelled, timed out), prompts to prefill alone, drafts to ask
+    for (then `Scheduler.drafted`), then passes."""
 
     finished: list[Output] = field(default_factory=list)
     prefill: list[Sequence] = field(default_factory=list)
+    asks: list[tuple[Sequence, DraftAsk]] = field(default_factory=list)
     passes: list[list[Sequence]] = field(default_factory=list)
 
 
@@ -95,8 +113,9 @@ class Scheduler:
     """Slots and a waiting queue over a cache of `slots` sequences of up to `max_len` positions."""
 
     def __init__(self, config: GPT2Config, tokenizer: Tokenizer, slots: int, max_len: int | None = None,
-                 queue_timeout: float | None = None) -> None:
+                 queue_timeout: float | None = None, speculation: Speculation | None = None) -> None:
         self.config, self.tokenizer = config, tokenizer
+        self.speculation = speculation
         self.max_len = max_len or config.n_positions
         self.queue_timeout = queue_timeout  # seconds a sequence may wait for a slot (None: forever)
         self.slots: list[Sequence | None] = [None] * slots
@@ -120,6 +139,8 @@ class Scheduler:
     def add(self, request: Request, tag: Any = None, index: int = 0) -> Sequence:
         """Queue a request (check() it first); its events come out of the steps that run it."""
         seq = Sequence(request, self.tokenizer, self.config.vocab_size, tag, index)
+        if self.speculation is not None:
+            seq.k = self.speculation.first_k()
         self.waiting.append(seq)
         return seq
 
@@ -148,12 +169,23 @@ class Scheduler:
         rows = 0
         for seq in work:  # passes of at most DECODE_ROWS rows
             n = len(seq.segment().ids)
+            if k := self._draft_length(seq):
+                excluded = (self.tokenizer.eot_id,) if seq.request.ignore_eos else ()
+                plan.asks.append((seq, DraftAsk(seq.slot, seq.context(), k, seq.request.sampling, seq.generator,
+                                                excluded)))
+                n += k
             if not plan.passes or rows + n > DECODE_ROWS:
                 plan.passes.append([])
                 rows = 0
             plan.passes[-1].append(seq)
             rows += n
         return plan
+
+    def drafted(self, asks: list[tuple[Sequence, DraftAsk]], drafts: list[Draft]) -> None:
+        """The drafter's answers to a plan's asks: each rides in its sequence's pass of this step."""
+        for (seq, ask), draft in zip(asks, drafts, strict=True):
+            n = min(len(draft.tokens), ask.k)
+            seq.draft = Draft(draft.tokens[:n], None if draft.q is None else draft.q[:n]) if n else None
 
     def join(self, layer: int, rows: int) -> list[Sequence]:
         """Waiting prompts that join a pass of `rows` rows before its block `layer`, placed in free slots.
@@ -176,11 +208,16 @@ class Scheduler:
         # row by row, as after_prefill computes it: torch's reduction over [n, V] splits the work over threads by n,
         # and a logprob's last bits would then depend on what else shared the pass
         lses = [float(torch.logsumexp(row, -1)) for row in logits]
-        out = []
-        for seq, row, lse in zip(seqs, logits, lses):
+        out, first = [], 0
+        for seq in seqs:
             seg = seq.segment()
+            rows, row_lses = logits[first : first + seg.outputs], lses[first : first + seg.outputs]
+            first += seg.outputs
+            if seq.draft is not None:
+                out += self._verify(seq, seg, rows, row_lses)
+                continue
             seq.started, seq.position = True, seg.start + len(seg.ids)
-            out.append(self._advance_or_fail(seq, row, lse))
+            out.append(self._advance_or_fail(seq, rows[-1], row_lses[-1]))
         return out
 
     def after_prefill(self, seq: Sequence, next_logits: torch.Tensor, prompt_stats: TokenStats | None) -> Output:
@@ -227,12 +264,63 @@ class Scheduler:
 
     def _advance(self, seq: Sequence, raw: torch.Tensor, lse: float, prompt_stats: TokenStats | None) -> Output:
         """Choose the next token from raw logits [V] (lse: their logsumexp), and finish the sequence if it is done."""
-        r, eot = seq.request, self.tokenizer.eot_id
+        return self._emit(seq, choose(self._processed(seq, raw), seq.request.sampling, seq.generator), raw, lse,
+                          prompt_stats)
+
+    def _processed(self, seq: Sequence, raw: torch.Tensor) -> torch.Tensor:
+        """Raw logits [V] -> what the sampler reads: the penalties, and <|endoftext|> ruled out with ignore_eos."""
+        r = seq.request
         processed = apply_penalties(raw, r.sampling, seq.seen, seq.counts)
         if r.ignore_eos:
             processed = processed.clone() if processed is raw else processed
-            processed[eot] = -math.inf
-        token = choose(processed, r.sampling, seq.generator)
+            processed[self.tokenizer.eot_id] = -math.inf
+        return processed
+
+    def _verify(self, seq: Sequence, seg: Segment, rows: torch.Tensor, lses: list[float]) -> list[Output]:
+        """A verify pass's logits [K + 1, V] for the next token and K drafts: the accepted drafts and one token of
+        the target's own, each an Output (speculate.accept's rule; fewer where the sequence finishes first)."""
+        draft, seq.draft = seq.draft, None
+        out, accepted = [], 0
+        seq.started = True
+        try:
+            for i, (raw, lse) in enumerate(zip(rows, lses)):
+                processed = self._processed(seq, raw)
+                if i < len(draft.tokens):
+                    q = None if draft.q is None else draft.q[i]
+                    token = accept(processed, seq.request.sampling, draft.tokens[i], q, seq.generator)
+                else:
+                    token = choose(processed, seq.request.sampling, seq.generator)
+                out.append(self._emit(seq, token, raw, lse, None))
+                if seq.finished or i == len(draft.tokens) or token != draft.tokens[i]:
+                    break
+                accepted += 1
+        except Exception as e:  # noqa: BLE001 - as _advance_or_fail: one sequence's failure ends only it
+            log.exception("verifying the drafts of a sequence failed")
+            out.append(self._finish(seq, "error", Event(None, "", error=describe(e))))
+        seq.position = seg.start + 1 + accepted
+        seq.drafted += len(draft.tokens)
+        seq.accepted += accepted
+        seq.verified += 1
+        if not self.speculation.draft_tokens:
+            seq.k = next_k(seq.k, len(draft.tokens), accepted, self.speculation.limit())
+            if seq.k == 0:
+                seq.resume_at = len(seq.tokens) + PAUSE_TOKENS
+        return out
+
+    def _draft_length(self, seq: Sequence) -> int:
+        """How many tokens to draft for a running sequence this step (0: none): its K, within the tokens it still
+        needs (a verify pass emits up to K + 1), while few enough sequences run."""
+        spec = self.speculation
+        if spec is None or not seq.started or (spec.max_running is not None and self.running > spec.max_running):
+            return 0
+        if seq.k == 0 and len(seq.tokens) >= seq.resume_at:
+            seq.k = 1
+        return min(seq.k, seq.request.max_new_tokens - len(seq.tokens) - 1)
+
+    def _emit(self, seq: Sequence, token: int, raw: torch.Tensor, lse: float,
+              prompt_stats: TokenStats | None) -> Output:
+        """Record the chosen token (raw logits [V] and their lse for its logprobs) and finish the sequence if done."""
+        r, eot = seq.request, self.tokenizer.eot_id
         logprob = float(raw[token]) - lse
         top = rank = None
         if r.top_logprobs:
