@@ -15,6 +15,7 @@ from .compare import add_compare
 from .core.errors import GPT2EngineError
 from .core.requests import GenerationSettings
 from .core.sampling import SamplingParams
+from .core.speculate import ADAPTIVE_MAX, ADAPTIVE_START, MAX_DRAFT_TOKENS, check_draft_tokens
 from .download import add_download
 from .finetune import add_finetune
 from .inspect.cli import add_inspect
@@ -52,6 +53,13 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-special", action="store_true", help="read <|endoftext|> in the prompt as the special token, not text")
     p.add_argument("--no-stream", action="store_true", help="print the text only when it is complete")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, logprobs, finish_reason")
+    p.add_argument("--speculate", metavar="DRAFTER",
+                   help="speculative decoding: 'int4' or 'int8' (this model quantized drafts), 'ngram' (prompt lookup: "
+                        "for text that quotes the prompt) or a GPT-2 checkpoint directory with the same tokenizer; "
+                        "greedy output is the same tokens as without, sampled output the same distribution")
+    p.add_argument("--draft-tokens", type=int, metavar="K",
+                   help=f"tokens drafted per verify pass, 1..{MAX_DRAFT_TOKENS} (default: adaptive, from "
+                        f"{ADAPTIVE_START} up to {ADAPTIVE_MAX} while drafts are accepted, down to none while not)")
     add_model_options(p)
     p.set_defaults(run=run_generate)
 
@@ -78,10 +86,14 @@ def run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
         stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate)
+    check_draft_tokens(args.draft_tokens)
+    if args.draft_tokens is not None and args.speculate is None:
+        raise UsageError("--draft-tokens applies to speculative decoding: give --speculate too")
     t0 = time.perf_counter()
     model = load_model(ModelOptions.from_args(args))
-    load_seconds = time.perf_counter() - t0
-    run = model.generation(prompt, allow_special=args.allow_special, settings=settings)
+    run = model.generation(prompt, allow_special=args.allow_special, settings=settings, speculate=args.speculate,
+                           draft_tokens=args.draft_tokens)
+    load_seconds = time.perf_counter() - t0  # with the draft model's
     if run.stats.truncated_tokens:
         print(f"gpt2: prompt truncated from the left: dropped {run.stats.truncated_tokens} tokens to fit the context "
               f"of {model.config.n_positions}", file=sys.stderr)
@@ -95,6 +107,11 @@ def run_generate(args: argparse.Namespace) -> int:
                     "finish_reason": c.finish_reason} for c in run.completions]
         doc = dict(samples[0]) if len(samples) == 1 else {"samples": samples}
         doc.update(prompt_tokens=run.completions[0].prompt_tokens, seed=run.stats.seed)
+        if args.speculate is not None:
+            st = run.stats
+            doc["speculation"] = {"drafter": args.speculate, "drafted": st.drafted, "accepted": st.accepted,
+                                  "acceptance_rate": none_if_nan(st.acceptance_rate), "verify_passes": st.verify_passes,
+                                  "tokens_per_verify": none_if_nan(st.tokens_per_verify)}
         print(json.dumps(doc, ensure_ascii=False))
     elif stream:
         print()
@@ -104,10 +121,18 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"--- sample {i + 1} ({c.finish_reason}) ---")
             print(c.text)
     st = run.stats
+    speculation = ""
+    if args.speculate is not None:
+        speculation = (f" | drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
+                       f"{st.tokens_per_verify:.2f} tokens per verify pass" if st.verify_passes else " | no drafts")
     print(f"load {load_seconds:.2f} s | prompt {run.completions[0].prompt_tokens} tokens | {st.new_tokens} new tokens | "
           f"prefill {st.prefill_tokens_per_second:.1f} tok/s | decode {st.decode_tokens_per_second:.1f} tok/s | "
-          f"seed {st.seed}", file=sys.stderr)
+          f"seed {st.seed}{speculation}", file=sys.stderr)
     return 0
+
+
+def none_if_nan(x: float) -> float | None:
+    return None if x != x else round(x, 4)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,8 +37,35 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.is_dir():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights` or pass --weights DIR)")
+    check_speculation(args)
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
                           args.max_body_bytes)
+
+
+def check_speculation(args: argparse.Namespace) -> None:
+    """--speculate and --draft-tokens, a draft checkpoint's config and tokenizer against the base's (its weights are
+    read when the model loads)."""
+    from ..core.config import GPT2Config
+    from ..core.errors import GPT2EngineError
+    from ..core.speculate import MAX_DRAFT_TOKENS, check_draft_checkpoint
+    from ..core.tokenizer import load_tokenizer
+    from ..core.weights import CONFIG
+
+    if args.speculate is None:
+        if args.draft_tokens is not None:
+            raise ServeError("--draft-tokens applies to speculative decoding: give --speculate too")
+        return
+    if args.draft_tokens is not None and not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ServeError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS} (or left out: adaptive), got {args.draft_tokens}")
+    if args.speculate in ("int4", "int8") and (args.quantize or args.dtype != "float32"):
+        raise ServeError(f"--speculate {args.speculate} drafts with the float32 model quantized; this server runs "
+                         f"{args.quantize or args.dtype} (use ngram or a draft checkpoint)")
+    if args.speculate not in ("int4", "int8", "ngram"):
+        try:
+            check_draft_checkpoint(Path(args.speculate), GPT2Config.from_json(args.weights / CONFIG),
+                                   load_tokenizer(args.weights))
+        except GPT2EngineError as e:
+            raise ServeError(f"--speculate {args.speculate}: {e}") from None
 
 
 def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
@@ -145,6 +172,11 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--max-replicas", type=int, metavar="M", help="the most replicas --replicas auto may start (default 4)")
     ray.add_argument("--address", metavar="ADDR",
                      help="a running Ray cluster to join (e.g. 10.0.0.1:6379; default: start Ray on this machine)")
+    p.add_argument("--speculate", metavar="DRAFTER",
+                   help="speculative decoding while at most 2 sequences run: 'int4' or 'int8' (this model quantized "
+                        "drafts), 'ngram' (prompt lookup) or a GPT-2 checkpoint directory with the same tokenizer; "
+                        "greedy output is the same tokens as without, sampled output the same distribution")
+    p.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted per verify pass (default: adaptive)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve a LoRA adapter (PEFT's format) as model id NAME (repeatable): requests pick it with "
                         "\"model\": NAME, and requests for every adapter and the base share the batched passes")

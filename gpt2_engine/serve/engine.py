@@ -30,6 +30,7 @@ from ..core.loop import EngineLoop
 from ..core.requests import Request
 from ..core.runner import ModelRunner
 from ..core.scheduler import Event, Output, Scheduler, describe
+from ..core.speculate import SERVE_MAX_RUNNING
 from .metrics import Metrics
 
 IDLE_WAIT = 0.05  # seconds the thread blocks on an empty inbox when there is nothing to run
@@ -43,10 +44,12 @@ class EngineSettings:
     parallel: int = 8  # KV-cache slots
     max_queue: int = 64  # sequences that may wait for a slot
     queue_timeout: float = 60.0  # seconds a sequence may wait
+    speculate: str | None = None  # a drafter (core/speculate.py), used while at most SERVE_MAX_RUNNING sequences run
+    draft_tokens: int | None = None  # its K (None: adaptive)
 
     @classmethod
     def from_args(cls, args: Any) -> EngineSettings:
-        return cls(args.parallel, args.max_queue, args.queue_timeout)
+        return cls(args.parallel, args.max_queue, args.queue_timeout, args.speculate, args.draft_tokens)
 
 
 def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] = ()) -> AsyncEngine:
@@ -55,9 +58,14 @@ def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] 
     base's rows use none), so that one pass runs requests for any of them."""
     decode_kernels()  # built (once per machine) before the first request, not during it
     slots = settings.parallel
+    spec = drafter = None
+    if settings.speculate is not None:  # drafts from the base's weights, whatever adapter a request names
+        spec = model.speculation(settings.speculate, settings.draft_tokens, max_running=SERVE_MAX_RUNNING)
+        drafter = spec.drafter(slots, model.config.n_positions)
     weights = attach(model.weights, [load_adapter(path, model.config) for path in adapters])
-    loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout),
-                      ModelRunner(weights, model.config, slots=slots))
+    loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout,
+                                speculation=spec),
+                      ModelRunner(weights, model.config, slots=slots), drafter)
     engine = AsyncEngine(loop, max_queue=settings.max_queue)
     engine.start()
     return engine
@@ -195,6 +203,10 @@ class AsyncEngine:
                 m.generation_tokens.inc()
             if event.finish_reason is not None:
                 m.requests_finished.labels(event.finish_reason).inc()
+                if seq.verified:
+                    m.draft_tokens.inc(seq.drafted)
+                    m.accepted_tokens.inc(seq.accepted)
+                    m.verify_passes.inc(seq.verified)
                 handle.finished.add(i)
                 with self.lock:
                     self.held -= 1

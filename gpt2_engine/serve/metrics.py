@@ -17,7 +17,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class Metrics:
     """What /metrics reports: gpt2_requests_running|waiting, gpt2_slots_busy|total, gpt2_prompt_tokens_total,
     gpt2_generation_tokens_total, gpt2_requests_finished_total{reason}, gpt2_requests_rejected_total{reason}, and
-    the histograms gpt2_time_to_first_token_seconds and gpt2_time_per_output_token_seconds."""
+    the histograms gpt2_time_to_first_token_seconds and gpt2_time_per_output_token_seconds; with --speculate,
+    gpt2_speculative_draft_tokens_total, gpt2_speculative_accepted_tokens_total and
+    gpt2_speculative_verify_passes_total (counted when a sequence finishes)."""
 
     def __init__(self, running: Callable[[], float], waiting: Callable[[], float], slots: int) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -31,6 +33,11 @@ class Metrics:
                                          registry=r)
         self.requests_rejected = Counter("gpt2_requests_rejected", "Requests refused by back-pressure, by reason.",
                                          ["reason"], registry=r)
+        self.draft_tokens = Counter("gpt2_speculative_draft_tokens", "Tokens drafted for speculative decoding.",
+                                    registry=r)
+        self.accepted_tokens = Counter("gpt2_speculative_accepted_tokens", "Drafted tokens the model accepted.",
+                                       registry=r)
+        self.verify_passes = Counter("gpt2_speculative_verify_passes", "Passes that verified drafts.", registry=r)
         self.time_to_first_token = Histogram("gpt2_time_to_first_token_seconds",
                                              "From arrival to the first generated token.", buckets=LATENCY_BUCKETS,
                                              registry=r)
