@@ -233,10 +233,12 @@ def test_a_client_that_goes_away_frees_its_slot(server: str) -> None:
 
 @contextlib.contextmanager
 def live(model: GPT2, *, parallel: int = 1, max_queue: int = 1, queue_timeout: float = 60,
-         api_key: str | None = None, adapters: tuple[tuple[str, Path], ...] = ()) -> Iterator[tuple[str, AsyncEngine]]:
+         api_key: str | None = None, adapters: tuple[tuple[str, Path], ...] = (),
+         speculate: str | None = None) -> Iterator[tuple[str, AsyncEngine]]:
     """The app on a real uvicorn server on 127.0.0.1, in a thread of this process, over `model` (and LoRA
-    `adapters`, (model id, directory) pairs, as gpt2 serve --lora NAME=DIR serves them)."""
-    engine = start_engine(model, EngineSettings(parallel, max_queue, queue_timeout), [path for _, path in adapters])
+    `adapters`, (model id, directory) pairs, as gpt2 serve --lora NAME=DIR serves them; `speculate`: --speculate)."""
+    engine = start_engine(model, EngineSettings(parallel, max_queue, queue_timeout, speculate),
+                          [path for _, path in adapters])
     state = ServerState(ServerSettings(api_key=api_key, adapters=adapters), model=model, engine=engine)
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=free_port(), log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
