@@ -11,7 +11,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test generate demo weights compare bench bench-serve bench-inspect bench-train serve fixtures clean
+.PHONY: install test generate demo weights compare bench bench-serve bench-inspect bench-train bench-speculative serve fixtures clean
 
 install: $(STAMP)
 
@@ -45,7 +45,8 @@ compare: install
 bench: install
 	$(PY) scripts/bench.py $(ARGS)
 
-# ARGS=--lora: clients spread over 4 LoRA adapters against an adapter-free server.
+# ARGS=--lora: clients spread over 4 LoRA adapters against an adapter-free server; ARGS="--speculate int4 --weights
+# trained --clients 1,8": a server with speculative decoding against one without.
 bench-serve: install
 	$(PY) scripts/bench_serve.py $(ARGS)
 
@@ -56,6 +57,12 @@ bench-inspect: install
 # against transformers + peft (about 25 minutes; ARGS="--lora-rows ''" for the full fine-tuning rows alone).
 bench-train: install
 	$(PY) scripts/bench_train.py --out .cache/artifacts/bench-train.json $(ARGS)
+
+# Speculative decoding (int4, int8 and ngram drafters, adaptive K) against plain float32 decoding, batch 1, greedy,
+# 256 new tokens, on the trained and the full-size checkpoints (about 15 minutes). The server's side:
+# make bench-serve ARGS="--speculate int4 --weights trained --clients 1,8 --rounds 3".
+bench-speculative: install
+	$(PY) scripts/bench_speculative.py $(ARGS)
 
 # An OpenAI-compatible server on 127.0.0.1:8000 (gpt2 serve --help for the options).
 serve: install

@@ -4,6 +4,7 @@
     python scripts/bench_serve.py [--weights DIR] [--clients 1,4,8,16] [--max-tokens 64] [--requests 8]
     python scripts/bench_serve.py --baseline /tmp/base --rounds 3    # against another checkout, alternating
     python scripts/bench_serve.py --lora 4 --clients 8 --rounds 3     # multi-adapter serving (make bench-serve ARGS=--lora)
+    python scripts/bench_serve.py --speculate int4 --weights trained --clients 1,8 --rounds 3   # speculative decoding
 
 Starts the real server on 127.0.0.1 (default: the full-size fixture, 8 slots), then for each client count starts
 that many clients together (each built before the clock starts), each sending --requests streaming completions one
@@ -14,6 +15,9 @@ targets are stated in.
 --lora N: N random rank-8 adapters (all four projections) written to the cache, one server with all of them
 (--lora taskK=DIR) and one with none, alternating: the clients spread over the N adapters on the first, all on the
 base on the second; then each adapter's outputs are checked against a server with that adapter alone.
+
+--speculate DRAFTER: a server with `--speculate DRAFTER` against one without, alternating; the same clients on both,
+and their texts compared (greedy: they must be equal). --weights trained: the trained test checkpoint.
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ def main() -> int:
                    help="another checkout of the project (e.g. `git worktree add /tmp/base main`): its server runs "
                         "alternately with this one's, and the table gives both and this / baseline")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds with --baseline; medians (default 1)")
+    p.add_argument("--speculate", metavar="DRAFTER", help="a server with --speculate DRAFTER against one without")
     p.add_argument("--lora", type=int, metavar="N", nargs="?", const=4,
                    help="multi-adapter serving: the clients spread over N LoRA adapters (default 4) against all "
                         "on the base of an adapter-free server")
@@ -147,7 +152,8 @@ def main() -> int:
     import fixtures
     from gpt2_engine.core.kernels import cpu
 
-    weights = args.weights or fixtures.ensure("small")
+    weights = fixtures.ensure(str(args.weights)) if str(args.weights) in fixtures.RECIPES else (
+        args.weights or fixtures.ensure("small"))
     counts = [int(c) for c in args.clients.split(",")]
     header = (f"gpt2 serve, {weights.name}, {args.parallel} slots, {args.max_tokens} tokens x {args.requests} "
               f"requests per client, greedy; {cpu().summary()}, 2 threads")
@@ -155,6 +161,8 @@ def main() -> int:
         return compare(args, weights, counts, header)
     if args.lora:
         return compare_lora(args, weights, counts, header)
+    if args.speculate:
+        return compare_speculate(args, weights, counts, header)
     rows = []
     with server(ROOT, weights, args.parallel) as url:
         for n in counts:
@@ -267,6 +275,37 @@ def compare_lora(args: argparse.Namespace, weights: Path, counts: list[int], hea
     save({"weights": str(weights), "lora": args.lora, "rounds": args.rounds, "rows": table,
           "same_as_alone": f"{same}/{2 * len(names)}"}, "bench_serve_lora.json")
     return 0 if same == 2 * len(names) else 1
+
+
+def compare_speculate(args: argparse.Namespace, weights: Path, counts: list[int], header: str) -> int:
+    """A server with --speculate against one without, alternating; then each client's texts on both."""
+    flags = ("--speculate", args.speculate)
+    with server(ROOT, weights, args.parallel) as plain_url, server(ROOT, weights, args.parallel, flags) as url:
+        runs = alternate(args, counts, {"plain": (plain_url, None), "speculate": (url, None)})
+        same = sum(texts_of(url, i, args.max_tokens, "gpt2") == texts_of(plain_url, i, args.max_tokens, "gpt2")
+                   for i in range(len(PROMPTS)))
+        metrics = httpx.get(f"{url}/metrics").text
+    accepted = drafted = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("gpt2_speculative_accepted_tokens_total "):
+            accepted = float(line.split()[1])
+        elif line.startswith("gpt2_speculative_draft_tokens_total "):
+            drafted = float(line.split()[1])
+    print(f"\n{header}; --speculate {args.speculate} against none, {args.rounds} alternating round(s), medians")
+    print("| clients | plain tok/s | --speculate tok/s | ratio | ITL p50 plain (ms) | ITL p50 speculate (ms) |")
+    print("|---|---|---|---|---|---|")
+    table = [{"clients": n, "plain": median_row(runs["plain", n]), "speculate": median_row(runs["speculate", n])}
+             for n in counts]
+    for row in table:
+        b, a = row["plain"], row["speculate"]
+        print(f"| {row['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
+              f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['itl_p50'] * 1e3:.1f} | {a['itl_p50'] * 1e3:.1f} |")
+    rate = accepted / drafted if drafted else float("nan")
+    print(f"acceptance over the run: {accepted:.0f} of {drafted:.0f} drafted ({rate:.0%}); greedy texts equal to the "
+          f"plain server's: {same} of {len(PROMPTS)} prompts")
+    save({"weights": str(weights), "speculate": args.speculate, "rounds": args.rounds, "rows": table,
+          "acceptance": rate, "same_as_plain": f"{same}/{len(PROMPTS)}"}, "bench_serve_speculate.json")
+    return 0 if same == len(PROMPTS) else 1
 
 
 def save(result: dict, name: str = "bench_serve.json") -> None:
