@@ -261,15 +261,8 @@ def compare_lora(args: argparse.Namespace, weights: Path, counts: list[int], hea
         with server(ROOT, weights, args.parallel, ("--lora", f"{name}={path}")) as alone:
             same += sum(texts_of(alone, i, args.max_tokens, name) == together[name, i] for i in range(2))
     print(f"\n{header}; {args.lora} LoRA adapters (r=8, all projections), {args.rounds} alternating round(s), medians")
-    print("| clients | base only (adapter-free server) tok/s | spread over the adapters tok/s | ratio | "
-          "ITL p50 base (ms) | ITL p50 adapters (ms) |")
-    print("|---|---|---|---|---|---|")
-    table = [{"clients": n, "base": median_row(runs["base", n]), "adapters": median_row(runs["adapters", n])}
-             for n in counts]
-    for row in table:
-        b, a = row["base"], row["adapters"]
-        print(f"| {row['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
-              f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['itl_p50'] * 1e3:.1f} | {a['itl_p50'] * 1e3:.1f} |")
+    table = side_by_side(runs, counts, ("base", "base only (adapter-free server)"),
+                         ("adapters", "spread over the adapters"))
     print(f"outputs under load equal to each adapter served alone: {same} of {2 * len(names)} clients "
           f"({8 * len(names)} requests)")
     save({"weights": str(weights), "lora": args.lora, "rounds": args.rounds, "rows": table,
@@ -277,29 +270,33 @@ def compare_lora(args: argparse.Namespace, weights: Path, counts: list[int], hea
     return 0 if same == 2 * len(names) else 1
 
 
+def side_by_side(runs: dict[tuple[str, int], list[dict]], counts: list[int], first: tuple[str, str],
+                 second: tuple[str, str]) -> list[dict]:
+    """Print the table of two sides' medians ((key, column title) each) by client count, second / first; its rows."""
+    (a_key, a_title), (b_key, b_title) = first, second
+    print(f"| clients | {a_title} tok/s | {b_title} tok/s | ratio | ITL p50 {a_key} (ms) | ITL p50 {b_key} (ms) |")
+    print("|---|---|---|---|---|---|")
+    table = [{"clients": n, a_key: median_row(runs[a_key, n]), b_key: median_row(runs[b_key, n])} for n in counts]
+    for row in table:
+        a, b = row[a_key], row[b_key]
+        print(f"| {row['clients']} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+              f"{b['tokens_per_s'] / a['tokens_per_s']:.2f}x | {a['itl_p50'] * 1e3:.1f} | {b['itl_p50'] * 1e3:.1f} |")
+    return table
+
+
 def compare_speculate(args: argparse.Namespace, weights: Path, counts: list[int], header: str) -> int:
     """A server with --speculate against one without, alternating; then each client's texts on both."""
+    from gpt2_engine.serve.metrics import parse
+
     flags = ("--speculate", args.speculate)
     with server(ROOT, weights, args.parallel) as plain_url, server(ROOT, weights, args.parallel, flags) as url:
         runs = alternate(args, counts, {"plain": (plain_url, None), "speculate": (url, None)})
         same = sum(texts_of(url, i, args.max_tokens, "gpt2") == texts_of(plain_url, i, args.max_tokens, "gpt2")
                    for i in range(len(PROMPTS)))
-        metrics = httpx.get(f"{url}/metrics").text
-    accepted = drafted = 0.0
-    for line in metrics.splitlines():
-        if line.startswith("gpt2_speculative_accepted_tokens_total "):
-            accepted = float(line.split()[1])
-        elif line.startswith("gpt2_speculative_draft_tokens_total "):
-            drafted = float(line.split()[1])
+        metrics = parse(httpx.get(f"{url}/metrics").text)
+    accepted, drafted = (metrics[f"gpt2_speculative_{n}_tokens_total"] for n in ("accepted", "draft"))
     print(f"\n{header}; --speculate {args.speculate} against none, {args.rounds} alternating round(s), medians")
-    print("| clients | plain tok/s | --speculate tok/s | ratio | ITL p50 plain (ms) | ITL p50 speculate (ms) |")
-    print("|---|---|---|---|---|---|")
-    table = [{"clients": n, "plain": median_row(runs["plain", n]), "speculate": median_row(runs["speculate", n])}
-             for n in counts]
-    for row in table:
-        b, a = row["plain"], row["speculate"]
-        print(f"| {row['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
-              f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['itl_p50'] * 1e3:.1f} | {a['itl_p50'] * 1e3:.1f} |")
+    table = side_by_side(runs, counts, ("plain", "plain"), ("speculate", "--speculate"))
     rate = accepted / drafted if drafted else float("nan")
     print(f"acceptance over the run: {accepted:.0f} of {drafted:.0f} drafted ({rate:.0%}); greedy texts equal to the "
           f"plain server's: {same} of {len(PROMPTS)} prompts")

@@ -29,6 +29,19 @@ def make_fixture(directory: Path, *args: str) -> Path:
     return directory
 
 
+def cli(*args: str) -> tuple[int, str]:
+    """`gpt2 ARGS` in this process: (exit code, what it wrote on stderr)."""
+    import contextlib
+    import io
+
+    from gpt2_engine.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, err.getvalue()
+
+
 def engine(directory: Path):
     """The engine on a checkpoint directory, float32."""
     from gpt2_engine import GPT2

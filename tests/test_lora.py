@@ -418,16 +418,10 @@ def test_many_adapters_served_together_equal_each_served_alone(trained_model, tm
 
 
 def test_serve_lora_flags_are_checked(trained_dir: Path, tmp_path: Path) -> None:
-    import contextlib
-    import io
-
-    from gpt2_engine.cli import main
+    from conftest import cli
 
     def serve(*args: str) -> tuple[int, str]:
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = main(["serve", "--weights", str(trained_dir), "--port", "0", *args])
-        return code, err.getvalue()
+        return cli("serve", "--weights", str(trained_dir), "--port", "0", *args)
 
     assert serve("--lora", "task") == (2, "gpt2 serve: error: --lora 'task': expected NAME=DIR (the model id clients "
                                           "ask for, and a PEFT adapter directory)\n")

@@ -315,16 +315,10 @@ def test_server_speculates_alone_and_batches_under_load(trained_model: GPT2) -> 
 
 
 def test_serve_speculation_flags_are_checked(trained_dir: Path, tmp_path: Path) -> None:
-    import contextlib
-    import io
-
-    from gpt2_engine.cli import main
+    from conftest import cli
 
     def serve(*args: str) -> tuple[int, str]:
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = main(["serve", "--weights", str(trained_dir), "--port", "0", *args])
-        return code, err.getvalue()
+        return cli("serve", "--weights", str(trained_dir), "--port", "0", *args)
 
     assert serve("--draft-tokens", "3") == (2, "gpt2 serve: error: --draft-tokens applies to speculative decoding: "
                                                "give --speculate too\n")

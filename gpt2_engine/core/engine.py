@@ -186,14 +186,15 @@ class GPT2:
             raise GenerationError("draft_tokens applies to speculative decoding: give speculate= too", param="draft_tokens")
         return Generation(self.weights, self.config, self.tokenizer, ids, settings, spec)
 
-    def speculation(self, source: str | Path, draft_tokens: int | None = None,
-                    max_running: int | None = None) -> Speculation:
-        """The Speculation of a drafter source (see generation()), its draft model loaded once per source."""
+    def speculation(self, source: str | Path, draft_tokens: int | None = None, max_running: int | None = None,
+                    settle: int = 0) -> Speculation:
+        """The Speculation of a drafter source (see generation()), its draft model loaded once per source;
+        `max_running` and `settle`: Speculation's (the server's policy)."""
         check_draft_tokens(draft_tokens)
         key = str(source)
         if key not in self.drafts:
             self.drafts[key] = load_speculation(key, self.weights, self.config, self.tokenizer)
-        return replace(self.drafts[key], draft_tokens=draft_tokens, max_running=max_running)
+        return replace(self.drafts[key], draft_tokens=draft_tokens, max_running=max_running, settle=settle)
 
     def complete(self, prompts: Prompt, *, allow_special: bool = False, **kwargs: Any) -> list[Completion]:
         """Completions (text, ids, logprobs, finish reason) for a batch of prompts; num_samples per prompt."""

@@ -311,7 +311,8 @@ class Scheduler:
         """How many tokens to draft for a running sequence this step (0: none): its K, within the tokens it still
         needs (a verify pass emits up to K + 1), while few enough sequences run."""
         spec = self.speculation
-        if spec is None or not seq.started or (spec.max_running is not None and self.running > spec.max_running):
+        if spec is None or not seq.started or len(seq.tokens) < spec.settle or (
+                spec.max_running is not None and self.running > spec.max_running):
             return 0
         if seq.k == 0 and len(seq.tokens) >= seq.resume_at:
             seq.k = 1

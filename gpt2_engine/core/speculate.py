@@ -45,6 +45,9 @@ ADAPTIVE_MAX = 8  # and its longest: past that, a miss wastes more than a hit ga
 PAUSE_TOKENS = 16  # adaptive K at 0: plain decoding for this many tokens, then a draft of 1 again
 NGRAM_MAX, NGRAM_MIN = 4, 1  # prompt lookup matches the last 4 tokens, else 3, 2, 1
 SERVE_MAX_RUNNING = 2  # the server drafts only while at most this many sequences run: beyond, batching pays better
+# and only from a sequence's 4th generated token: clients that send their next requests together would otherwise see
+# the first arrival draft alone for a step while the others' prompts wait for its draft passes
+SERVE_SETTLE_TOKENS = 4
 
 
 class DraftAsk(NamedTuple):
@@ -218,13 +221,14 @@ class Speculation:
     """How a run speculates: `source` as the user named it ('int4', 'int8', 'ngram' or a checkpoint directory), the
     draft model's weights and config (None for ngram), K (`draft_tokens`; None: adaptive) and `max_running`: draft
     only while at most this many sequences run (None: always), since a pass that already has many rows gains more
-    from batching than from drafting."""
+    from batching than from drafting; `settle`: tokens a sequence generates before its first draft."""
 
     source: str
     weights: GPT2Weights | None
     config: GPT2Config | None
     draft_tokens: int | None = None
     max_running: int | None = None
+    settle: int = 0
 
     def drafter(self, slots: int, max_len: int) -> Drafter:
         """A drafter for a cache of `slots` sequences of up to `max_len` positions."""

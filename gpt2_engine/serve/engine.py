@@ -30,7 +30,7 @@ from ..core.loop import EngineLoop
 from ..core.requests import Request
 from ..core.runner import ModelRunner
 from ..core.scheduler import Event, Output, Scheduler, describe
-from ..core.speculate import SERVE_MAX_RUNNING
+from ..core.speculate import SERVE_MAX_RUNNING, SERVE_SETTLE_TOKENS
 from .metrics import Metrics
 
 IDLE_WAIT = 0.05  # seconds the thread blocks on an empty inbox when there is nothing to run
@@ -60,7 +60,8 @@ def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] 
     slots = settings.parallel
     spec = drafter = None
     if settings.speculate is not None:  # drafts from the base's weights, whatever adapter a request names
-        spec = model.speculation(settings.speculate, settings.draft_tokens, max_running=SERVE_MAX_RUNNING)
+        spec = model.speculation(settings.speculate, settings.draft_tokens, max_running=SERVE_MAX_RUNNING,
+                                 settle=SERVE_SETTLE_TOKENS)
         drafter = spec.drafter(slots, model.config.n_positions)
     weights = attach(model.weights, [load_adapter(path, model.config) for path in adapters])
     loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout,
