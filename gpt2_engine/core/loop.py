@@ -10,9 +10,9 @@ blocks alone and ride along for the rest: a request that arrives mid-pass gets i
 owner (`gpt2 generate`'s Generation, or the server's engine thread) runs between the yields, in its own thread.
 
 Faults are contained: an exception while the runner executes a prefill or a pass (or the drafter drafts) ends the
-sequences of that work
-with finish reason 'error' (the exception named in one line, its traceback logged once) and the loop goes on;
-the KV-cache rows they wrote are never read again (a slot's next sequence writes every position it reads).
+sequences of that work with finish reason 'error' (the exception named in one line, its traceback logged once) and
+the loop goes on; the KV-cache rows they wrote are never read again (a slot's next sequence writes every position it
+reads).
 """
 
 from __future__ import annotations
