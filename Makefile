@@ -11,7 +11,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test generate demo weights compare bench bench-serve bench-inspect bench-train bench-speculative serve fixtures clean
+.PHONY: install test generate demo weights compare bench bench-serve bench-inspect bench-train bench-speculative bench-llamacpp serve fixtures clean
 
 install: $(STAMP)
 
@@ -63,6 +63,11 @@ bench-train: install
 # make bench-serve ARGS="--speculate int4 --weights trained --clients 1,8 --rounds 3".
 bench-speculative: install
 	$(PY) scripts/bench_speculative.py $(ARGS)
+
+# The engine beside llama.cpp on the same weights (f32 / q8_0 / q4_0): decode tg128 and prefill pp512, alternating.
+# Builds llama.cpp once into .cache/llamacpp/ from the llama-cpp-python sdist on PyPI (about 12 minutes).
+bench-llamacpp: install
+	$(PY) scripts/bench_llamacpp.py $(ARGS)
 
 # An OpenAI-compatible server on 127.0.0.1:8000 (gpt2 serve --help for the options).
 serve: install

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""The engine beside llama.cpp on the same weights, in one run (`make bench-llamacpp`).
+
+    python scripts/bench_llamacpp.py [--rounds 3] [--formats f32,q8_0,q4_0] [--threads 2] [--weights DIR]
+
+llama.cpp is built once into the git-ignored cache from the source the `llama-cpp-python` sdist on PyPI ships
+(`pip download --no-binary :all: --no-deps llama-cpp-python==VERSION`, then CMake on its vendor/llama.cpp: the
+targets llama-bench, llama-quantize and llama-server; about 12 minutes on 2 cores). The checkpoint (default: the
+full-size fixture) is converted with llama.cpp's own convert_hf_to_gguf.py to f32, after a copy without the
+`h.N.attn.bias` buffers (its GPT-2 path does not expect them), then quantized by llama-quantize to q8_0 and q4_0.
+
+Rows, each format beside the engine's own (f32 / float32, q8_0 / int8, q4_0 / int4), alternating which runs first,
+--rounds times, medians: decode at batch 1, 128 tokens after a one-token prompt (llama-bench's tg128; the engine's
+generate_ids timed as t(129) - t(1)), and prefill of 512 tokens (llama-bench's pp512; the engine's prompt of 512
+random ids to its first token). One table, the CPU in its header, ratio = engine / llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "llamacpp"
+VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp this benchmark builds
+TARGETS = ("llama-bench", "llama-quantize", "llama-server")
+ENGINE_FORMAT = {"f32": None, "q8_0": "int8", "q4_0": "int4"}
+
+
+def run(cmd: list[str], log: Path | None = None, **kwargs) -> None:
+    """Run a build step; on failure, say which and where its output is."""
+    with open(log, "w") if log else open("/dev/null", "w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+    if done.returncode:
+        raise SystemExit(f"bench-llamacpp: {' '.join(cmd[:3])} ... failed ({done.returncode}); see {log}")
+
+
+def llamacpp() -> tuple[Path, Path]:
+    """(the directory of the built binaries, llama.cpp's source tree), building them once."""
+    src = CACHE / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    bin_dir = CACHE / f"build-{VERSION}" / "bin"
+    if all((bin_dir / t).is_file() for t in TARGETS):
+        return bin_dir, src
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if not src.is_dir():
+        print(f"bench-llamacpp: fetching the llama-cpp-python {VERSION} sdist from PyPI ...", file=sys.stderr, flush=True)
+        run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--quiet",
+             f"llama-cpp-python=={VERSION}", "-d", str(CACHE)], CACHE / "download.log")
+        with tarfile.open(CACHE / f"llama_cpp_python-{VERSION}.tar.gz") as tar:
+            tar.extractall(CACHE, filter="data")
+    build = bin_dir.parent
+    print(f"bench-llamacpp: building llama.cpp into {build} (once, about 12 minutes on 2 cores) ...", file=sys.stderr,
+          flush=True)
+    run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"], CACHE / "cmake.log")
+    run(["cmake", "--build", str(build), "-j", "2", "--target", *TARGETS], CACHE / "build.log")
+    return bin_dir, src
+
+
+def gguf_files(weights: Path, bin_dir: Path, src: Path) -> dict[str, Path]:
+    """{format: GGUF file} of the checkpoint, converted once into the cache."""
+    out = CACHE / "gguf" / weights.name
+    files = {fmt: out / f"model-{fmt}.gguf" for fmt in ENGINE_FORMAT}
+    if all(f.is_file() for f in files.values()):
+        return files
+    from safetensors.torch import load_file, save_file
+
+    plain = out / "hf"  # the checkpoint without the causal-mask buffers convert_hf_to_gguf.py does not expect
+    plain.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(weights / "model.safetensors")
+    buffers = [k for k in tensors if k.split(".")[-2:] in (["attn", "bias"], ["attn", "masked_bias"])]  # not c_attn.bias
+    save_file({k: v.contiguous() for k, v in tensors.items() if k not in buffers},
+              plain / "model.safetensors", metadata={"format": "pt"})
+    for f in weights.iterdir():
+        if f.is_file() and f.suffix in (".json", ".txt"):
+            shutil.copy(f, plain / f.name)
+    env = {"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin"}
+    run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(plain), "--outtype", "f32", "--outfile",
+         str(files["f32"])], out / "convert.log", env=env)
+    for fmt in ("q8_0", "q4_0"):
+        run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files[fmt]), fmt.upper()], out / f"{fmt}.log")
+    shutil.rmtree(plain)
+    return files
+
+
+def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int) -> float:
+    """tokens/s of one llama-bench run: pp{prompt} (gen 0) or tg{gen} (prompt 0), one repetition."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(prompt),
+                          "-n", str(gen), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def engine_decode(model, tokens: int) -> float:
+    """tokens/s of greedy decoding after a one-token prompt: tokens / (t(tokens + 1) - t(1))."""
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        model.generate_ids([464], max_new_tokens=n, temperature=0, ignore_eos=True)
+        return time.perf_counter() - t0
+    return tokens / (timed(tokens + 1) - timed(1))
+
+
+def engine_prefill(model, tokens: int) -> float:
+    """tokens/s of a prompt of `tokens` random ids to its first token."""
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    t0 = time.perf_counter()
+    model.generate_ids(ids, max_new_tokens=1, temperature=0)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture)")
+    p.add_argument("--formats", default="f32,q8_0,q4_0")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / ".cache" / "artifacts" / "bench-llamacpp.json")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fixtures
+
+    from gpt2_engine import GPT2
+    from gpt2_engine.core.kernels import cpu
+
+    torch.set_num_threads(args.threads)
+    weights = args.weights or fixtures.ensure("small")
+    bin_dir, src = llamacpp()
+    files = gguf_files(weights, bin_dir, src)
+    formats = args.formats.split(",")
+    runs: dict[tuple[str, str, str], list[float]] = {}
+    for fmt in formats:
+        model = GPT2.from_pretrained(weights, quantize=ENGINE_FORMAT[fmt])
+        engine_decode(model, 8)  # kernels built and warm
+        sides = {"llama.cpp": {"decode": lambda: llama_bench(bin_dir, files[fmt], args.threads, 0, 128),
+                               "prefill": lambda: llama_bench(bin_dir, files[fmt], args.threads, 512, 0)},
+                 "engine": {"decode": lambda: engine_decode(model, 128), "prefill": lambda: engine_prefill(model, 512)}}
+        for r in range(args.rounds):
+            for row in ("decode", "prefill"):
+                order = ["llama.cpp", "engine"] if r % 2 == 0 else ["engine", "llama.cpp"]
+                for side in order:
+                    runs.setdefault((fmt, row, side), []).append(sides[side][row]())
+                    print(f"  {fmt} {row} round {r + 1} {side}: {runs[fmt, row, side][-1]:.1f} tok/s", file=sys.stderr,
+                          flush=True)
+        del model
+    machine = f"{cpu().summary()}, {args.threads} threads, torch {torch.__version__}, llama.cpp from llama-cpp-python {VERSION}"
+    print(f"\nengine vs llama.cpp on {weights.name} ({machine}); medians of {args.rounds} alternating rounds, "
+          "ratio = engine / llama.cpp")
+    print("| format | row | llama.cpp tok/s | engine tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    table = []
+    for fmt in formats:
+        for row, label in (("decode", "decode tg128, batch 1"), ("prefill", "prefill pp512")):
+            a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, "engine"])
+            table.append({"format": fmt, "row": row, "llama.cpp": a, "engine": b, "ratio": b / a,
+                          "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", "engine")}})
+            engine_name = ENGINE_FORMAT[fmt] or "float32"
+            print(f"| {fmt} / {engine_name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "rows": table}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
