@@ -149,7 +149,6 @@ def main() -> int:
                     runs.setdefault((fmt, row, side), []).append(sides[side][row]())
                     print(f"  {fmt} {row} round {r + 1} {side}: {runs[fmt, row, side][-1]:.1f} tok/s", file=sys.stderr,
                           flush=True)
-        del model
     machine = f"{cpu().summary()}, {args.threads} threads, torch {torch.__version__}, llama.cpp from llama-cpp-python {VERSION}"
     print(f"\nengine vs llama.cpp on {weights.name} ({machine}); medians of {args.rounds} alternating rounds, "
           "ratio = engine / llama.cpp")
