@@ -13,18 +13,26 @@ Rows, each format beside the engine's own (f32 / float32, q8_0 / int8, q4_0 / in
 --rounds times, medians: decode at batch 1, 128 tokens after a one-token prompt (llama-bench's tg128; the engine's
 generate_ids timed as t(129) - t(1)), and prefill of 512 tokens (llama-bench's pp512; the engine's prompt of 512
 random ids to its first token). One table, the CPU in its header, ratio = engine / llama.cpp.
+
+--serve: instead, `gpt2 serve` against `llama-server -np 8` on the same weights (each with --parallel / -np 8 and
+2 threads), streaming clients of --requests requests x 64 greedy tokens (ignore_eos), 1 and 8 clients, alternating
+(scripts/bench_serve.py's clients, a connection per request on both sides: llama-server drops kept-alive ones):
+aggregate tokens/s, ratio = engine / llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -116,12 +124,74 @@ def engine_prefill(model, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def llama_server(bin_dir: Path, model: Path, threads: int, parallel: int) -> Iterator[str]:
+    """llama-server on a free 127.0.0.1 port, healthy and warmed up; its URL."""
+    import httpx
+
+    from bench_serve import one_client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "-np", str(parallel), "-t", str(threads),
+                             "-c", str(1024 * parallel), "--host", "127.0.0.1", "--port", str(port), "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"llama-server exited with {proc.returncode}"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.2)  # polling for start-up, not timing anything
+        one_client(url, 0, 1, 8)  # warm-up
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def serve_rows(args: argparse.Namespace, weights: Path, bin_dir: Path, files: dict[str, Path], machine: str) -> int:
+    """gpt2 serve against llama-server -np 8 per format, 1 and 8 streaming clients, alternating; medians."""
+    from bench_serve import measure, server
+
+    runs: dict[tuple[str, int, str], list[float]] = {}
+    for fmt in args.formats.split(","):
+        flags = ("--quantize", ENGINE_FORMAT[fmt]) if ENGINE_FORMAT[fmt] else ()
+        with llama_server(bin_dir, files[fmt], args.threads, 8) as llama_url, server(ROOT, weights, 8, flags) as url:
+            for r in range(args.rounds):
+                for n in (1, 8):
+                    order = [("llama.cpp", llama_url), ("engine", url)]
+                    for side, where in order if (r + n) % 2 == 0 else order[::-1]:
+                        rate = measure(where, n, args.requests, 64, close=True)["tokens_per_s"]
+                        runs.setdefault((fmt, n, side), []).append(rate)
+                        print(f"  {fmt} {n} clients round {r + 1} {side}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+    print(f"\ngpt2 serve vs llama-server -np 8 on {weights.name} ({machine}); streaming clients of {args.requests} "
+          f"requests x 64 greedy tokens; medians of {args.rounds} alternating rounds, ratio = engine / llama.cpp")
+    print("| format | clients | llama-server tok/s | gpt2 serve tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    table = []
+    for fmt in args.formats.split(","):
+        for n in (1, 8):
+            a, b = statistics.median(runs[fmt, n, "llama.cpp"]), statistics.median(runs[fmt, n, "engine"])
+            table.append({"format": fmt, "clients": n, "llama.cpp": a, "engine": b, "ratio": b / a})
+            print(f"| {fmt} / {ENGINE_FORMAT[fmt] or 'float32'} | {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+    out = args.out.with_name(args.out.stem + "-serve.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "weights": str(weights), "rows": table}, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture)")
     p.add_argument("--formats", default="f32,q8_0,q4_0")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--serve", action="store_true", help="the servers instead: gpt2 serve against llama-server -np 8")
+    p.add_argument("--requests", type=int, default=4, help="requests per client with --serve (default 4)")
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "artifacts" / "bench-llamacpp.json")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -134,6 +204,9 @@ def main() -> int:
     weights = args.weights or fixtures.ensure("small")
     bin_dir, src = llamacpp()
     files = gguf_files(weights, bin_dir, src)
+    machine = f"{cpu().summary()}, {args.threads} threads, torch {torch.__version__}, llama.cpp from llama-cpp-python {VERSION}"
+    if args.serve:
+        return serve_rows(args, weights, bin_dir, files, machine)
     formats = args.formats.split(",")
     runs: dict[tuple[str, str, str], list[float]] = {}
     for fmt in formats:
@@ -149,7 +222,6 @@ def main() -> int:
                     runs.setdefault((fmt, row, side), []).append(sides[side][row]())
                     print(f"  {fmt} {row} round {r + 1} {side}: {runs[fmt, row, side][-1]:.1f} tok/s", file=sys.stderr,
                           flush=True)
-    machine = f"{cpu().summary()}, {args.threads} threads, torch {torch.__version__}, llama.cpp from llama-cpp-python {VERSION}"
     print(f"\nengine vs llama.cpp on {weights.name} ({machine}); medians of {args.rounds} alternating rounds, "
           "ratio = engine / llama.cpp")
     print("| format | row | llama.cpp tok/s | engine tok/s | ratio |")

@@ -49,11 +49,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def one_client(url: str, index: int, requests: int, max_tokens: int, ready: threading.Barrier | None = None,
-               model: str = "gpt2", texts: list[str] | None = None) -> tuple[list[float], list[float], int]:
+               model: str = "gpt2", texts: list[str] | None = None,
+               close: bool = False) -> tuple[list[float], list[float], int]:
     """(times to first token, inter-token gaps, tokens) of one client's requests, in seconds. With `ready`, the
     client is built before the clock starts and all clients start together: building an httpx client takes
     milliseconds of CPU, and eight of them built on the clock spread the first requests over ~60 ms and charged
-    the first ones' time to first token with the others' set-up. `texts`: each request's text is appended."""
+    the first ones' time to first token with the others' set-up. `texts`: each request's text is appended. `close`:
+    a connection per request (llama-server drops a kept-alive connection between requests)."""
     ttft, gaps, tokens = [], [], 0
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=300) as client:
@@ -63,7 +65,7 @@ def one_client(url: str, index: int, requests: int, max_tokens: int, ready: thre
             t0 = last = time.perf_counter()
             first = True
             text = ""
-            with client.stream("POST", f"{url}/v1/completions",
+            with client.stream("POST", f"{url}/v1/completions", headers={"Connection": "close"} if close else None,
                                json={**body, "prompt": PROMPTS[(index + r) % len(PROMPTS)]}) as resp:
                 resp.raise_for_status()
                 for line in resp.iter_lines():
@@ -109,13 +111,14 @@ def server(tree: Path, weights: Path, parallel: int, extra: tuple[str, ...] = ()
         proc.wait(timeout=60)
 
 
-def measure(url: str, n: int, requests: int, max_tokens: int, models: list[str] | None = None) -> dict:
+def measure(url: str, n: int, requests: int, max_tokens: int, models: list[str] | None = None,
+            close: bool = False) -> dict:
     """One run of n clients together: aggregate tokens/s, TTFT and ITL percentiles. `models`: client i asks for
-    models[i % len(models)] (default: the base, gpt2)."""
+    models[i % len(models)] (default: the base, gpt2); `close`: one_client's."""
     ready = threading.Barrier(n + 1)
     models = models or ["gpt2"]
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(one_client, url, i, requests, max_tokens, ready, models[i % len(models)])
+        futures = [pool.submit(one_client, url, i, requests, max_tokens, ready, models[i % len(models)], None, close)
                    for i in range(n)]
         ready.wait(timeout=60)
         t0 = time.perf_counter()
