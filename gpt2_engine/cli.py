@@ -86,7 +86,7 @@ def run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
         stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate)
-    check_draft_tokens(args.draft_tokens)
+    check_draft_tokens(args.draft_tokens, "--draft-tokens")
     if args.draft_tokens is not None and args.speculate is None:
         raise UsageError("--draft-tokens applies to speculative decoding: give --speculate too")
     t0 = time.perf_counter()

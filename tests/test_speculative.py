@@ -195,7 +195,8 @@ def test_cli_generate_speculate(trained_dir: Path, trained_model: GPT2) -> None:
     spec = doc["speculation"]
     assert spec["drafter"] == "ngram" and spec["verify_passes"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
     assert "drafted" in r.stderr and "tokens per verify pass" in r.stderr
-    for args, message in [(["--speculate", "ngram", "--draft-tokens", "17"], "draft_tokens must be an integer in [1, 16]"),
+    for args, message in [(["--speculate", "ngram", "--draft-tokens", "17"],
+                           "--draft-tokens must be an integer in [1, 16] (or none: adaptive), got 17"),
                           (["--draft-tokens", "2"], "--draft-tokens applies to speculative decoding"),
                           (["--speculate", "nope"], "expected 'int4', 'int8', 'ngram' or a GPT-2 checkpoint")]:
         r = gpt2("generate", "x", "--weights", str(trained_dir), *args)
@@ -323,7 +324,7 @@ def test_serve_speculation_flags_are_checked(trained_dir: Path, tmp_path: Path) 
     assert serve("--draft-tokens", "3") == (2, "gpt2 serve: error: --draft-tokens applies to speculative decoding: "
                                                "give --speculate too\n")
     assert serve("--speculate", "ngram", "--draft-tokens", "0") == (
-        2, "gpt2 serve: error: --draft-tokens must be in 1..16 (or left out: adaptive), got 0\n")
+        2, "gpt2 serve: error: --draft-tokens must be an integer in [1, 16] (or none: adaptive), got 0\n")
     assert serve("--speculate", "int4", "--quantize", "int8") == (
         2, "gpt2 serve: error: --speculate int4 drafts with the float32 model quantized; this server runs int8 (use "
            "ngram or a draft checkpoint)\n")

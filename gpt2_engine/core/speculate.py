@@ -243,9 +243,10 @@ class Speculation:
         return self.draft_tokens or ADAPTIVE_MAX
 
 
-def check_draft_tokens(k: int | None) -> None:
+def check_draft_tokens(k: int | None, name: str = "draft_tokens") -> None:
+    """K's bounds, for the API and both commands (`name`: the argument or flag, as the user wrote it)."""
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS):
-        raise GenerationError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] (or none: adaptive), got {k!r}",
+        raise GenerationError(f"{name} must be an integer in [1, {MAX_DRAFT_TOKENS}] (or none: adaptive), got {k!r}",
                               param="draft_tokens")
 
 

@@ -47,7 +47,7 @@ def check_speculation(args: argparse.Namespace) -> None:
     read when the model loads)."""
     from ..core.config import GPT2Config
     from ..core.errors import GPT2EngineError
-    from ..core.speculate import MAX_DRAFT_TOKENS, check_draft_checkpoint
+    from ..core.speculate import check_draft_checkpoint, check_draft_tokens
     from ..core.tokenizer import load_tokenizer
     from ..core.weights import CONFIG
 
@@ -55,8 +55,10 @@ def check_speculation(args: argparse.Namespace) -> None:
         if args.draft_tokens is not None:
             raise ServeError("--draft-tokens applies to speculative decoding: give --speculate too")
         return
-    if args.draft_tokens is not None and not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
-        raise ServeError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS} (or left out: adaptive), got {args.draft_tokens}")
+    try:
+        check_draft_tokens(args.draft_tokens, "--draft-tokens")
+    except GPT2EngineError as e:
+        raise ServeError(str(e)) from None
     if args.speculate in ("int4", "int8") and (args.quantize or args.dtype != "float32"):
         raise ServeError(f"--speculate {args.speculate} drafts with the float32 model quantized; this server runs "
                          f"{args.quantize or args.dtype} (use ngram or a draft checkpoint)")
