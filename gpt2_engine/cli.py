@@ -1,4 +1,4 @@
-"""`gpt2 generate | score | finetune | merge-lora | serve | inspect | compare | download`: a thin command line over the library.
+"""`gpt2 generate | score | eval | finetune | merge-lora | serve | inspect | compare | download`: a thin command line over the library.
 
 Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
 """
@@ -17,6 +17,7 @@ from .core.requests import GenerationSettings
 from .core.sampling import SamplingParams
 from .core.speculate import ADAPTIVE_MAX, ADAPTIVE_START, MAX_DRAFT_TOKENS, check_draft_tokens
 from .download import add_download
+from .eval import add_eval
 from .finetune import add_finetune
 from .inspect.cli import add_inspect
 from .merge import add_merge_lora
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_generate(sub)
     add_score(sub)
+    add_eval(sub)
     add_finetune(sub)
     add_merge_lora(sub)
     add_serve(sub)

@@ -91,7 +91,8 @@ def checked_settings(args: argparse.Namespace, config: Any) -> ScoreSettings:
     context = args.context if args.context is not None else config.n_positions
     stride = args.stride if args.stride is not None else context // 2
     settings = ScoreSettings(context, stride, bos=not args.no_bos, batch_size=args.batch_size,
-                             top=TOP_ALTERNATIVES if args.per_token else 0, details=args.per_token is not None)
+                             top=TOP_ALTERNATIVES if args.per_token else 0, details=args.per_token is not None,
+                             prefix_cache_mb=args.prefix_cache_mb)
     settings.check(config)
     return settings
 
@@ -189,6 +190,10 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stride", type=int, metavar="N",
                    help="tokens each window advances; 1..context-1 (default context // 2)")
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per forward pass (default 8)")
+    p.add_argument("--prefix-cache-mb", type=float, metavar="MB",
+                   help="for documents that share a preamble: run windows one at a time and reuse the keys and "
+                        "values of prompt blocks already computed, in at most MB of memory (default: off, since "
+                        "documents that share nothing lose the batched windows)")
     p.add_argument("--no-bos", action="store_true",
                    help="do not prepend <|endoftext|>; the first token of each document is then not scored")
     p.add_argument("--per-token", type=Path, metavar="OUT.jsonl",

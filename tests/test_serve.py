@@ -234,10 +234,12 @@ def test_a_client_that_goes_away_frees_its_slot(server: str) -> None:
 @contextlib.contextmanager
 def live(model: GPT2, *, parallel: int = 1, max_queue: int = 1, queue_timeout: float = 60,
          api_key: str | None = None, adapters: tuple[tuple[str, Path], ...] = (),
-         speculate: str | None = None) -> Iterator[tuple[str, AsyncEngine]]:
+         speculate: str | None = None, prefix_cache_mb: float | None = None) -> Iterator[tuple[str, AsyncEngine]]:
     """The app on a real uvicorn server on 127.0.0.1, in a thread of this process, over `model` (and LoRA
-    `adapters`, (model id, directory) pairs, as gpt2 serve --lora NAME=DIR serves them; `speculate`: --speculate)."""
-    engine = start_engine(model, EngineSettings(parallel, max_queue, queue_timeout, speculate),
+    `adapters`, (model id, directory) pairs, as gpt2 serve --lora NAME=DIR serves them; `speculate`: --speculate;
+    `prefix_cache_mb`: --prefix-cache-mb, None: --no-prefix-cache)."""
+    engine = start_engine(model, EngineSettings(parallel, max_queue, queue_timeout, speculate,
+                                                prefix_cache_mb=prefix_cache_mb),
                           [path for _, path in adapters])
     state = ServerState(ServerSettings(api_key=api_key, adapters=adapters), model=model, engine=engine)
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=free_port(), log_level="error"))

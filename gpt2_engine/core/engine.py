@@ -129,13 +129,14 @@ class GPT2:
         return token_logprobs(self.weights, self.config, ids.to(self.device))
 
     def score(self, texts: Sequence[str], *, context: int | None = None, stride: int | None = None,
-              bos: bool = True, batch_size: int = 8) -> list[Score]:
-        """Score each text on its own (tokens, nll, ppl, bpb), in sliding windows; see core/scoring.py."""
+              bos: bool = True, batch_size: int = 8, prefix_cache_mb: float | None = None) -> list[Score]:
+        """Score each text on its own (tokens, nll, ppl, bpb), in sliding windows; see core/scoring.py.
+        `prefix_cache_mb`: texts that start alike (a shared preamble) reuse its keys and values (core/prefix.py)."""
         if isinstance(texts, str):
             raise GPT2EngineError("texts: expected a list of strings, got one string (wrap it in a list)")
         context = context if context is not None else self.config.n_positions
         stride = stride if stride is not None else context // 2
-        settings = ScoreSettings(context, stride, bos=bos, batch_size=batch_size)
+        settings = ScoreSettings(context, stride, bos=bos, batch_size=batch_size, prefix_cache_mb=prefix_cache_mb)
         return list(self.score_documents([(f"text{i}", t) for i, t in enumerate(texts)], settings))
 
     def score_documents(self, docs: Sequence[tuple[str, str]], settings: ScoreSettings,

@@ -68,12 +68,13 @@ class GenerationStats:
 class Generation:
     """One generation run over a batch of prompts (token ids), each sequence in a slot of its own. Iterate it to
     stream (sequence index, text) pieces as they become final; afterwards `completions` and `stats` hold the
-    results. Sequence i is sample i % num_samples of prompt i // num_samples."""
+    results. Sequence i is sample i % num_samples of prompt i // num_samples. `slots`: sequences run at once (the
+    rest wait for a slot); None: all of them."""
 
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, prompts: list[list[int]],
-                 settings: GenerationSettings, speculation: Speculation | None = None) -> None:
+                 settings: GenerationSettings, speculation: Speculation | None = None, slots: int | None = None) -> None:
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
-        self.settings, self.speculation = settings, speculation
+        self.settings, self.speculation, self.slots = settings, speculation, slots
         self.batch: RequestSet = build_requests(prompts, settings, config, tokenizer.eot_id)
         self.stats = GenerationStats(seed=self.batch.seed, truncated_tokens=self.batch.truncated_tokens)
         self.completions: list[Completion] = []
@@ -81,10 +82,10 @@ class Generation:
     def __iter__(self) -> Iterator[tuple[int, str]]:
         reqs = self.batch.requests
         max_len = max(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in reqs)
-        spec = self.speculation
-        loop = EngineLoop(Scheduler(self.config, self.tokenizer, slots=len(reqs), max_len=max_len, speculation=spec),
-                          ModelRunner(self.weights, self.config, slots=len(reqs), max_len=max_len),
-                          None if spec is None else spec.drafter(len(reqs), max_len))
+        spec, slots = self.speculation, min(len(reqs), self.slots or len(reqs))
+        loop = EngineLoop(Scheduler(self.config, self.tokenizer, slots=slots, max_len=max_len, speculation=spec),
+                          ModelRunner(self.weights, self.config, slots=slots, max_len=max_len),
+                          None if spec is None else spec.drafter(slots, max_len))
         loop.submit(reqs, tag=None)
         loop.intake()
         seqs = list(loop.scheduler.waiting)  # in request order
@@ -105,7 +106,7 @@ class Generation:
                     finish[b] = e.finish_reason or finish[b]
                     if e.text:
                         yield b, e.text
-            if first:  # the first step prefills every sequence (each has a slot) and chooses its first token
+            if first:  # the first step prefills every sequence that has a slot and chooses its first token
                 self.stats.prefill_seconds, t0, first = time.perf_counter() - t0, time.perf_counter(), False
         self.stats.decode_seconds = time.perf_counter() - t0
         st = self.stats

@@ -82,12 +82,12 @@ class EngineLoop:
             yield self._forget(plan.finished)
         for seq in plan.prefill:
             try:
-                next_logits, stats = runner.prefill(seq.slot, seq.request.prompt, scored=seq.request.prompt_logprobs,
-                                                    top=seq.request.top_logprobs, adapter=seq.request.adapter)
+                done = runner.prefill(seq.slot, seq.request.prompt, scored=seq.request.prompt_logprobs,
+                                      top=seq.request.top_logprobs, adapter=seq.request.adapter)
             except Exception as e:  # noqa: BLE001 - contained: this prefill's sequence fails, the loop goes on
                 yield self._forget(self._failed([seq], e))
                 continue
-            yield self._forget([sched.after_prefill(seq, next_logits, stats)])
+            yield self._forget([sched.after_prefill(seq, done.logits, done.stats, done.cached)])
         if plan.asks:  # every draft of the step in one call: the draft model's passes are shared too
             try:
                 sched.drafted(plan.asks, self.drafter.propose([ask for _, ask in plan.asks]))

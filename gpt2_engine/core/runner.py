@@ -1,8 +1,8 @@
 """The model runner: it executes what the scheduler planned, on the weights and the slot-based KV cache, and knows
 nothing of requests, sampling or threads.
 
-Two kinds of work: `prefill` runs one prompt alone through the whole-sequence forward into its cache slot; a `Pass`
-runs many sequences' rows together (running sequences' next tokens, new short prompts), block by block, and whoever
+Two kinds of work: `prefill` runs one prompt alone through the whole-sequence forward into its cache slot,
+reusing the prefix cache's blocks where it has them (core/prefix.py); a `Pass` runs many sequences' rows together (running sequences' next tokens, new short prompts), block by block, and whoever
 drives it may hand it more rows between blocks (`Pass.add`). With at most projection.DECODE_ROWS rows, every matmul
 runs on the row-invariant kernels and attention stays within each row's cache slot, so a sequence's logits are the
 same bits whatever else shares the pass, and whichever block it joined the pass at.
@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 
 from .config import GPT2Config
-from .model import KVCache, RowLayout, block, embed, forward, logits, residual_stream, self_attention_segments
-from .scoring import TokenStats, token_stats
+from .model import KVCache, RowLayout, block, embed, logits, self_attention_segments
+from .prefix import Prefilled, PrefixCache, prefill
 from .weights import GPT2Weights
 
 
@@ -119,25 +119,22 @@ def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[Segment]
 
 
 class ModelRunner:
-    """The weights and a KV cache of `slots` sequences of up to `max_len` positions: executes prefills and passes."""
+    """The weights, a KV cache of `slots` sequences of up to `max_len` positions and, optionally, a prefix cache
+    (core/prefix.py) that prefills reuse and extend: executes prefills and passes."""
 
-    def __init__(self, weights: GPT2Weights, config: GPT2Config, slots: int, max_len: int | None = None) -> None:
-        self.weights, self.config = weights, config
+    def __init__(self, weights: GPT2Weights, config: GPT2Config, slots: int, max_len: int | None = None,
+                 prefix: PrefixCache | None = None) -> None:
+        self.weights, self.config, self.prefix = weights, config, prefix
         self.cache = KVCache.allocate(config, slots, max_len or config.n_positions)  # [n_layer, slots, nh, L, hs]
 
     def prefill(self, slot: int, prompt: list[int], *, scored: bool = False, top: int = 0,
-                adapter: int | None = None) -> tuple[torch.Tensor, TokenStats | None]:
-        """Run a prompt alone into cache slot `slot`: (the next token's logits [V], the prompt tokens' stats when
-        `scored`: one row per prompt token after the first, with `top` alternatives). `adapter`: Segment's."""
-        w, cfg = self.weights, self.config
-        ids = torch.tensor([prompt])  # [1, T]
+                adapter: int | None = None) -> Prefilled:
+        """Run a prompt alone into cache slot `slot`: the next token's logits [V], the prompt tokens' stats when
+        `scored` (one row per prompt token after the first, with `top` alternatives), and how many of its tokens
+        the prefix cache held. `adapter`: Segment's."""
         view = KVCache(self.cache.k[:, slot : slot + 1], self.cache.v[:, slot : slot + 1])
-        adapters = None if adapter is None else torch.tensor([adapter])  # [1]
-        with torch.inference_mode():
-            if not scored:
-                return forward(w, cfg, ids, cache=view, start=0, last_only=True, adapters=adapters)[0, -1], None  # [V]
-            x = residual_stream(w, cfg, ids, cache=view, start=0, adapters=adapters)[0]  # [T, C]
-            return logits(w, cfg, x[-1:])[0], token_stats(w, cfg, x[:-1], ids[0, 1:], top=top)
+        return prefill(self.weights, self.config, view, prompt, scored=scored, top=top, adapter=adapter,
+                       prefix=self.prefix)
 
     def open(self, segments: list[Segment]) -> Pass:
         """A pass over these segments, before its first block."""

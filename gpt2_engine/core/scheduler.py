@@ -31,7 +31,7 @@ from .projection import DECODE_ROWS
 from .requests import Request, check_request
 from .runner import Segment
 from .sampling import apply_penalties, choose
-from .scoring import TokenStats
+from .stats import TokenStats
 from .speculate import PAUSE_TOKENS, Draft, DraftAsk, Speculation, accept, next_k
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -52,6 +52,7 @@ class Event:
     finish_reason: str | None = None
     prompt_stats: TokenStats | None = None  # with prompt_logprobs, on the first event: one row per prompt token after the first
     error: str | None = None  # with finish_reason 'error': what failed, in one line
+    cached_tokens: int = 0  # on a prefilled sequence's first event: its prompt tokens the prefix cache held
 
 
 class Sequence:
@@ -73,6 +74,7 @@ class Sequence:
         self.k = 0  # tokens to draft next (speculation: adaptive or fixed)
         self.resume_at = 0  # adaptive K at 0: len(tokens) from which a draft of 1 is tried again
         self.drafted = self.accepted = self.verified = 0  # drafted tokens, accepted ones, verify passes
+        self.cached = 0  # prompt tokens whose keys and values came from the prefix cache
         self.queued_at = time.perf_counter()  # when it started waiting for a slot
         s = request.sampling
         self.seen = self.counts = None
@@ -220,12 +222,17 @@ class Scheduler:
             out.append(self._advance_or_fail(seq, rows[-1], row_lses[-1]))
         return out
 
-    def after_prefill(self, seq: Sequence, next_logits: torch.Tensor, prompt_stats: TokenStats | None) -> Output:
-        """Consume a prefill's next-token logits [V] (and the prompt's stats, when it was scored)."""
-        seq.started, seq.position = True, len(seq.request.prompt)
+    def after_prefill(self, seq: Sequence, next_logits: torch.Tensor, prompt_stats: TokenStats | None,
+                      cached: int = 0) -> Output:
+        """Consume a prefill's next-token logits [V] (and the prompt's stats, when it was scored; `cached`: its
+        prompt tokens the prefix cache held)."""
+        seq.started, seq.position, seq.cached = True, len(seq.request.prompt), cached
         if seq.request.max_new_tokens == 0:
-            return self._finish(seq, "length", Event(None, "", prompt_stats=prompt_stats))
-        return self._advance_or_fail(seq, next_logits, float(torch.logsumexp(next_logits, -1)), prompt_stats)
+            out = self._finish(seq, "length", Event(None, "", prompt_stats=prompt_stats))
+        else:
+            out = self._advance_or_fail(seq, next_logits, float(torch.logsumexp(next_logits, -1)), prompt_stats)
+        out[1].cached_tokens = cached
+        return out
 
     def fail(self, seqs: list[Sequence], error: str) -> list[Output]:
         """End these sequences with finish reason 'error' (their step failed); their slots are free again."""

@@ -20,11 +20,10 @@ import torch
 
 from .config import GPT2Config
 from .errors import GPT2EngineError
-from .model import logits, residual_stream
+from .model import KVCache, residual_stream
+from .prefix import PrefixCache, prefill
+from .stats import TokenStats, token_stats
 from .weights import GPT2Weights
-
-HEAD_POSITIONS = 256  # positions sent through the head at once: [256, 50257] float32 logits are 51 MB
-
 
 @dataclass(frozen=True)
 class Window:
@@ -48,49 +47,6 @@ def windows(n: int, context: int, stride: int) -> list[Window]:
         out.append(Window(max(0, new_end - context), new_end, end))
         end = new_end
     return out
-
-
-@dataclass
-class TokenStats:
-    """What the model thought of N actual next tokens: each a row of the next-token distribution and its target."""
-
-    logprob: torch.Tensor  # [N] float32, natural log
-    rank: torch.Tensor | None = None  # [N] long: how many tokens scored strictly higher (0 = the argmax, as GLTR)
-    entropy: torch.Tensor | None = None  # [N] nats, of the full distribution
-    top_ids: torch.Tensor | None = None  # [N, k] the k most likely tokens
-    top_logprobs: torch.Tensor | None = None  # [N, k]
-
-    @staticmethod
-    def cat(parts: list[TokenStats]) -> TokenStats:
-        def join(name: str) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in parts]
-            return None if not values or values[0] is None else torch.cat(values)
-
-        return TokenStats(*(join(n) for n in ("logprob", "rank", "entropy", "top_ids", "top_logprobs")))
-
-
-def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: torch.Tensor, *, top: int = 0,
-                details: bool = False) -> TokenStats:
-    """Residual rows x [N, C] and next tokens targets [N] -> their log-probabilities under the full vocabulary,
-    with the `top` most likely alternatives and their ranks, and (details) ranks and entropy. The head runs HEAD_POSITIONS
-    rows at a time."""
-    parts = []
-    for i in range(0, x.shape[0], HEAD_POSITIONS):
-        lg = logits(w, config, x[i : i + HEAD_POSITIONS])  # [n, V]
-        tgt = targets[i : i + HEAD_POSITIONS, None]  # [n, 1]
-        lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
-        chosen = lg.gather(-1, tgt)  # [n, 1]
-        part = TokenStats((chosen - lse)[:, 0])
-        if details or top:
-            part.rank = (lg > chosen).sum(-1)  # [n]
-        if details:
-            lg64 = lg.double()  # a float32 sum over 50,257 terms is off by ~1e-4 nats; float64 is exact enough
-            part.entropy = (torch.logsumexp(lg64, -1) - (torch.softmax(lg64, -1) * lg64).sum(-1)).float()  # lse - E[l]
-        if top:
-            values, part.top_ids = lg.topk(top, dim=-1)  # [n, top]
-            part.top_logprobs = values - lse
-        parts.append(part)
-    return TokenStats.cat(parts)
 
 
 def token_logprobs(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor) -> torch.Tensor:
@@ -131,6 +87,7 @@ class ScoreSettings:
     batch_size: int = 8  # windows per forward pass
     top: int = 0  # alternatives kept per token (with details)
     details: bool = False  # rank, entropy and alternatives per token
+    prefix_cache_mb: float | None = None  # run windows one at a time, reusing shared prefixes (core/prefix.py)
 
     def check(self, config: GPT2Config) -> None:
         if not 2 <= self.context <= config.n_positions:
@@ -139,6 +96,8 @@ class ScoreSettings:
             raise GPT2EngineError(f"stride must be in 1..context-1 = 1..{self.context - 1}, got {self.stride}")
         if self.batch_size < 1:
             raise GPT2EngineError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.prefix_cache_mb is not None and self.prefix_cache_mb <= 0:
+            raise GPT2EngineError(f"prefix cache size must be a positive number of MB, got {self.prefix_cache_mb}")
 
 
 @dataclass
@@ -158,13 +117,35 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
 
     Windows of different documents share a forward pass, right-padded: under the causal mask a real token never
     attends to the padding after it, so each row equals running that window alone (up to float32 rounding of the
-    larger matmuls). Only the scored positions go through the head.
+    larger matmuls). Only the scored positions go through the head. With settings.prefix_cache_mb, windows run one at
+    a time instead, and a window that starts with blocks an earlier one computed (a shared preamble) runs only the
+    rest; its stats equal the batched ones within float32 rounding (core/prefix.py says where bits differ).
     """
     settings.check(config)
     pending: list[_Pending] = []  # documents not yet yielded, in input order
     pool: list[tuple[_Pending, int]] = []  # (document, window index) not yet run
+    prefix = view = None
+    if settings.prefix_cache_mb is not None:
+        prefix = PrefixCache(config, settings.prefix_cache_mb)
+        view = KVCache.allocate(config, 1, settings.context)  # [n_layer, 1, nh, context, hs]
+
+    def run_cached(jobs: list[tuple[_Pending, int]]) -> None:
+        """Each window alone through prefix.prefill: a window that starts with cached blocks runs only the rest."""
+        for d, i in jobs:
+            win = d.windows[i]
+            done = prefill(w, config, view, d.seq[win.begin : win.end], scored=True, top=settings.top,
+                           details=settings.details, prefix=prefix)
+            # stats row j is the target at local index j + 1: the scored positions [first, end)
+            lo, hi = win.first - win.begin - 1, win.end - win.begin - 1
+            d.results[i] = TokenStats(*(None if t is None else t[lo:hi] for t in
+                                        (done.stats.logprob, done.stats.rank, done.stats.entropy, done.stats.top_ids,
+                                         done.stats.top_logprobs)))
+            if progress is not None:
+                progress(hi - lo)
 
     def run(jobs: list[tuple[_Pending, int]]) -> None:
+        if prefix is not None:
+            return run_cached(jobs)
         L = max(d.windows[i].end - d.windows[i].begin for d, i in jobs)
         ids = torch.full((len(jobs), L), eot_id, dtype=torch.long)  # [B, L], right-padded
         rows, targets = [], []

@@ -137,7 +137,7 @@ class ModelDrafter:
                 start = min(same, len(ask.context) - 1)  # at least the last token, for its logits
                 self.fed[ask.slot] = list(ask.context)
                 if start == 0 and len(ask.context) > 1:  # a new sequence: its prompt as a prefill of its own
-                    logits, _ = self.runner.prefill(ask.slot, ask.context)
+                    logits = self.runner.prefill(ask.slot, ask.context).logits
                     self._draw(ask, logits, tokens[i], qs[i])
                 else:
                     segments.append(Segment(ask.slot, start, ask.context[start:]))

@@ -200,11 +200,24 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
             ready()
         return Response(state.engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """What lm-eval's remote tokenizer (and vLLM's endpoint of this name) reports: GPT-2's special tokens as
+        Hugging Face's GPT2Tokenizer names them (<|endoftext|> is its bos, eos and unk; it has no pad)."""
+        model, _ = ready()
+        eot = model.tokenizer.decode([model.tokenizer.eot_id])
+        return {"tokenizer_class": "GPT2Tokenizer", "eos_token": eot, "bos_token": eot, "unk_token": eot,
+                "pad_token": None, "model_max_length": model.config.n_positions,
+                "vocab_size": model.tokenizer.n_vocab}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
+        """Token ids of a text; `<|endoftext|>` in it is the special token, as a Hugging Face tokenizer reads it (so
+        lm-eval's remote tokenizer finds the eos id). GPT-2 adds no special tokens, so add_special_tokens changes
+        nothing."""
         check_model(body.model)
         model, _ = ready()
-        tokens = model.tokenizer.encode(body.prompt)
+        tokens = model.tokenizer.encode(body.prompt, allow_special=True)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": model.config.n_positions}
 
     @app.post("/detokenize")

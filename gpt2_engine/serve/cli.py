@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ..core.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB
 from ..options import ModelOptions, add_model_options, load_model
 from .app import ServerSettings, ServerState, ServeError, build_app
 from .engine import EngineSettings, start_engine
@@ -37,6 +38,11 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.is_dir():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights` or pass --weights DIR)")
+    if args.prefix_cache_mb is not None and args.prefix_cache_mb <= 0:
+        raise ServeError(f"--prefix-cache-mb must be a positive number of MB, got {args.prefix_cache_mb} "
+                         "(--no-prefix-cache turns the cache off)")
+    if args.prefix_cache_mb is not None and args.no_prefix_cache:
+        raise ServeError("--prefix-cache-mb and --no-prefix-cache contradict each other: give one")
     check_speculation(args)
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
                           args.max_body_bytes)
@@ -182,5 +188,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve a LoRA adapter (PEFT's format) as model id NAME (repeatable): requests pick it with "
                         "\"model\": NAME, and requests for every adapter and the base share the batched passes")
+    p.add_argument("--prefix-cache-mb", type=float, metavar="MB",
+                   help=f"memory for cached prompt blocks (default {DEFAULT_CAPACITY_MB}): a prompt that starts with "
+                        f"blocks of {BLOCK_TOKENS} tokens an earlier request computed reuses their keys and values "
+                        "(least recently used blocks are evicted)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt from its first token")
     add_model_options(p, lora=False)
     p.set_defaults(run=run_serve)

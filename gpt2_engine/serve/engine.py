@@ -28,6 +28,7 @@ from ..core.kernels import decode_kernels
 from ..core.lora import attach, load_adapter
 from ..core.loop import EngineLoop
 from ..core.requests import Request
+from ..core.prefix import DEFAULT_CAPACITY_MB, PrefixCache
 from ..core.runner import ModelRunner
 from ..core.scheduler import Event, Output, Scheduler, describe
 from ..core.speculate import SERVE_MAX_RUNNING, SERVE_SETTLE_TOKENS
@@ -46,10 +47,12 @@ class EngineSettings:
     queue_timeout: float = 60.0  # seconds a sequence may wait
     speculate: str | None = None  # a drafter (core/speculate.py), used while at most SERVE_MAX_RUNNING sequences run
     draft_tokens: int | None = None  # its K (None: adaptive)
+    prefix_cache_mb: float | None = DEFAULT_CAPACITY_MB  # the prefix cache's bound (None: no prefix cache)
 
     @classmethod
     def from_args(cls, args: Any) -> EngineSettings:
-        return cls(args.parallel, args.max_queue, args.queue_timeout, args.speculate, args.draft_tokens)
+        mb = None if args.no_prefix_cache else args.prefix_cache_mb or DEFAULT_CAPACITY_MB
+        return cls(args.parallel, args.max_queue, args.queue_timeout, args.speculate, args.draft_tokens, mb)
 
 
 def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] = ()) -> AsyncEngine:
@@ -63,10 +66,11 @@ def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] 
         spec = model.speculation(settings.speculate, settings.draft_tokens, max_running=SERVE_MAX_RUNNING,
                                  settle=SERVE_SETTLE_TOKENS)
         drafter = spec.drafter(slots, model.config.n_positions)
+    prefix = None if settings.prefix_cache_mb is None else PrefixCache(model.config, settings.prefix_cache_mb)
     weights = attach(model.weights, [load_adapter(path, model.config) for path in adapters])
     loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout,
                                 speculation=spec),
-                      ModelRunner(weights, model.config, slots=slots), drafter)
+                      ModelRunner(weights, model.config, slots=slots, prefix=prefix), drafter)
     engine = AsyncEngine(loop, max_queue=settings.max_queue)
     engine.start()
     return engine
@@ -101,7 +105,7 @@ class AsyncEngine:
         self.queued = 0  # sequences submitted and not yet run (waiting for a slot)
         self.live: set[Handle] = set()  # handles with a sequence not finished
         self.metrics = Metrics(running=lambda: loop.scheduler.running, waiting=lambda: self.queued,
-                               slots=len(loop.scheduler.slots))
+                               slots=len(loop.scheduler.slots), prefix=loop.runner.prefix)
         self.thread = threading.Thread(target=self._run, name="gpt2-engine", daemon=True)
         self.stopping = threading.Event()
         self.failure: str | None = None  # why the engine thread stopped, after a fatal failure

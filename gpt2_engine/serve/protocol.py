@@ -100,6 +100,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str
     model: str | None = None
+    add_special_tokens: bool = True  # vLLM's field, which lm-eval sends; GPT-2 adds no special tokens either way
 
 
 class DetokenizeRequest(BaseModel):
@@ -127,10 +128,15 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose keys and values the prefix cache held, as OpenAI reports them
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Completion(BaseModel):

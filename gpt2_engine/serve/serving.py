@@ -16,7 +16,7 @@ from ..core.sampling import SamplingParams
 from ..core.scheduler import Event
 from ..core.tokenizer import Tokenizer
 from .engine import AsyncEngine, EngineDown, Handle, QueueFull
-from .protocol import APIError, Choice, Completion, CompletionRequest, Logprobs, Usage
+from .protocol import APIError, Choice, Completion, CompletionRequest, Logprobs, PromptTokensDetails, Usage
 
 # the engine's names for the settings OpenAI's API calls otherwise
 API_PARAM = {"max_new_tokens": "max_tokens", "num_samples": "n", "top_logprobs": "logprobs"}
@@ -54,6 +54,8 @@ class ChoiceState:
     logprobs: Logprobs | None = None
     offset: int = 0  # characters of text so far, for text_offset
     echoed: bool = False
+    cached: int = 0  # prompt tokens the prefix cache held
+
 
 
 class CompletionRun:
@@ -86,10 +88,12 @@ class CompletionRun:
     def usage(self) -> Usage:
         prompt = sum(len(r.prompt) for r in self.requests[:: self.req.n])  # each prompt once, whatever n is
         completion = sum(len(c.tokens) for c in self.choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = sum(c.cached for c in self.choices[:: self.req.n])  # as prompt_tokens: each prompt's first run
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def _add_logprob(self, c: ChoiceState, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
-                     rank: int | None) -> None:
+                     rank: int | None, in_text: bool = True) -> None:
         text = self.tok.token_text(token)
         lp = c.logprobs
         lp.tokens.append(text)
@@ -97,12 +101,13 @@ class CompletionRun:
         lp.top_logprobs.append(None if top is None else {self.tok.token_text(t): v for t, v in top})
         lp.text_offset.append(c.offset)
         lp.token_ranks.append(rank)
-        c.offset += len(text)
+        c.offset += len(text) if in_text else 0
 
     def _apply(self, i: int, e: Event) -> list[tuple[str, Logprobs | None]]:
         """Fold an event into choice i; returns the (text, logprobs) pieces it adds, for stream chunks: with echo,
         the prompt first as a piece of its own, then the new token."""
         c = self.choices[i]
+        c.cached = max(c.cached, e.cached_tokens)
         pieces: list[tuple[str, Logprobs | None]] = []
         failed = e.finish_reason in ("shutdown", "queue_timeout", "cancelled", "error")
         if e.finish_reason == "error":
@@ -125,10 +130,13 @@ class CompletionRun:
             c.text += text
             pieces.append((text, self._since(c, before)))
         before = self._mark(c)
-        if e.token is not None and e.token != self.tok.eot_id:
-            c.tokens.append(e.token)
+        if e.token is not None:
+            if e.token != self.tok.eot_id:
+                c.tokens.append(e.token)
             if c.logprobs is not None:
-                self._add_logprob(c, e.token, e.logprob, e.top, e.rank)
+                # <|endoftext|> has a logprob entry too, as OpenAI's and vLLM's logprobs list it: lm-eval's
+                # loglikelihood drops the one generated entry after an echoed prompt, whichever token it is
+                self._add_logprob(c, e.token, e.logprob, e.top, e.rank, in_text=e.token != self.tok.eot_id)
         c.text += e.text
         pieces.append((e.text, self._since(c, before)))
         if e.finish_reason is not None:

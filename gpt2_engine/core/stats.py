@@ -1,0 +1,57 @@
+"""What the model thought of actual next tokens: their log-probabilities, ranks, entropies and alternatives, from
+residual rows through the head (scoring, echoed prompt logprobs, the prefix cache's memo of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import GPT2Config
+from .model import logits
+from .weights import GPT2Weights
+
+HEAD_POSITIONS = 256  # positions sent through the head at once: [256, 50257] float32 logits are 51 MB
+
+
+@dataclass
+class TokenStats:
+    """What the model thought of N actual next tokens: each a row of the next-token distribution and its target."""
+
+    logprob: torch.Tensor  # [N] float32, natural log
+    rank: torch.Tensor | None = None  # [N] long: how many tokens scored strictly higher (0 = the argmax, as GLTR)
+    entropy: torch.Tensor | None = None  # [N] nats, of the full distribution
+    top_ids: torch.Tensor | None = None  # [N, k] the k most likely tokens
+    top_logprobs: torch.Tensor | None = None  # [N, k]
+
+    @staticmethod
+    def cat(parts: list[TokenStats]) -> TokenStats:
+        def join(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if not values or values[0] is None else torch.cat(values)
+
+        return TokenStats(*(join(n) for n in ("logprob", "rank", "entropy", "top_ids", "top_logprobs")))
+
+
+def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: torch.Tensor, *, top: int = 0,
+                details: bool = False) -> TokenStats:
+    """Residual rows x [N, C] and next tokens targets [N] -> their log-probabilities under the full vocabulary,
+    with the `top` most likely alternatives and their ranks, and (details) ranks and entropy. The head runs HEAD_POSITIONS
+    rows at a time."""
+    parts = []
+    for i in range(0, x.shape[0], HEAD_POSITIONS):
+        lg = logits(w, config, x[i : i + HEAD_POSITIONS])  # [n, V]
+        tgt = targets[i : i + HEAD_POSITIONS, None]  # [n, 1]
+        lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
+        chosen = lg.gather(-1, tgt)  # [n, 1]
+        part = TokenStats((chosen - lse)[:, 0])
+        if details or top:
+            part.rank = (lg > chosen).sum(-1)  # [n]
+        if details:
+            lg64 = lg.double()  # a float32 sum over 50,257 terms is off by ~1e-4 nats; float64 is exact enough
+            part.entropy = (torch.logsumexp(lg64, -1) - (torch.softmax(lg64, -1) * lg64).sum(-1)).float()  # lse - E[l]
+        if top:
+            values, part.top_ids = lg.topk(top, dim=-1)  # [n, top]
+            part.top_logprobs = values - lse
+        parts.append(part)
+    return TokenStats.cat(parts)

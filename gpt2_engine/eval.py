@@ -1,0 +1,105 @@
+"""`gpt2 eval`: EleutherAI's lm-evaluation-harness (`lm_eval.simple_evaluate`) with the engine as its model
+(harness.py). Tasks are lm-eval's names or YAML files; lm-eval is the optional `[eval]` extra."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .core.prefix import DEFAULT_CAPACITY_MB
+from .options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+
+HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (README)"
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="evaluate with EleutherAI's lm-evaluation-harness",
+        description="Run lm-eval's own evaluator (lm_eval.simple_evaluate) with this engine as the model: the same "
+                    "requests and metrics as `lm_eval --model hf`, with contexts shared across their continuations "
+                    "and few-shot preambles through the prefix cache. Needs: pip install 'gpt2-engine[eval]'.",
+        epilog="examples:\n  gpt2 eval --tasks lambada_openai --weights weights/\n"
+               "  gpt2 eval --tasks my_task.yaml --num-fewshot 5 --limit 100 --output results.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", nargs="+", required=True, metavar="NAME|YAML",
+                   help="lm-eval task or group names, or task YAML files (comma-separated lists work too)")
+    p.add_argument("--include-path", type=Path, metavar="DIR", help="a directory of more task YAML files")
+    p.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--limit", type=float, metavar="N",
+                   help="documents per task: a count, or a fraction below 1 (for quick checks, not reportable figures)")
+    p.add_argument("--output", type=Path, metavar="FILE.json", help="write lm-eval's results (and samples) as JSON")
+    p.add_argument("--log-samples", action="store_true", help="with --output: each document's requests and answers")
+    p.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds and the engine's sampling seed (default 1234)")
+    p.add_argument("--prefix-cache-mb", type=float, metavar="MB",
+                   help=f"memory for cached prompt blocks (default {DEFAULT_CAPACITY_MB})")
+    p.add_argument("--no-prefix-cache", action="store_true", help="run every prompt from its first token")
+    p.add_argument("--slots", type=positive_int, default=8, metavar="N",
+                   help="sequences generated together for generate_until tasks (default 8)")
+    add_model_options(p)
+    p.set_defaults(run=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UsageError("gpt2 eval needs lm-eval, which is not installed: pip install 'gpt2-engine[eval]'")
+    if args.prefix_cache_mb is not None and args.prefix_cache_mb <= 0:
+        raise UsageError(f"--prefix-cache-mb must be a positive number of MB, got {args.prefix_cache_mb}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UsageError(f"--num-fewshot must be at least 0, got {args.num_fewshot}")
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit must be a positive count or fraction, got {args.limit}")
+    if args.include_path is not None and not args.include_path.is_dir():
+        raise UsageError(f"--include-path {args.include_path}: not a directory")
+    if args.log_samples and args.output is None:
+        raise UsageError("--log-samples writes the samples into --output FILE: give --output too")
+    tasks = [t for spec in args.tasks for t in spec.split(",") if t]
+    for t in tasks:
+        if t.endswith((".yaml", ".yml")) and not Path(t).is_file():
+            raise UsageError(f"--tasks {t}: no such task file")
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    from .harness import EngineLM
+
+    model = load_model(ModelOptions.from_args(args))
+    mb = None if args.no_prefix_cache else args.prefix_cache_mb or DEFAULT_CAPACITY_MB
+    lm = EngineLM(model, prefix_cache_mb=mb, slots=args.slots, seed=args.seed)
+    manager = TaskManager(include_path=str(args.include_path) if args.include_path else None)
+    limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
+    try:
+        results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit,
+                                  task_manager=manager, log_samples=args.log_samples, random_seed=args.seed,
+                                  numpy_random_seed=args.seed, torch_random_seed=args.seed,
+                                  fewshot_random_seed=args.seed)
+    except KeyError as e:  # lm-eval's "not a registered task/group/tag name or valid YAML path"
+        raise UsageError(f"--tasks: {' '.join(str(e).strip(chr(39) + chr(34)).split())}") from None
+    except (OSError, ConnectionError) as e:
+        raise UsageError(f"a task's data could not be loaded: {' '.join(str(e).split())[:300]} ({HUB_HINT})") from None
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    if args.output is not None:
+        write_json(args.output, results)
+        print(f"gpt2 eval: results written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def write_json(path: Path, results: dict[str, Any]) -> None:
+    """lm-eval's results as JSON, written beside `path` and renamed over it (nothing half-written on failure)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,148 @@
+"""The engine as a model of EleutherAI's lm-evaluation-harness: `EngineLM`, an `lm_eval` LM that `gpt2 eval` hands to
+`lm_eval.simple_evaluate` (this module needs the `[eval]` extra: `pip install 'gpt2-engine[eval]'`).
+
+It does what lm-eval's own `hf` model does, request for request, so that the metrics are the same:
+- loglikelihood: context and continuation tokenized by lm-eval's TemplateLM (its trailing-space rule), the input
+  (context + continuation)[-(max_length + 1):][:-1] as hf truncates it, and the continuation's log-probability and
+  whether greedy decoding would produce it (every continuation token the argmax);
+- loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length tokens after <|endoftext|>;
+- generate_until: the context's last max_length - max_gen_toks tokens, greedy unless the task samples, cut at the
+  first stop string (lm-eval's postprocessing).
+
+Where it differs is the work done. Loglikelihood requests run one prompt at a time through the prefix cache
+(core/prefix.py), sorted so that requests sharing a context (a multiple-choice question's choices, a few-shot
+preamble) come together: a context's whole blocks run once, and each continuation runs only the rest.
+Generations run through the engine loop, continuously batched in `slots` sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from .core.engine import GPT2
+from .core.generate import Generation
+from .core.model import KVCache
+from .core.prefix import DEFAULT_CAPACITY_MB, PrefixCache, prefill
+from .core.requests import GenerationSettings
+from .core.sampling import SamplingParams
+
+MAX_GEN_TOKS = 256  # lm-eval's default for generate_until tasks that set none (hf's max_gen_toks)
+SLOTS = 8  # sequences generated together
+
+
+class EngineLM(TemplateLM):
+    """A loaded GPT2 as an lm-eval model (see the module docstring). `prefix_cache_mb` None: no prefix cache."""
+
+    def __init__(self, model: GPT2, *, prefix_cache_mb: float | None = DEFAULT_CAPACITY_MB, slots: int = SLOTS,
+                 seed: int = 1234) -> None:
+        super().__init__()
+        self.model, self.slots, self.seed = model, slots, seed
+        self.max_length = model.config.n_positions
+        self.max_gen_toks = MAX_GEN_TOKS
+        self.prefix = None if prefix_cache_mb is None else PrefixCache(model.config, prefix_cache_mb)
+        self.view = KVCache.allocate(model.config, 1, self.max_length)  # [n_layer, 1, nh, L, hs]
+
+    # --- what TemplateLM needs ----------------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.model.tokenizer.eot_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "gpt2"
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        # <|endoftext|> in a text is the special token, as hf's GPT-2 tokenizer reads it; GPT-2 adds no others
+        return self.model.tokenizer.encode(string, allow_special=True)
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.model.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
+                              **kwargs: Any) -> list[tuple[float, bool]]:
+        """(cache key, context ids, continuation ids) -> (log p(continuation | context), is it the greedy one)."""
+        order = sorted(range(len(requests)), key=lambda i: requests[i][1] + requests[i][2])  # shared contexts together
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        for i in tqdm(order, desc="loglikelihood", disable=disable_tqdm):
+            key, context, continuation = requests[i]
+            results[i] = self._continuation(context, continuation)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, results[i])
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Each text's log-likelihood, summed over lm-eval's disjoint windows of max_length tokens."""
+        windows, owners = [], []
+        for n, (string,) in enumerate(req.args for req in requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(n)
+        totals = [0.0] * len(requests)
+        for n, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[n] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Each (context, gen_kwargs) request's generation, cut at its stop strings; requests with the same
+        generation settings run together in the engine loop."""
+        eos = self.tok_decode([self.eot_token_id])
+        groups: dict[tuple, list[int]] = {}
+        plans = []
+        for n, (context, gen_kwargs) in enumerate(req.args for req in requests):
+            settings, until = self._settings(dict(gen_kwargs), eos)
+            plans.append((context, settings, until))
+            groups.setdefault((settings, tuple(until)), []).append(n)
+        results = [""] * len(requests)
+        bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
+        for (settings, until), members in groups.items():
+            room = self.max_length - settings.max_new_tokens
+            prompts = [self.tok_encode(plans[n][0])[-room:] for n in members]
+            run = Generation(self.model.weights, self.model.config, self.model.tokenizer, prompts, settings,
+                             slots=self.slots)
+            for n, completion in zip(members, run.run()):
+                results[n] = postprocess_generated_text(generation=completion.text, stop=list(until),
+                                                        think_end_token=None)
+                self.cache_hook.add_partial("generate_until", requests[n].args, results[n])
+                bar.update(1)
+        bar.close()
+        return results
+
+    # --- internals ------------------------------------------------------------------------------------------------
+
+    def _continuation(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """One request: the prompt through the prefix cache, scored; the last continuation token from the next-token
+        logits (hf feeds every token but the last)."""
+        whole = (context + continuation)[-(self.max_length + 1):]
+        fed, n = whole[:-1], len(continuation)
+        done = prefill(self.model.weights, self.model.config, self.view, fed, scored=True, top=1, prefix=self.prefix)
+        last = torch.log_softmax(done.logits.double(), -1)  # [V]
+        logprob = float(done.stats.logprob[len(fed) - n :].double().sum()) + float(last[whole[-1]])  # targets of cont
+        greedy = bool((done.stats.rank[len(fed) - n :] == 0).all()) and int(done.logits.argmax()) == whole[-1]
+        return logprob, greedy
+
+    def _settings(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[GenerationSettings, list[str]]:
+        """A task's generation kwargs as the engine's settings, and its stop strings (eos among them, as hf's)."""
+        until = handle_stop_sequences(gen_kwargs.pop("until", None), eos=eos)
+        max_gen_toks = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
+        do_sample = gen_kwargs.pop("do_sample", None)
+        temperature = float(gen_kwargs.pop("temperature", 0.0))
+        if do_sample is False or (do_sample is None and temperature == 0.0):
+            temperature = 0.0
+        sampling = SamplingParams(temperature=temperature, top_p=float(gen_kwargs.pop("top_p", 1.0)),
+                                  top_k=int(gen_kwargs.pop("top_k", 0) or 0))
+        if gen_kwargs:
+            raise ValueError(f"generation options the engine does not run: {', '.join(sorted(gen_kwargs))}; "
+                             "expected until, max_gen_toks, do_sample, temperature, top_p, top_k")
+        stops = tuple(s for s in until if s != eos)  # <|endoftext|> itself ends a sequence (finish reason eos)
+        return GenerationSettings(max_new_tokens=max_gen_toks, sampling=sampling, stop=stops, seed=self.seed), until
