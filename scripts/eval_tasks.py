@@ -76,6 +76,27 @@ def choice(directory: Path, docs: int = 8, context_words: int = 40, name: str = 
     return _write(directory, name, _choices(texts, context_words, random.Random(0)), CHOICE_YAML)
 
 
+def long_choice(directory: Path, docs: int = 200, context_tokens: int = 400, ending_tokens: int = 8,
+                name: str = "local_long_choice") -> Path:
+    """Multiple choice after ~`context_tokens`-token contexts: consecutive windows of the unseen docstrings, each
+    followed by its true next tokens or the next tokens of three other windows (make bench-eval's shared contexts)."""
+    from gpt2_engine.core.tokenizer import load_tokenizer
+
+    enc = load_tokenizer()
+    stream = enc.encode(" ".join(unseen()))
+    step = context_tokens + ending_tokens
+    texts = [enc.decode(stream[i : i + step]) for i in range(0, len(stream) - step, step)][:docs]
+    rows, rng = [], random.Random(2)
+    for i, t in enumerate(texts):
+        ids = enc.encode(t)
+        ending = lambda j: enc.decode(enc.encode(texts[j])[context_tokens:])  # noqa: E731
+        endings = [ending(i)] + [ending((i + k) % len(texts)) for k in (1, 2, 3)]
+        right = endings[0]
+        rng.shuffle(endings)
+        rows.append({"context": enc.decode(ids[:context_tokens]), "endings": endings, "label": endings.index(right)})
+    return _write(directory, name, rows, CHOICE_YAML)
+
+
 def fewshot(directory: Path, docs: int = 8, shots: int = 5, context_words: int = 20, name: str = "local_fewshot") -> Path:
     texts = [t for t in unseen() if len(t.split()) >= context_words + 6]
     rng = random.Random(1)

@@ -13,6 +13,7 @@ from test_serve import live
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
+from gpt2_engine.core.errors import GPT2EngineError
 from gpt2_engine.core.loop import EngineLoop
 from gpt2_engine.core.model import KVCache
 from gpt2_engine.core.prefix import BLOCK_TOKENS, PrefixCache, prefill
@@ -56,6 +57,17 @@ def test_a_cached_prefix_gives_the_uncached_results(trained_model: GPT2) -> None
         assert float((hit.stats.logprob - alone.stats.logprob).abs().max()) < TOL * 10  # nats; |logprob| <= ~15
         assert torch.equal(hit.stats.top_ids, alone.stats.top_ids) and torch.equal(hit.stats.rank, alone.stats.rank)
     assert cache.counters.hit == 2 * (c - 1)
+
+
+def test_a_wholly_cached_prompt_scores_from_the_memo(trained_model: GPT2) -> None:
+    w, cfg = trained_model.weights, trained_model.config
+    cache, view = PrefixCache(cfg, 8), KVCache.allocate(cfg, 1, cfg.n_positions)
+    prompt = ids(trained_model, PREAMBLE)[: 2 * BLOCK_TOKENS]
+    alone = prefill(w, cfg, view, prompt, scored=True, top=1, prefix=cache)
+    again = prefill(w, cfg, view, prompt, scored=True, top=1, prefix=cache)
+    assert again.cached == 2 * BLOCK_TOKENS - 1  # only the last position runs, for the next token's logits
+    assert torch.equal(again.stats.logprob, alone.stats.logprob) and torch.equal(again.stats.rank, alone.stats.rank)
+    assert rel(again.logits, alone.logits) < TOL
 
 
 def test_the_memo_serves_fewer_alternatives_and_recomputes_for_more(trained_model: GPT2) -> None:
@@ -190,6 +202,13 @@ def test_prefix_cache_option_errors(capsys, trained_dir: Path, args: list[str], 
     assert fragment in err and err.count("\n") == 1
 
 
+def test_score_refuses_a_cache_of_no_size(capsys, trained_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "doc.txt").write_text(PREAMBLE)
+    assert main(["score", str(tmp_path / "doc.txt"), "--weights", str(trained_dir), "--prefix-cache-mb", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "prefix cache size must be a positive number of MB, got -1.0" in err and err.count("\n") == 1
+
+
 def test_a_cache_too_small_for_one_block_is_refused(trained_model: GPT2) -> None:
-    with pytest.raises(ValueError, match="holds no block: a block of 16 tokens takes 0.12 MB"):
+    with pytest.raises(GPT2EngineError, match="holds no block: a block of 16 tokens takes 0.12 MB"):
         PrefixCache(trained_model.config, 0.01)

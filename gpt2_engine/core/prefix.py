@@ -30,8 +30,9 @@ from typing import NamedTuple
 import torch
 
 from .config import GPT2Config
+from .errors import GPT2EngineError
 from .model import KVCache, logits, residual_stream
-from .stats import TokenStats, token_stats
+from .stats import TokenStats, prompt_stats
 from .weights import GPT2Weights
 
 BLOCK_TOKENS = 16  # tokens a block: vLLM's default; smaller blocks match more of a prompt but cost more lookups
@@ -66,7 +67,7 @@ class PrefixCache:
         per_block = 2 * config.n_layer * config.n_head * B * hs * 4  # float32 keys and values
         self.capacity = int(capacity_mb * 2**20) // per_block
         if self.capacity < 1:
-            raise ValueError(f"a prefix cache of {capacity_mb} MB holds no block: a block of {B} tokens takes "
+            raise GPT2EngineError(f"a prefix cache of {capacity_mb} MB holds no block: a block of {B} tokens takes "
                              f"{per_block / 2**20:.2f} MB")
         shape = (config.n_layer, config.n_head, self.capacity, B, hs)
         self.k, self.v = torch.empty(shape), torch.empty(shape)  # [n_layer, nh, blocks, B, hs]: pages touched on use
@@ -209,10 +210,11 @@ def prefill(w: GPT2Weights, config: GPT2Config, view: KVCache, prompt: list[int]
     adapters = None if adapter is None else torch.tensor([adapter])  # [1]
     with torch.inference_mode():
         x = residual_stream(w, config, ids, cache=view, start=s, adapters=adapters)[0]  # [T - s, C]
-        next_logits = logits(w, config, x[-1:])[0]  # [V]
         stats = None
-        if scored:
-            stats = token_stats(w, config, x[:-1], ids[0, 1:], top=top, details=details)  # targets s+1 .. T-1
+        if scored:  # targets s+1 .. T-1, and the next token's logits, in one pass of the head
+            stats, next_logits = prompt_stats(w, config, x, ids[0, 1:], top=top, details=details)
+        else:
+            next_logits = logits(w, config, x[-1:])[0]  # [V]
         if prefix is not None:
             prefix.store(prompt, adapter, chain, view, stats, s + 1)
     if memo is not None:

@@ -74,7 +74,6 @@ class Sequence:
         self.k = 0  # tokens to draft next (speculation: adaptive or fixed)
         self.resume_at = 0  # adaptive K at 0: len(tokens) from which a draft of 1 is tried again
         self.drafted = self.accepted = self.verified = 0  # drafted tokens, accepted ones, verify passes
-        self.cached = 0  # prompt tokens whose keys and values came from the prefix cache
         self.queued_at = time.perf_counter()  # when it started waiting for a slot
         s = request.sampling
         self.seen = self.counts = None
@@ -226,7 +225,7 @@ class Scheduler:
                       cached: int = 0) -> Output:
         """Consume a prefill's next-token logits [V] (and the prompt's stats, when it was scored; `cached`: its
         prompt tokens the prefix cache held)."""
-        seq.started, seq.position, seq.cached = True, len(seq.request.prompt), cached
+        seq.started, seq.position = True, len(seq.request.prompt)
         if seq.request.max_new_tokens == 0:
             out = self._finish(seq, "length", Event(None, "", prompt_stats=prompt_stats))
         else:

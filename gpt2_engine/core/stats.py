@@ -38,20 +38,34 @@ def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: to
     """Residual rows x [N, C] and next tokens targets [N] -> their log-probabilities under the full vocabulary,
     with the `top` most likely alternatives and their ranks, and (details) ranks and entropy. The head runs HEAD_POSITIONS
     rows at a time."""
-    parts = []
-    for i in range(0, x.shape[0], HEAD_POSITIONS):
-        lg = logits(w, config, x[i : i + HEAD_POSITIONS])  # [n, V]
-        tgt = targets[i : i + HEAD_POSITIONS, None]  # [n, 1]
-        lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
-        chosen = lg.gather(-1, tgt)  # [n, 1]
-        part = TokenStats((chosen - lse)[:, 0])
-        if details or top:
-            part.rank = (lg > chosen).sum(-1)  # [n]
-        if details:
-            lg64 = lg.double()  # a float32 sum over 50,257 terms is off by ~1e-4 nats; float64 is exact enough
-            part.entropy = (torch.logsumexp(lg64, -1) - (torch.softmax(lg64, -1) * lg64).sum(-1)).float()  # lse - E[l]
-        if top:
-            values, part.top_ids = lg.topk(top, dim=-1)  # [n, top]
-            part.top_logprobs = values - lse
-        parts.append(part)
+    parts = [stats_of(logits(w, config, x[i : i + HEAD_POSITIONS]), targets[i : i + HEAD_POSITIONS], top, details)
+             for i in range(0, x.shape[0], HEAD_POSITIONS)]
     return TokenStats.cat(parts)
+
+
+def prompt_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: torch.Tensor, *, top: int = 0,
+                 details: bool = False) -> tuple[TokenStats, torch.Tensor]:
+    """A prompt's residual rows x [N + 1, C] -> (token_stats of rows 0..N-1 for targets [N], the logits [V] after
+    the last row): one pass of the head over every row, which a prefill of a few new tokens is dominated by."""
+    n, parts = targets.shape[0], []
+    for i in range(0, n + 1, HEAD_POSITIONS):
+        lg = logits(w, config, x[i : i + HEAD_POSITIONS])  # [m, V]
+        scored = min(lg.shape[0], n - i)  # the chunk's rows that have a target (all but the very last row)
+        parts.append(stats_of(lg[:scored], targets[i : i + scored], top, details))
+    return TokenStats.cat(parts), lg[-1]
+
+
+def stats_of(lg: torch.Tensor, targets: torch.Tensor, top: int, details: bool) -> TokenStats:
+    """Logits [n, V] and their targets [n] -> TokenStats (n may be 0)."""
+    lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
+    chosen = lg.gather(-1, targets[:, None])  # [n, 1]
+    part = TokenStats((chosen - lse)[:, 0])
+    if details or top:
+        part.rank = (lg > chosen).sum(-1)  # [n]
+    if details:
+        lg64 = lg.double()  # a float32 sum over 50,257 terms is off by ~1e-4 nats; float64 is exact enough
+        part.entropy = (torch.logsumexp(lg64, -1) - (torch.softmax(lg64, -1) * lg64).sum(-1)).float()  # lse - E[l]
+    if top:
+        values, part.top_ids = lg.topk(top, dim=-1)  # [n, top]
+        part.top_logprobs = values - lse
+    return part

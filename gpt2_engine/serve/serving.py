@@ -119,12 +119,13 @@ class CompletionRun:
             if c.logprobs is not None:
                 stats = e.prompt_stats
                 self._add_logprob(c, c.prompt[0], None, None, None)
-                for j, t in enumerate(c.prompt[1:]):
-                    top = rank = None
-                    if stats.top_ids is not None:
-                        top = list(zip(stats.top_ids[j].tolist(), stats.top_logprobs[j].tolist()))
-                        rank = int(stats.rank[j])
-                    self._add_logprob(c, t, float(stats.logprob[j]), top, rank)
+                logprobs = stats.logprob.tolist()  # whole tensors to lists once: a prompt may have 1,024 rows
+                tops = ranks = [None] * len(logprobs)
+                if stats.top_ids is not None:
+                    tops = [list(zip(i, v)) for i, v in zip(stats.top_ids.tolist(), stats.top_logprobs.tolist())]
+                    ranks = stats.rank.tolist()
+                for t, lp, top, rank in zip(c.prompt[1:], logprobs, tops, ranks):
+                    self._add_logprob(c, t, lp, top, rank)
             else:
                 c.offset += len(text)
             c.text += text
