@@ -195,6 +195,8 @@ def test_score_reuses_a_shared_preamble_with_the_same_results(trained_model: GPT
 @pytest.mark.parametrize("args, fragment", [
     (["--prefix-cache-mb", "0"], "--prefix-cache-mb must be a positive number of MB, got 0.0"),
     (["--prefix-cache-mb", "64", "--no-prefix-cache"], "--prefix-cache-mb and --no-prefix-cache contradict"),
+    (["--prefix-cache-mb", "0.05"], "--prefix-cache-mb 0.05 holds no block: a block of 16 tokens of this model takes "
+                                    "0.12 MB"),
 ])
 def test_prefix_cache_option_errors(capsys, trained_dir: Path, args: list[str], fragment: str) -> None:
     assert main(["serve", "--weights", str(trained_dir), *args]) == 2
@@ -207,6 +209,13 @@ def test_score_refuses_a_cache_of_no_size(capsys, trained_dir: Path, tmp_path: P
     assert main(["score", str(tmp_path / "doc.txt"), "--weights", str(trained_dir), "--prefix-cache-mb", "-1"]) == 2
     err = capsys.readouterr().err
     assert "prefix cache size must be a positive number of MB, got -1.0" in err and err.count("\n") == 1
+
+
+def test_a_model_that_fails_to_load_ends_gpt2_serve_with_its_error(capsys, trained_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((trained_dir / "config.json").read_text())  # and no weights file
+    assert main(["serve", "--weights", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "gpt2 serve: error: the model failed to load:" in err and "Traceback" not in err
 
 
 def test_a_cache_too_small_for_one_block_is_refused(trained_model: GPT2) -> None:

@@ -39,6 +39,11 @@ BLOCK_TOKENS = 16  # tokens a block: vLLM's default; smaller blocks match more o
 DEFAULT_CAPACITY_MB = 512  # `gpt2 serve`'s default bound: about 6,900 tokens of GPT-2 small
 
 
+def block_mb(config: GPT2Config, block_tokens: int = BLOCK_TOKENS) -> float:
+    """MB a block takes: float32 keys and values of every layer."""
+    return 2 * config.n_layer * config.n_embd * block_tokens * 4 / 2**20
+
+
 @dataclass(eq=False)
 class CachedBlock:
     """One block of a cached prefix: its row in the pool, its parent and children, and its tokens' stats memo."""
@@ -63,13 +68,12 @@ class PrefixCache:
 
     def __init__(self, config: GPT2Config, capacity_mb: float, block_tokens: int = BLOCK_TOKENS) -> None:
         self.config, self.block = config, block_tokens
-        B, hs = block_tokens, config.head_size
-        per_block = 2 * config.n_layer * config.n_head * B * hs * 4  # float32 keys and values
+        per_block = int(block_mb(config, block_tokens) * 2**20)  # bytes
         self.capacity = int(capacity_mb * 2**20) // per_block
         if self.capacity < 1:
-            raise GPT2EngineError(f"a prefix cache of {capacity_mb} MB holds no block: a block of {B} tokens takes "
-                             f"{per_block / 2**20:.2f} MB")
-        shape = (config.n_layer, config.n_head, self.capacity, B, hs)
+            raise GPT2EngineError(f"a prefix cache of {capacity_mb} MB holds no block: a block of {block_tokens} "
+                                  f"tokens takes {per_block / 2**20:.2f} MB")
+        shape = (config.n_layer, config.n_head, self.capacity, block_tokens, config.head_size)
         self.k, self.v = torch.empty(shape), torch.empty(shape)  # [n_layer, nh, blocks, B, hs]: pages touched on use
         self.blocks: OrderedDict[tuple, CachedBlock] = OrderedDict()  # LRU first
         self.free = list(range(self.capacity - 1, -1, -1))

@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..core.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB
+from ..core.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
 from ..options import ModelOptions, add_model_options, load_model
 from .app import ServerSettings, ServerState, ServeError, build_app
 from .engine import EngineSettings, start_engine
@@ -38,14 +38,28 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.is_dir():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights` or pass --weights DIR)")
-    if args.prefix_cache_mb is not None and args.prefix_cache_mb <= 0:
-        raise ServeError(f"--prefix-cache-mb must be a positive number of MB, got {args.prefix_cache_mb} "
-                         "(--no-prefix-cache turns the cache off)")
-    if args.prefix_cache_mb is not None and args.no_prefix_cache:
-        raise ServeError("--prefix-cache-mb and --no-prefix-cache contradict each other: give one")
+    check_prefix_cache(args)
     check_speculation(args)
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
                           args.max_body_bytes)
+
+
+def check_prefix_cache(args: argparse.Namespace) -> None:
+    """--prefix-cache-mb and --no-prefix-cache: one of them, and a bound that holds a block of this model."""
+    from ..core.config import GPT2Config
+    from ..core.weights import CONFIG
+
+    mb = args.prefix_cache_mb
+    if mb is not None and mb <= 0:
+        raise ServeError(f"--prefix-cache-mb must be a positive number of MB, got {mb} (--no-prefix-cache turns the "
+                         "cache off)")
+    if mb is not None and args.no_prefix_cache:
+        raise ServeError("--prefix-cache-mb and --no-prefix-cache contradict each other: give one")
+    if mb is not None and (args.weights / CONFIG).is_file():
+        need = block_mb(GPT2Config.from_json(args.weights / CONFIG))
+        if mb < need:
+            raise ServeError(f"--prefix-cache-mb {mb} holds no block: a block of {BLOCK_TOKENS} tokens of this model "
+                             f"takes {need:.2f} MB")
 
 
 def check_speculation(args: argparse.Namespace) -> None:
@@ -135,14 +149,17 @@ def run_serve(args: argparse.Namespace) -> int:
             self.should_exit = True
 
         async def on_tick(self, counter: int) -> bool:
-            """Also stop when the engine has failed for good: the process exits non-zero for a supervisor."""
-            if state.engine is not None and state.engine.failure is not None:
+            """Also stop when the model failed to load or the engine has failed for good: the process exits
+            non-zero, saying why, for the user or a supervisor."""
+            if state.load_error is not None or (state.engine is not None and state.engine.failure is not None):
                 return True
             return await super().on_tick(counter)
 
     config = uvicorn.Config(build_app(state, load), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     Server(config).run()
+    if state.load_error is not None:
+        raise ServeError(f"the model failed to load: {state.load_error}")
     if state.engine is not None and state.engine.failure is not None:
         raise ServeError(state.engine.failure)
     return 0
