@@ -141,7 +141,8 @@ class PrefixCache:
             if stats is not None and (blk.stats is None or wider(stats, blk.stats)):
                 first = max(lo, 1)  # the first block has no stats for token 0
                 if first >= first_target:
-                    blk.stats = _rows(stats, first - first_target, hi - first_target)
+                    # cat copies: a view would keep the whole run's stats alive as long as the block
+                    blk.stats = TokenStats.cat([stats.rows(first - first_target, hi - first_target)])
             added.append(blk)
             parent = blk
         self._touch(chain + added)
@@ -178,11 +179,6 @@ def wider(new: TokenStats, old: TokenStats) -> bool:
     width = lambda s: 0 if s.top_ids is None else s.top_ids.shape[1]  # noqa: E731
     return width(new) > width(old) or (new.entropy is not None and old.entropy is None) or (
         new.rank is not None and old.rank is None)
-
-
-def _rows(stats: TokenStats, lo: int, hi: int) -> TokenStats:
-    return TokenStats(*(None if t is None else t[lo:hi].clone() for t in
-                        (stats.logprob, stats.rank, stats.entropy, stats.top_ids, stats.top_logprobs)))
 
 
 class Prefilled(NamedTuple):

@@ -137,9 +137,7 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
                            details=settings.details, prefix=prefix)
             # stats row j is the target at local index j + 1: the scored positions [first, end)
             lo, hi = win.first - win.begin - 1, win.end - win.begin - 1
-            d.results[i] = TokenStats(*(None if t is None else t[lo:hi] for t in
-                                        (done.stats.logprob, done.stats.rank, done.stats.entropy, done.stats.top_ids,
-                                         done.stats.top_logprobs)))
+            d.results[i] = done.stats.rows(lo, hi)
             if progress is not None:
                 progress(hi - lo)
 
@@ -162,8 +160,7 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
         offset = 0
         for d, i in jobs:
             n = d.windows[i].end - d.windows[i].first
-            d.results[i] = TokenStats(*(None if t is None else t[offset : offset + n] for t in
-                                        (stats.logprob, stats.rank, stats.entropy, stats.top_ids, stats.top_logprobs)))
+            d.results[i] = stats.rows(offset, offset + n)
             offset += n
         if progress is not None:
             progress(offset)

@@ -24,6 +24,11 @@ class TokenStats:
     top_ids: torch.Tensor | None = None  # [N, k] the k most likely tokens
     top_logprobs: torch.Tensor | None = None  # [N, k]
 
+    def rows(self, lo: int, hi: int) -> TokenStats:
+        """Rows [lo, hi) of every field."""
+        return TokenStats(*(None if t is None else t[lo:hi] for t in
+                            (self.logprob, self.rank, self.entropy, self.top_ids, self.top_logprobs)))
+
     @staticmethod
     def cat(parts: list[TokenStats]) -> TokenStats:
         def join(name: str) -> torch.Tensor | None:
