@@ -53,13 +53,13 @@ bench-serve: install
 bench-inspect: install
 	$(PY) scripts/bench_inspect.py $(ARGS)
 
-# A full training step of GPT-2 small against transformers + autograd + torch's AdamW, and a LoRA / QLoRA step
-# against transformers + peft (about 25 minutes; ARGS="--lora-rows ''" for the full fine-tuning rows alone).
 # lm-eval's requests through gpt2 serve with and without the prefix cache, and gpt2 eval against lm_eval --model hf,
 # on local 400-token multiple-choice and 5-shot tasks (about 15 minutes).
 bench-eval: install
 	$(PY) scripts/bench_eval.py $(ARGS)
 
+# A full training step of GPT-2 small against transformers + autograd + torch's AdamW, and a LoRA / QLoRA step
+# against transformers + peft (about 25 minutes; ARGS="--lora-rows ''" for the full fine-tuning rows alone).
 bench-train: install
 	$(PY) scripts/bench_train.py --out .cache/artifacts/bench-train.json $(ARGS)
 
@@ -69,7 +69,8 @@ bench-train: install
 bench-speculative: install
 	$(PY) scripts/bench_speculative.py $(ARGS)
 
-# The engine beside llama.cpp on the same weights (f32 / q8_0 / q4_0): decode tg128 and prefill pp512, alternating.
+# The engine beside llama.cpp on the same weights (f32 / q8_0 / q4_0 / f16 against float32 / int8 / int4 / bfloat16):
+# decode tg128 and prefill pp512, alternating; ARGS=--serve: gpt2 serve against llama-server -np 8, 1 and 8 clients.
 # Builds llama.cpp once into .cache/llamacpp/ from the llama-cpp-python sdist on PyPI (about 12 minutes).
 bench-llamacpp: install
 	$(PY) scripts/bench_llamacpp.py $(ARGS)

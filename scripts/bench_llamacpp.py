@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """The engine beside llama.cpp on the same weights, in one run (`make bench-llamacpp`).
 
-    python scripts/bench_llamacpp.py [--rounds 3] [--formats f32,q8_0,q4_0] [--threads 2] [--weights DIR]
+    python scripts/bench_llamacpp.py [--rounds 3] [--formats f32,q8_0,q4_0,f16] [--threads 2] [--weights DIR] [--serve]
 
 llama.cpp is built once into the git-ignored cache from the source the `llama-cpp-python` sdist on PyPI ships
 (`pip download --no-binary :all: --no-deps llama-cpp-python==VERSION`, then CMake on its vendor/llama.cpp: the
 targets llama-bench, llama-quantize and llama-server; about 12 minutes on 2 cores). The checkpoint (default: the
 full-size fixture) is converted with llama.cpp's own convert_hf_to_gguf.py to f32, after a copy without the
-`h.N.attn.bias` buffers (its GPT-2 path does not expect them), then quantized by llama-quantize to q8_0 and q4_0.
+`h.N.attn.bias` buffers (its GPT-2 path does not expect them), then quantized by llama-quantize to q8_0, q4_0 and
+f16.
 
-Rows, each format beside the engine's own (f32 / float32, q8_0 / int8, q4_0 / int4), alternating which runs first,
+Rows, each format beside the engine's own (f32 / float32, q8_0 / int8, q4_0 / int4, f16 / bfloat16: the 16-bit
+formats each engine has), alternating which runs first,
 --rounds times, medians: decode at batch 1, 128 tokens after a one-token prompt (llama-bench's tg128; the engine's
 generate_ids timed as t(129) - t(1)), and prefill of 512 tokens (llama-bench's pp512; the engine's prompt of 512
 random ids to its first token). One table, the CPU in its header, ratio = engine / llama.cpp.
@@ -41,7 +43,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "llamacpp"
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp this benchmark builds
 TARGETS = ("llama-bench", "llama-quantize", "llama-server")
-ENGINE_FORMAT = {"f32": None, "q8_0": "int8", "q4_0": "int4"}
+# each llama.cpp format and the engine's counterpart: its name, GPT2.from_pretrained's arguments, gpt2 serve's flags
+ENGINE_FORMAT = {"f32": ("float32", {}, ()),
+                 "q8_0": ("int8", {"quantize": "int8"}, ("--quantize", "int8")),
+                 "q4_0": ("int4", {"quantize": "int4"}, ("--quantize", "int4")),
+                 "f16": ("bfloat16", {"dtype": "bfloat16"}, ("--dtype", "bfloat16"))}
 
 
 def run(cmd: list[str], log: Path | None = None, **kwargs) -> None:
@@ -80,6 +86,12 @@ def gguf_files(weights: Path, bin_dir: Path, src: Path) -> dict[str, Path]:
     files = {fmt: out / f"model-{fmt}.gguf" for fmt in ENGINE_FORMAT}
     if all(f.is_file() for f in files.values()):
         return files
+    if files["f32"].is_file():  # converted before; only a format added since is missing
+        for fmt in ("q8_0", "q4_0", "f16"):
+            if not files[fmt].is_file():
+                run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files[fmt]), fmt.upper()],
+                    out / f"{fmt}.log")
+        return files
     from safetensors.torch import load_file, save_file
 
     plain = out / "hf"  # the checkpoint without the causal-mask buffers convert_hf_to_gguf.py does not expect
@@ -94,7 +106,7 @@ def gguf_files(weights: Path, bin_dir: Path, src: Path) -> dict[str, Path]:
     env = {"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin"}
     run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(plain), "--outtype", "f32", "--outfile",
          str(files["f32"])], out / "convert.log", env=env)
-    for fmt in ("q8_0", "q4_0"):
+    for fmt in ("q8_0", "q4_0", "f16"):
         run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files[fmt]), fmt.upper()], out / f"{fmt}.log")
     shutil.rmtree(plain)
     return files
@@ -159,7 +171,7 @@ def serve_rows(args: argparse.Namespace, weights: Path, bin_dir: Path, files: di
 
     runs: dict[tuple[str, int, str], list[float]] = {}
     for fmt in args.formats.split(","):
-        flags = ("--quantize", ENGINE_FORMAT[fmt]) if ENGINE_FORMAT[fmt] else ()
+        flags = ENGINE_FORMAT[fmt][2]
         with llama_server(bin_dir, files[fmt], args.threads, 8) as llama_url, server(ROOT, weights, 8, flags) as url:
             for r in range(args.rounds):
                 for n in (1, 8):
@@ -177,7 +189,7 @@ def serve_rows(args: argparse.Namespace, weights: Path, bin_dir: Path, files: di
         for n in (1, 8):
             a, b = statistics.median(runs[fmt, n, "llama.cpp"]), statistics.median(runs[fmt, n, "engine"])
             table.append({"format": fmt, "clients": n, "llama.cpp": a, "engine": b, "ratio": b / a})
-            print(f"| {fmt} / {ENGINE_FORMAT[fmt] or 'float32'} | {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+            print(f"| {fmt} / {ENGINE_FORMAT[fmt][0]} | {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
     out = args.out.with_name(args.out.stem + "-serve.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "weights": str(weights), "rows": table}, indent=2) + "\n")
@@ -187,13 +199,17 @@ def serve_rows(args: argparse.Namespace, weights: Path, bin_dir: Path, files: di
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture)")
-    p.add_argument("--formats", default="f32,q8_0,q4_0")
+    p.add_argument("--formats", default="f32,q8_0,q4_0,f16",
+                   help="llama.cpp formats, each beside the engine's own: f32 / float32, q8_0 / int8, q4_0 / int4, "
+                        "f16 / bfloat16 (default: all four)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--serve", action="store_true", help="the servers instead: gpt2 serve against llama-server -np 8")
     p.add_argument("--requests", type=int, default=4, help="requests per client with --serve (default 4)")
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "artifacts" / "bench-llamacpp.json")
     args = p.parse_args()
+    if unknown := set(args.formats.split(",")) - set(ENGINE_FORMAT):
+        p.error(f"--formats: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(ENGINE_FORMAT)}")
     sys.path.insert(0, str(ROOT / "scripts"))
     import fixtures
 
@@ -210,7 +226,7 @@ def main() -> int:
     formats = args.formats.split(",")
     runs: dict[tuple[str, str, str], list[float]] = {}
     for fmt in formats:
-        model = GPT2.from_pretrained(weights, quantize=ENGINE_FORMAT[fmt])
+        model = GPT2.from_pretrained(weights, **ENGINE_FORMAT[fmt][1])
         engine_decode(model, 8)  # kernels built and warm
         sides = {"llama.cpp": {"decode": lambda: llama_bench(bin_dir, files[fmt], args.threads, 0, 128),
                                "prefill": lambda: llama_bench(bin_dir, files[fmt], args.threads, 512, 0)},
@@ -232,8 +248,7 @@ def main() -> int:
             a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, "engine"])
             table.append({"format": fmt, "row": row, "llama.cpp": a, "engine": b, "ratio": b / a,
                           "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", "engine")}})
-            engine_name = ENGINE_FORMAT[fmt] or "float32"
-            print(f"| {fmt} / {engine_name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+            print(f"| {fmt} / {ENGINE_FORMAT[fmt][0]} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "rows": table}, indent=2) + "\n")
     return 0

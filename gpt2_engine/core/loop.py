@@ -67,7 +67,7 @@ class EngineLoop:
 
     def intake(self) -> None:
         """Take every command in the inbox."""
-        while True:
+        while not self.inbox.empty():  # checked first: a get that raises Empty costs more, and this runs every block
             try:
                 self._take(self.inbox.get_nowait())
             except queue.Empty:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .config import GPT2Config
 from .kernels import cpu, decode_kernels
-from .projection import head_logits, lora_rows, project
+from .projection import head_logits, lora_rows, native_projection, project
 from .weights import Block, GPT2Weights, LayerNorm, Linear, QuantizedMatrix, split_qkv
 
 
@@ -255,7 +255,7 @@ class RowLayout:
         for _, _, n in spans[:-1]:
             firsts.append(firsts[-1] + n)
         slots = torch.tensor([slot for slot, _, n in spans for _ in range(n)], dtype=torch.long)
-        positions = torch.cat([torch.arange(start, start + n) for _, start, n in spans])
+        positions = torch.tensor([p for _, start, n in spans for p in range(start, start + n)], dtype=torch.long)
         return cls(spans, firsts, slots, positions)
 
 
@@ -286,6 +286,37 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
         out[:, row : row + n] = merge_heads(attention(qi, keys, values, attention_mask(n, start, None, x.device),
                                                       causal=start == 0))
     return linear(out, blk.attn_c_proj, adapters)  # [1, R, C]
+
+
+def native_block(blk: Block, config: GPT2Config, layer: int) -> Any | None:
+    """Block `blk` (number `layer`) as one native call for the rows of a decode-sized pass: kernels/block.cpp's
+    RowBlock, which does block() around self_attention_segments() on the same row-invariant kernels, with its own
+    layer norm and GELU (see its header). None without the native kernels, or where a weight's format has none."""
+    native = decode_kernels()
+    parts = [native_projection(p) for p in (blk.c_attn, blk.attn_c_proj, blk.c_fc, blk.mlp_c_proj)]
+    norms = [blk.ln_1.weight, blk.ln_1.bias, blk.ln_2.weight, blk.ln_2.bias]
+    if native is None or None in parts or any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
+        return None
+    tensors = [*norms, *(t for part, _ in parts for t in part)]
+    return native.RowBlock(tensors, [bits for _, bits in parts], layer, config.n_head, config.layer_norm_epsilon,
+                           cpu().avx512, cpu().avx512_vnni)
+
+
+def native_head(w: GPT2Weights, config: GPT2Config) -> Any | None:
+    """logits() as one native call for the rows of a decode-sized pass: kernels/block.cpp's RowHead (its own layer
+    norm, then the head's row-invariant kernel). None without the native kernels, or where the head's format or the
+    layer norm's dtype has none."""
+    native, head = decode_kernels(), w.head
+    if native is None or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (w.ln_f.weight, w.ln_f.bias)):
+        return None
+    if isinstance(head, QuantizedMatrix):
+        tensors, bits, vocab = (head.packed, head.scales), head.bits, head.out_features
+    elif head.dtype in (torch.float32, torch.bfloat16) and head.is_contiguous():
+        tensors, bits, vocab = (head, torch.empty(0)), 0, head.shape[0]
+    else:
+        return None
+    return native.RowHead(w.ln_f.weight, w.ln_f.bias, *tensors, bits, vocab, config.layer_norm_epsilon, cpu().avx512,
+                          cpu().avx512_vnni)
 
 
 def mlp(x: torch.Tensor, blk: Block, tap: Tap | None = None, adapters: torch.Tensor | None = None) -> torch.Tensor:
@@ -330,15 +361,19 @@ def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: to
 
 
 EMBED_CHUNK = 32  # token ids a quantized model looks up between releases of wte's pages
+FEW_IDS = 32  # up to this many ids (a decode step's), a quantized model reads wte's rows from the file
 
 
 def embed(w: GPT2Weights, ids: torch.Tensor) -> torch.Tensor:
     """ids [...] -> [..., C] float32 token embeddings (wte rows), whatever the weights' dtype. A quantized model
-    drops the float32 pages this read mapped (GPT2Weights.wte_pages), so that its memory stays the quantized size;
-    it looks up EMBED_CHUNK ids at a time, since each distinct id can map a folio of ~1 MB until the release."""
+    keeps wte's float32 pages out of its memory (GPT2Weights.wte_pages), so that it stays the quantized size: a
+    decode step's few rows are read from the file (FilePages.read_rows); longer inputs go EMBED_CHUNK ids at a time
+    through the mapping, whose pages are then dropped, since each distinct id can map a folio of ~1 MB."""
     if w.wte_pages is None:
         return w.wte[ids].float()  # [..., C]
     flat = ids.reshape(-1)
+    if flat.shape[0] <= FEW_IDS and (rows := w.wte_pages.read_rows(w.wte, flat.tolist())) is not None:
+        return rows.float().view(*ids.shape, -1)
     rows = torch.empty(flat.shape[0], w.wte.shape[1])  # [n, C]
     for i in range(0, flat.shape[0], EMBED_CHUNK):
         rows[i : i + EMBED_CHUNK] = w.wte[flat[i : i + EMBED_CHUNK]]

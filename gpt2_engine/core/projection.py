@@ -23,7 +23,7 @@ import torch
 
 from .kernels import cpu, decode_kernels
 from .quantize import GROUP, PANEL, dequantize, unpack
-from .weights import LoraStack, QuantizedMatrix
+from .weights import Linear, LoraStack, QuantizedMatrix
 
 # Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
 # DECODE_ROWS rows, float32 projections and the head run on the native kernels: every output element is reduced in
@@ -107,6 +107,27 @@ def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix, bias: torch.Ten
     if (flat := split_matmul(x2, w)) is not None:
         return flat + bias
     return torch.addmm(bias, x2, w)
+
+
+def native_projection(p: Linear) -> tuple[list[torch.Tensor], int] | None:
+    """A projection as kernels/block.cpp takes it: [weight, scales, bias, LoRA a, b, scale] (empty tensors where it
+    has no scales or no LoRA) and its bits (0: float32 or bfloat16, read by decode.cpp's kernel; 8 or 4: packed);
+    None where a tensor has no native kernel (another dtype, a strided weight, float64 adapters)."""
+    empty = torch.empty(0)
+    w, lora = p.weight, p.lora
+    if isinstance(w, QuantizedMatrix):
+        tensors, bits = [w.packed, w.scales], w.bits
+    elif w.dtype in NATIVE_DTYPES and w.is_contiguous():
+        tensors, bits = [w, empty], 0
+    else:
+        return None
+    if p.bias is None or p.bias.dtype != torch.float32 or not p.bias.is_contiguous():
+        return None
+    if lora is None:
+        return [*tensors, p.bias, empty, empty, empty], bits
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (lora.a, lora.b, lora.scale)):
+        return None
+    return [*tensors, p.bias, lora.a, lora.b, lora.scale], bits
 
 
 def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tensor:

@@ -11,13 +11,14 @@ same bits whatever else shares the pass, and whichever block it joined the pass 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .config import GPT2Config
-from .model import KVCache, RowLayout, block, embed, logits, self_attention_segments
+from .model import KVCache, RowLayout, block, embed, logits, native_block, native_head, self_attention_segments
 from .prefix import Prefilled, PrefixCache, prefill
+from .projection import DECODE_ROWS
 from .weights import GPT2Weights
 
 
@@ -47,9 +48,28 @@ def adapter_rows(segments: list[Segment]) -> torch.Tensor | None:
     return torch.tensor([0 if s.adapter is None else s.adapter for s in segments for _ in s.ids], dtype=torch.long)
 
 
+NO_ADAPTERS = torch.empty(0, dtype=torch.long)  # RowBlock's `adapters` where no row names one
+
+
+class NativeRows(NamedTuple):
+    """The weights' blocks and head as one native call each (model.native_block, model.native_head): how a pass of
+    up to DECODE_ROWS rows runs. Every such pass runs there, so a row's bits never depend on which path its
+    neighbours took."""
+
+    blocks: list[Any]
+    head: Any
+
+
+def native_rows(w: GPT2Weights, config: GPT2Config) -> NativeRows | None:
+    """NativeRows of these weights, or None where a block or the head has no native call."""
+    blocks = [native_block(b, config, i) for i, b in enumerate(w.blocks)]
+    head = native_head(w, config)
+    return None if None in blocks or head is None else NativeRows(blocks, head)
+
+
 def rows_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, layout: RowLayout,
                cache: KVCache, adapters: torch.Tensor | None = None) -> torch.Tensor:
-    """[1, R, C] -> [1, R, C] through block i, each segment attending within its cache slot."""
+    """[1, R, C] -> [1, R, C] through block i in torch, each segment attending within its cache slot."""
     blk = w.blocks[i]
     return block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout,
                                                                    adapters), adapters=adapters)
@@ -62,12 +82,17 @@ class Pass:
     rows after the others' for the remaining blocks. Rows never mix (row-invariant projections, per-slot attention),
     so they get the bits they would get from the start, and a prompt that arrives mid-pass need not wait for the
     pass to end. `logits()` has `outputs` rows per segment (its last ones), in the order the segments were given
-    and added.
+    and added. Up to DECODE_ROWS rows, each block and the head are one native call (NativeRows); otherwise torch's
+    ops, in inference mode.
     """
 
     @torch.inference_mode()
-    def __init__(self, w: GPT2Weights, config: GPT2Config, cache: KVCache, segments: list[Segment]) -> None:
+    def __init__(self, w: GPT2Weights, config: GPT2Config, cache: KVCache, segments: list[Segment],
+                 native: NativeRows | None = None) -> None:
+        """`native`: the weights' native_rows, built once by the runner (the default builds them for this pass)."""
         self.w, self.config, self.cache = w, config, cache
+        native = native if native is not None else native_rows(w, config)
+        self.native = native if cache.k.is_contiguous() and cache.v.is_contiguous() else None
         self.segments = list(segments)
         self.x, self.layout = embed_rows(w, self.segments)  # [1, R, C]
         self.adapters = adapter_rows(self.segments)  # [R] or None
@@ -89,26 +114,38 @@ class Pass:
         y, layout = embed_rows(self.w, segments)  # [1, R', C]
         adapters = adapter_rows(segments)
         for j in range(self.layer):
-            y = rows_block(self.w, self.config, j, y, layout, self.cache, adapters)
+            y = self._block(j, y, layout, adapters)
         self.segments += segments
         self.x = torch.cat([self.x, y], dim=1)  # [1, R + R', C]
         self.layout = RowLayout.of(self.layout.spans + layout.spans)
         self.adapters = adapter_rows(self.segments)
 
-    @torch.inference_mode()
     def run_block(self) -> None:
         """Run the next block over every row."""
-        self.x = rows_block(self.w, self.config, self.layer, self.x, self.layout, self.cache, self.adapters)
+        self.x = self._block(self.layer, self.x, self.layout, self.adapters)
         self.layer += 1
 
-    @torch.inference_mode()
     def logits(self) -> torch.Tensor:
         """[n, V]: the logits after each segment's last `outputs` rows, segment by segment (every block must have
         run). The head is row-invariant too (projection.head_logits), so a row's logits do not depend on n."""
         assert self.done, "the pass has blocks left to run"
-        ends = torch.tensor([len(s.ids) for s in self.segments]).cumsum(0).tolist()
-        rows = [r for s, end in zip(self.segments, ends) for r in range(end - s.outputs, end)]  # [n]
-        return logits(self.w, self.config, self.x[0, rows])  # [n, V]
+        x = self.x[0]  # [R, C]
+        if any(s.outputs != len(s.ids) for s in self.segments):  # not every row: each segment's last `outputs`
+            ends = torch.tensor([len(s.ids) for s in self.segments]).cumsum(0).tolist()
+            x = x[[r for s, end in zip(self.segments, ends) for r in range(end - s.outputs, end)]]  # [n, C]
+        if self.native is not None and x.shape[0] <= DECODE_ROWS:
+            return self.native.head(x)  # [n, V]
+        with torch.inference_mode():
+            return logits(self.w, self.config, x)  # [n, V]
+
+    def _block(self, i: int, x: torch.Tensor, layout: RowLayout, adapters: torch.Tensor | None) -> torch.Tensor:
+        """[1, R, C] -> [1, R, C] through block i: natively up to DECODE_ROWS rows (no autograd state there, so no
+        inference-mode switch either), else in torch."""
+        if self.native is not None and x.shape[1] <= DECODE_ROWS:
+            rows = NO_ADAPTERS if adapters is None else adapters
+            return self.native.blocks[i](x, self.cache.k, self.cache.v, layout.slots, layout.positions, rows)
+        with torch.inference_mode():
+            return rows_block(self.w, self.config, i, x, layout, self.cache, adapters)
 
 
 def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[Segment], cache: KVCache) -> torch.Tensor:
@@ -127,6 +164,7 @@ class ModelRunner:
                  prefix: PrefixCache | None = None) -> None:
         self.weights, self.config, self.prefix = weights, config, prefix
         self.cache = KVCache.allocate(config, slots, max_len or config.n_positions)  # [n_layer, slots, nh, L, hs]
+        self.native = native_rows(weights, config)
 
     def prefill(self, slot: int, prompt: list[int], *, scored: bool = False, top: int = 0,
                 adapter: int | None = None) -> Prefilled:
@@ -139,4 +177,4 @@ class ModelRunner:
 
     def open(self, segments: list[Segment]) -> Pass:
         """A pass over these segments, before its first block."""
-        return Pass(self.weights, self.config, self.cache, segments)
+        return Pass(self.weights, self.config, self.cache, segments, self.native)

@@ -30,7 +30,7 @@ from .errors import GenerationError
 from .projection import DECODE_ROWS
 from .requests import Request, check_request
 from .runner import Segment
-from .sampling import apply_penalties, choose
+from .sampling import apply_penalties, choose, logsumexp_rows
 from .stats import TokenStats
 from .speculate import PAUSE_TOKENS, Draft, DraftAsk, Speculation, accept, next_k
 from .tokenizer import Detokenizer, Tokenizer
@@ -82,6 +82,9 @@ class Sequence:
             self.seen[request.prompt] = True
         if s.presence_penalty or s.frequency_penalty:  # generated tokens only, as OpenAI counts them
             self.counts = torch.zeros(vocab)
+        # ignore_eos: the logits the sampler reads, <|endoftext|> ruled out, written here at each step rather than
+        # into a fresh copy (an allocation of 200 KB, and its page faults, every token)
+        self.processed = torch.empty(vocab) if request.ignore_eos else None
 
     def segment(self) -> Segment:
         """This sequence's rows in its next pass: the whole prompt from position 0, or its next token (and its
@@ -206,9 +209,7 @@ class Scheduler:
     def update(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
         """Consume a pass's logits [n, V], row i for seqs[i]: choose each next token. A sequence whose sampling fails
         ends with an 'error' event; the others go on."""
-        # row by row, as after_prefill computes it: torch's reduction over [n, V] splits the work over threads by n,
-        # and a logprob's last bits would then depend on what else shared the pass
-        lses = [float(torch.logsumexp(row, -1)) for row in logits]
+        lses = logsumexp_rows(logits)  # row by row, as after_prefill computes it
         out, first = [], 0
         for seq in seqs:
             seg = seq.segment()
@@ -229,7 +230,7 @@ class Scheduler:
         if seq.request.max_new_tokens == 0:
             out = self._finish(seq, "length", Event(None, "", prompt_stats=prompt_stats))
         else:
-            out = self._advance_or_fail(seq, next_logits, float(torch.logsumexp(next_logits, -1)), prompt_stats)
+            out = self._advance_or_fail(seq, next_logits, logsumexp_rows(next_logits[None])[0], prompt_stats)
         out[1].cached_tokens = cached
         return out
 
@@ -277,8 +278,8 @@ class Scheduler:
         """Raw logits [V] -> what the sampler reads: the penalties, and <|endoftext|> ruled out with ignore_eos."""
         r = seq.request
         processed = apply_penalties(raw, r.sampling, seq.seen, seq.counts)
-        if r.ignore_eos:
-            processed = processed.clone() if processed is raw else processed
+        if seq.processed is not None:
+            processed = seq.processed.copy_(processed)
             processed[self.tokenizer.eot_id] = -math.inf
         return processed
 

@@ -35,7 +35,7 @@ from .config import GPT2Config
 from .errors import GenerationError, WeightsError
 from .quantize import FORMATS, quantize_weights
 from .runner import ModelRunner, Segment
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, argmax, probabilities
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import CONFIG, GPT2Weights, load_weights
 
@@ -171,7 +171,7 @@ class ModelDrafter:
             logits = logits.clone()
             logits[list(ask.excluded)] = -torch.inf
         if ask.sampling.greedy:
-            tokens.append(int(logits.argmax()))
+            tokens.append(argmax(logits))
             return
         q = probabilities(logits, ask.sampling)
         tokens.append(int(torch.multinomial(q, 1, generator=ask.generator)))
@@ -193,7 +193,7 @@ def accept(processed: torch.Tensor, params: SamplingParams, drafted: int, q: tor
     its replacement (see the module docstring). q [V]: the distribution `drafted` was drawn from (None: a point
     mass on it)."""
     if params.greedy:
-        return int(processed.argmax())
+        return argmax(processed)
     p = probabilities(processed, params)  # [V]
     q_x = 1.0 if q is None else float(q[drafted])
     if float(torch.rand((), generator=generator)) * q_x < float(p[drafted]):  # u < p(x) / q(x)

@@ -8,8 +8,10 @@ its tensors are used in place, never copied.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
+import os
 import re
 import sys
 import zipfile
@@ -97,6 +99,31 @@ class FilePages:
 
     start: int  # the checked tensor's first byte
     end: int  # one past its last byte
+    path: str = ""  # the mapped file
+    offset: int = 0  # where in it the checked tensor's first byte is
+
+    def read_rows(self, table: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
+        """Rows `ids` of `table` (a contiguous 2-D tensor within the checked one) as [n, C], read from the file with
+        pread instead of through the mapping: nothing gets mapped, so there is nothing to release afterwards (a
+        release and the page fault of the next read cost ~0.3 ms a decode step). None where that cannot be done."""
+        first = table.data_ptr()
+        if not self.path or table.dim() != 2 or not table.is_contiguous() or not self.start <= first < self.end:
+            return None
+        out = torch.empty(len(ids), table.shape[1], dtype=table.dtype)  # [n, C]
+        row_bytes = table.shape[1] * table.element_size()
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            for i, t in enumerate(ids):
+                at = self.offset + first - self.start + t * row_bytes
+                if os.preadv(fd, [view[i * row_bytes : (i + 1) * row_bytes]], at) != row_bytes:
+                    return None
+        finally:
+            os.close(fd)
+        return out
 
     def release(self, tensor: torch.Tensor) -> bool:
         """Drop this process's resident pages under `tensor` (madvise DONTNEED, ~10 us); False, leaving it alone,
@@ -106,8 +133,13 @@ class FilePages:
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or not self.start <= first <= end <= self.end:
             return False
         first = max(self.start - self.start % mmap.PAGESIZE, first - first % mmap.PAGESIZE)
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_DONTNEED) == 0
+        return libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_DONTNEED) == 0
+
+
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The C library, loaded once per process (a dlopen for each madvise cost more than the madvise)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -388,7 +420,7 @@ def file_pages(tensor: torch.Tensor, source: Path) -> FilePages | None:
         if low <= start and end <= high:
             if len(fields) < 6 or fields[5] != target:
                 return None
-            return FilePages(start, end)
+            return FilePages(start, end, target, int(fields[2], 16) + start - low)
     return None
 
 

@@ -33,6 +33,9 @@ constexpr int MR = 4;   // rows of x sharing each load of the weight (register b
 // at the sum of its load and compute times. So it prefetches the next tile's segment of each row as it goes (one
 // tile ahead; two or more measured slower): the 48 projections of GPT-2 small at 8 rows went from 22.5 to 20.1 ms
 // (AVX-512) and from 34.2 to 25.4 ms (AVX2); at 1 or 2 rows nothing changes.
+// At one or two rows the loop does little work per byte, and the hardware prefetchers alone left the two threads
+// reading well below the machine's bandwidth: each pass also asks for its tile's segment of the next KB_FEW rows
+// into L2 (GPT-2 small's 48 projections at 1 row: 12.2 to 10.6 ms, Zen 4).
 constexpr int KB_FEW = 8;
 constexpr int KB_MANY = 128;
 constexpr int VB = 8;   // vocabulary rows per pass of the head
@@ -95,6 +98,9 @@ __attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, c
     if (ahead)
       for (int j = 0; j < int(sizeof(typename W::T)); ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 64) + 64 * j, _MM_HINT_T0);
+    else if (m0 == 0)  // the next pass's segment of this column tile, into L2 (see KB_FEW)
+      for (int j = 0; j < int(sizeof(typename W::T)); ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + KB_FEW) * N + n) + 64 * j, _MM_HINT_T1);
     for (int j = 0; j < 4; ++j) wv[j] = W::load16(w + k * N + n + 16 * j);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
@@ -118,6 +124,9 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
     if (ahead)  // the next tile's part of this weight row, 2 cache lines in float32
       for (int j = 0; j < int(sizeof(typename W::T)) / 2; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 32) + 64 * j, _MM_HINT_T0);
+    else if (m0 == 0)  // as the AVX-512 body
+      for (int j = 0; j < int(sizeof(typename W::T)) / 2; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + KB_FEW) * N + n) + 64 * j, _MM_HINT_T1);
     for (int j = 0; j < 4; ++j) wv[j] = W::load8(w + k * N + n + 8 * j);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_set1_ps(x[(m0 + r) * K + k]);
@@ -193,6 +202,10 @@ constexpr int64_t LINE() { return 64 / sizeof(typename W::T); }
 // other row of the next block; the hardware prefetchers fetch the rest. Every row, or the next block's lines in
 // address order, measured slower. Against no prefetching, on GPT-2 small's head (Zen 4, 2 threads): float32 5.5 to
 // 4.9 ms at 1 row and 8.0 to 6.4 ms at 8 (AVX-512), 11.1 to 8.8 ms at 8 (AVX2); bfloat16 4.3 to 3.2 ms at 1 row.
+// Each row of the block HEAD_AHEAD blocks on is also asked for into L2 (past the end of w, harmlessly): the head is
+// GPT-2's largest matrix (154 MB in float32), and its one stream ran below the machine's bandwidth without it.
+constexpr int64_t HEAD_AHEAD = 8;
+
 template <int NV, typename W>
 inline void prefetch_next(const typename W::T* w, int64_t C, int64_t v0, int64_t c) {
   for (int i = 0; i < NV; i += 2) _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV + i) * C + c), _MM_HINT_T0);
@@ -208,7 +221,11 @@ __attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, co
   for (; c + 16 <= C; c += 16) {
     __m512 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(x + (m0 + r) * C + c);
-    if (m0 == 0 && c % LINE<W>() == 0) prefetch_next<NV, W>(w, C, v0, c);
+    if (m0 == 0 && c % LINE<W>() == 0) {
+      prefetch_next<NV, W>(w, C, v0, c);
+      for (int i = 0; i < NV; ++i)  // and every row of the block HEAD_AHEAD blocks on, into L2
+        _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV * HEAD_AHEAD + i) * C + c), _MM_HINT_T1);
+    }
     for (int i = 0; i < NV; ++i) {
       const __m512 wv = W::load16(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(xs[r], wv, acc[i][r]);
@@ -282,6 +299,8 @@ torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, bool avx5
   return y;
 }
 
+}  // namespace
+
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
 
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
@@ -307,8 +326,6 @@ torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
   return head<F32>(x, w.data_ptr<float>(), w.size(0), avx512);
 }
 
-}  // namespace
-
 // attention.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
@@ -320,6 +337,9 @@ void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits,
 // lora.cpp
 void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
                torch::Tensor y);
+
+// block.cpp
+void bind_row_block(py::module& m);
 
 // training.cpp
 void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double lr, double beta1, double beta2,
@@ -340,5 +360,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("lora_rows", &lora_rows, "y += scale * (x A) B with each row's own adapter, row-invariant (lora.cpp)",
         release());
+  bind_row_block(m);
   m.def("adamw", &adamw, "one AdamW update of a float32 parameter in one pass (training.cpp)", release());
 }

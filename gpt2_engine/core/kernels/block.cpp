@@ -1,0 +1,269 @@
+// One transformer block over the rows of a decode-sized pass, in one call: what model.block() does with
+// self_attention_segments(), on the same row-invariant kernels (decode.cpp, quant.cpp, attention.cpp, lora.cpp).
+//
+//   x = x + attn_c_proj(attention(c_attn(ln_1(x))))        x [R, C]
+//   x = x + mlp_c_proj(gelu(c_fc(ln_2(x))))
+//
+// Why: a decode step of GPT-2 small is ~13 small torch ops per block (layer norms, GELU, residual adds, splits and
+// views around the kernels), each a dispatch, an allocation and for some a wake-up of the thread pool. At batch 1
+// in int8 or int4 they cost a third of the step. Here the same work is one call per block, and the element-wise
+// pieces are short loops in a fixed order: layer norm and GELU reduce or act per row, so a row's bits still do not
+// depend on the other rows (the server's batch invariance). They are not torch's bits (torch's layer norm and tanh
+// are its own), which is why every decode-sized pass runs here, never some on torch and some here.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <vector>
+
+// decode.cpp, quant.cpp, attention.cpp, lora.cpp
+torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
+torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
+torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
+                          int64_t bits, bool vnni);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
+void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
+               torch::Tensor y);
+
+namespace {
+
+// A fixed reduction of 8 lanes (pairwise), the same on every machine these kernels run on.
+__attribute__((target("avx2,fma"))) inline float sum8(__m256 v) {
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// y = (x - mean) / sqrt(var + eps) * w + b over one row of C; mean and (biased) variance in 8 lanes then sum8, the
+// last C % 8 in scalar code. GPT-2's eps is 1e-5.
+__attribute__((target("avx2,fma"))) void layer_norm_row(const float* x, const float* w, const float* b, float* y,
+                                                        int64_t C, float eps) {
+  const int64_t whole = C / 8 * 8;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < whole; c += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + c));
+  float sum = sum8(acc);
+  for (int64_t c = whole; c < C; ++c) sum += x[c];
+  const float mean = sum / static_cast<float>(C);
+  const __m256 m = _mm256_set1_ps(mean);
+  acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < whole; c += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + c), m);
+    acc = _mm256_fmadd_ps(d, d, acc);
+  }
+  float sq = sum8(acc);
+  for (int64_t c = whole; c < C; ++c) sq = __builtin_fmaf(x[c] - mean, x[c] - mean, sq);
+  const float rstd = 1.0f / std::sqrt(sq / static_cast<float>(C) + eps);
+  const __m256 r = _mm256_set1_ps(rstd);
+  for (int64_t c = 0; c < whole; c += 8) {
+    const __m256 n = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + c), m), r);
+    _mm256_storeu_ps(y + c, _mm256_fmadd_ps(n, _mm256_loadu_ps(w + c), _mm256_loadu_ps(b + c)));
+  }
+  for (int64_t c = whole; c < C; ++c) y[c] = __builtin_fmaf((x[c] - mean) * rstd, w[c], b[c]);
+}
+
+// exp(v) for v in [-87, 88] (callers clamp): v = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial
+// (about 1 ulp), times 2^n built in the exponent bits.
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 v) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// GPT-2's GELU, the tanh approximation 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), in place. Since
+// 1 + tanh(u) = 2 / (1 + exp(-2u)), it is x / (1 + exp(-2u)): one exp and one division, and no cancellation where
+// tanh(u) is near -1. -2u is clamped to [-87, 88], where the result is x or a value below 1e-37 |x| anyway.
+__attribute__((target("avx2,fma"))) void gelu_inplace(float* x, int64_t n) {
+  const __m256 k = _mm256_set1_ps(-2.0f * 0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
+  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c, v), _mm256_mul_ps(v, v), v);  // x + 0.044715 x^3
+    const __m256 t = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(k, inner)));  // -2u
+    _mm256_storeu_ps(x + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(t))));
+  }
+  if (i < n) {  // the tail through the same vector code, padded with zeros
+    alignas(32) float tail[8] = {};
+    std::copy(x + i, x + n, tail);
+    gelu_inplace(tail, 8);
+    std::copy(tail, tail + (n - i), x + i);
+  }
+}
+
+// log(sum(exp(x))) over one row of V floats (see logsumexp_rows).
+__attribute__((target("avx2,fma"))) float row_logsumexp(const float* x, int64_t V) {
+  const int64_t whole = V / 32 * 32;
+  __m256 m8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < whole; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  float m = -INFINITY;
+  for (float v : lanes) m = std::max(m, v);
+  for (int64_t i = whole; i < V; ++i) m = std::max(m, x[i]);
+  if (!std::isfinite(m)) return m;  // a row of -inf (nothing possible), or one holding inf or NaN
+  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < whole; i += 32)
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm256_add_ps(acc[j], exp8(_mm256_max_ps(lo, _mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * j), mv))));
+  float sum = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  for (int64_t i = whole; i < V; ++i) sum += std::exp(x[i] - m);
+  return m + std::log(sum);
+}
+
+// One projection's tensors: a float32/bfloat16 weight (K, N), or a packed int8/int4 one with its scales (bits 8/4),
+// the bias, and the LoRA stack (a, b, scale) where it has one.
+struct Projection {
+  torch::Tensor weight, scales, bias, lora_a, lora_b, lora_scale;
+  int64_t bits;  // 0: float32 or bfloat16 (decode.cpp); 8 or 4: packed (quant.cpp)
+
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& index, bool avx512, bool vnni) const {
+    torch::Tensor y = bits ? packed_rows(x, weight, scales, bias, bias.numel(), bits, vnni)
+                           : conv1d_rows(x, weight, bias, avx512);  // [R, N]
+    if (lora_a.defined()) lora_rows(x, lora_a, lora_b, lora_scale, index, y);
+    return y;
+  }
+};
+
+}  // namespace
+
+// The tensors of one block, held once for all the passes (model.native_block builds it).
+// y [R, C] = layer_norm(x [R, C]) row by row.
+static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, float eps, torch::Tensor& y) {
+  const int64_t R = x.size(0), C = x.size(1);
+  for (int64_t r = 0; r < R; ++r)
+    layer_norm_row(x.data_ptr<float>() + r * C, w.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>() + r * C,
+                   C, eps);
+}
+
+class RowBlock {
+ public:
+  // params: ln_1 weight and bias, ln_2 weight and bias, then for c_attn, attn_c_proj, c_fc, mlp_c_proj in turn:
+  // weight, scales (empty: float), bias, lora a, b, scale (empty: none). bits: each projection's (0, 8 or 4).
+  RowBlock(std::vector<torch::Tensor> params, std::vector<int64_t> bits, int64_t layer, int64_t n_head, double eps,
+           bool avx512, bool vnni)
+      : layer_(layer), n_head_(n_head), eps_(static_cast<float>(eps)), avx512_(avx512), vnni_(vnni) {
+    TORCH_CHECK(params.size() == 4 + 4 * 6 && bits.size() == 4, "RowBlock: expected 28 tensors and 4 bit widths");
+    ln_ = {params[0], params[1], params[2], params[3]};
+    for (const auto& t : ln_)
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1, "RowBlock: layer norms must be float32 [C]");
+    for (int j = 0; j < 4; ++j) {
+      const auto* p = params.data() + 4 + 6 * j;
+      TORCH_CHECK(bits[j] == 0 || bits[j] == 8 || bits[j] == 4, "RowBlock: bits must be 0, 8 or 4");
+      proj_[j] = {p[0], p[1], p[2], p[3].numel() ? p[3] : torch::Tensor(), p[4], p[5], bits[j]};
+    }
+  }
+
+  // x [..., R, C] -> the same shape; k_cache, v_cache [n_layer, slots, nh, L, hs] (this block reads and writes its
+  // layer's); slots, positions [R] int64 (each row's cache slot and position); adapters [R] int64 (each row's LoRA
+  // adapter, -1 none), empty: adapter 0 for every row.
+  torch::Tensor operator()(torch::Tensor x_in, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                           torch::Tensor positions, torch::Tensor adapters) const {
+    const int64_t C = ln_[0].numel(), hs = C / n_head_;
+    TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.size(-1) == C, "RowBlock: x must be float32 [..., C]");
+    TORCH_CHECK(k_cache.dim() == 5 && layer_ < k_cache.size(0), "RowBlock: caches must be [n_layer, slots, nh, L, hs]");
+    const torch::Tensor x = x_in.reshape({-1, C}).contiguous();  // [R, C]
+    const int64_t R = x.size(0);
+    const torch::Tensor index = adapters.numel() ? adapters : torch::zeros({R}, slots.options());
+    auto out = torch::empty_like(x);  // [R, C]: the residual stream after this block
+    auto h = torch::empty_like(x);  // [R, C]: a layer norm's output
+    norm(x, ln_[0], ln_[1], h);
+    const torch::Tensor qkv = proj_[0](h, index, avx512_, vnni_);  // [R, 3C]: Q, K, V side by side (split_qkv)
+    const auto heads = [&](int64_t i) { return qkv.narrow(1, i * C, C).reshape({R, n_head_, hs}); };
+    const torch::Tensor a = decode_attention(heads(0), heads(1), heads(2), k_cache[layer_], v_cache[layer_], slots,
+                                             positions, avx512_);
+    add(x, proj_[1](a.view({R, C}), index, avx512_, vnni_), out);  // x + attn
+    norm(out, ln_[2], ln_[3], h);
+    torch::Tensor f = proj_[2](h, index, avx512_, vnni_);  // [R, 4C]
+    gelu_inplace(f.data_ptr<float>(), f.numel());
+    add(out, proj_[3](f, index, avx512_, vnni_), out);  // + mlp
+    return out.view(x_in.sizes());
+  }
+
+ private:
+  void norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, torch::Tensor& y) const {
+    norm_rows(x, w, b, eps_, y);
+  }
+
+  static void add(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& out) {
+    const float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) op[i] = xp[i] + yp[i];
+  }
+
+  std::array<torch::Tensor, 4> ln_;
+  std::array<Projection, 4> proj_;
+  int64_t layer_, n_head_;
+  float eps_;
+  bool avx512_, vnni_;
+};
+
+// The final layer norm and the tied head over the rows of a decode-sized pass: logits [R, V] = ln_f(x) wte^T, with
+// wte (V, C) in float32 or bfloat16 (decode.cpp's dot_rows) or packed int8 as (C, V) (quant.cpp), as model.logits()
+// computes them for these rows, in one call.
+class RowHead {
+ public:
+  RowHead(torch::Tensor ln_w, torch::Tensor ln_b, torch::Tensor head, torch::Tensor scales, int64_t bits, int64_t vocab,
+          double eps, bool avx512, bool vnni)
+      : ln_w_(ln_w), ln_b_(ln_b), head_(head), scales_(scales), bits_(bits), vocab_(vocab),
+        eps_(static_cast<float>(eps)), avx512_(avx512), vnni_(vnni) {
+    TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_b.scalar_type() == at::kFloat && ln_w.is_contiguous() &&
+                    ln_b.is_contiguous(), "RowHead: the layer norm must be float32 [C]");
+    TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "RowHead: bits must be 0, 8 or 4");
+  }
+
+  // x [R, C] -> logits [R, V].
+  torch::Tensor operator()(torch::Tensor x) const {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == ln_w_.numel(), "RowHead: x must be float32 [R, C]");
+    x = x.contiguous();
+    auto h = torch::empty_like(x);  // [R, C]
+    norm_rows(x, ln_w_, ln_b_, eps_, h);
+    if (bits_) return packed_rows(h, head_, scales_, torch::empty({0}, x.options()), vocab_, bits_, vnni_);
+    return dot_rows(h, head_, avx512_);
+  }
+
+ private:
+  torch::Tensor ln_w_, ln_b_, head_, scales_;
+  int64_t bits_, vocab_;
+  float eps_;
+  bool avx512_, vnni_;
+};
+
+// The logsumexp of each row of logits [n, V] (rows may be strided, columns contiguous), each row alone in a fixed
+// order: the max, then the sum of exp(x - max) in 4 x 8 lanes, combined pairwise; max + log(sum). torch's
+// logsumexp splits a row over the threads and took ~60 us for GPT-2's 50,257 logits, most of it thread start-up;
+// this is one thread at ~15 us, and a row's value never depends on the other rows.
+std::vector<double> logsumexp_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (x.size(1) <= 1 || x.stride(1) == 1),
+              "logsumexp_rows: expected float32 [n, V] with contiguous rows");
+  const int64_t n = x.size(0), V = x.size(1);
+  std::vector<double> out(n);
+  for (int64_t r = 0; r < n; ++r) out[r] = row_logsumexp(x.data_ptr<float>() + r * x.stride(0), V);
+  return out;
+}
+
+void bind_row_block(py::module& m) {
+  py::class_<RowBlock>(m, "RowBlock")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, bool, bool>())
+      .def("__call__", &RowBlock::operator(), "x [..., C] -> [..., C] through the block (see block.cpp)",
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<RowHead>(m, "RowHead")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, bool, bool>())
+      .def("__call__", &RowHead::operator(), "x [R, C] -> logits [R, V] (see block.cpp)",
+           py::call_guard<py::gil_scoped_release>());
+  m.def("logsumexp_rows", &logsumexp_rows, "each row's logsumexp, row by row (block.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+}

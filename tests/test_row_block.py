@@ -1,0 +1,120 @@
+"""The native decode path of a pass (kernels/block.cpp): a block and the head as one call each, against model.py's
+torch functions; their row invariance; the per-row logsumexp and argmax the scheduler reads; the quantized model's
+embedding rows read from the file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2_engine import GPT2
+from gpt2_engine.core.kernels import decode_kernels
+from gpt2_engine.core.model import KVCache, RowLayout, embed, logits
+from gpt2_engine.core.runner import NO_ADAPTERS, Pass, Segment, native_rows, rows_block
+from gpt2_engine.core.sampling import argmax, logsumexp_rows
+
+VARIANTS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+
+
+@pytest.fixture(scope="module")
+def models(trained_dir: Path) -> dict[str, GPT2]:
+    assert decode_kernels() is not None, "the native kernels did not build (see the warning above)"
+    return {name: GPT2.from_pretrained(trained_dir, **kwargs) for name, kwargs in VARIANTS.items()}
+
+
+def filled_cache(model: GPT2, slots: int, seed: int) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache.allocate(model.config, slots, 64)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    return cache
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_row_block_matches_the_torch_block(models: dict[str, GPT2], name: str) -> None:
+    """Each block as one native call gives model.block()'s result on the same kernels, to float32 rounding (its layer
+    norm and GELU are its own), and writes the rows' keys and values where the torch block writes them."""
+    model = models[name]
+    w, cfg = model.weights, model.config
+    native = native_rows(w, cfg)
+    assert native is not None
+    layout = RowLayout.of([(2, 7, 1), (0, 0, 3), (1, 30, 2)])  # a decode row, a short prompt, two drafted rows
+    x = torch.randn(1, 6, cfg.n_embd, generator=torch.Generator().manual_seed(1))
+    for i in range(cfg.n_layer):
+        ours, ref = filled_cache(model, 3, i), filled_cache(model, 3, i)
+        got = native.blocks[i](x, ours.k, ours.v, layout.slots, layout.positions, NO_ADAPTERS)  # [1, 6, C]
+        with torch.inference_mode():
+            expected = rows_block(w, cfg, i, x, layout, ref)
+        # measured up to 3.5e-7 of the largest value in the four formats (layer norm and GELU rounding apart)
+        assert got.shape == expected.shape and (got - expected).abs().max() <= 1e-6 * expected.abs().max(), i
+        for a, b in ((ours.k, ref.k), (ours.v, ref.v)):  # the new rows' keys and values (from ln_1's output)
+            assert (a - b).abs().max() <= 2e-7 * b.abs().max(), i  # measured up to 7.8e-8
+            assert torch.equal(a[:, :, :, 40:], b[:, :, :, 40:])  # nothing past the rows' positions is touched
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_row_head_matches_logits(models: dict[str, GPT2], name: str) -> None:
+    model = models[name]
+    w, cfg = model.weights, model.config
+    x = torch.randn(5, cfg.n_embd, generator=torch.Generator().manual_seed(2)) * 3
+    got = native_rows(w, cfg).head(x)  # [5, V]
+    with torch.inference_mode():
+        expected = logits(w, cfg, x)
+    # measured up to 3.9e-7 of the largest logit (the layer norm's rounding)
+    assert got.shape == (5, cfg.vocab_size) and (got - expected).abs().max() <= 1e-6 * expected.abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_rows_logits_do_not_depend_on_its_neighbours(models: dict[str, GPT2], name: str) -> None:
+    """A sequence's logits from a native pass are the same bits alone as among other sequences' rows."""
+    model = models[name]
+    w, cfg = model.weights, model.config
+    prompts = [[464, 2068, 7586], [15496, 11], [40, 716, 257, 3290, 290]]
+    together, alone = KVCache.allocate(cfg, 3, 32), KVCache.allocate(cfg, 3, 32)
+    both = Pass(w, cfg, together, [Segment(s, 0, p) for s, p in enumerate(prompts)])
+    while not both.done:
+        both.run_block()
+    rows = both.logits()  # [3, V]
+    for s, p in enumerate(prompts):
+        one = Pass(w, cfg, alone, [Segment(s, 0, p)])
+        while not one.done:
+            one.run_block()
+        assert torch.equal(one.logits()[0], rows[s])
+
+
+def test_logsumexp_rows_matches_torch() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 50257, generator=g) * 4
+    got = logsumexp_rows(x)
+    expected = torch.logsumexp(x.double(), -1)
+    # measured up to 1.7e-7 of |lse| (~19 here, where a float32 step is 1.9e-6)
+    assert all(abs(a - b) <= 4e-7 * abs(b) for a, b in zip(got, expected.tolist()))
+    strided = torch.randn(50257, 3, generator=g).t()  # rows of a transposed tensor: stride (1, 3)
+    assert logsumexp_rows(strided) == [logsumexp_rows(r[None].contiguous())[0] for r in strided]
+    edge = torch.tensor([[-math.inf] * 40, [0.0] * 39 + [math.nan], [1.0] * 37 + [math.inf] * 3])
+    lse = logsumexp_rows(edge)
+    assert lse[0] == -math.inf and math.isnan(lse[1]) and lse[2] == math.inf
+    assert logsumexp_rows(torch.tensor([[2.5]])) == [2.5]
+
+
+def test_argmax_is_torchs() -> None:
+    """The first of equal largest values, a NaN counting as the largest, as torch.argmax."""
+    assert argmax(torch.tensor([1.0, 3.0, 3.0, -1.0])) == 1
+    assert argmax(torch.tensor([1.0, math.nan, 5.0, math.nan])) == int(torch.tensor([1.0, math.nan, 5.0, math.nan]).argmax())
+    x = torch.randn(50257, 3).t()[1]  # a strided row
+    assert argmax(x) == int(x.argmax())
+
+
+def test_a_quantized_model_reads_its_embedding_rows_from_the_file(models: dict[str, GPT2]) -> None:
+    """A decode step's few ids are read with pread (no pages of the float32 wte get mapped); the rows are wte's."""
+    w = models["int8"].weights
+    assert w.wte_pages is not None and w.wte_pages.path.endswith("model.safetensors")
+    ids = torch.tensor([[0, 464, 50256], [7, 7, 31]])
+    assert torch.equal(w.wte_pages.read_rows(w.wte, ids.view(-1).tolist()), w.wte[ids.view(-1)])
+    assert torch.equal(embed(w, ids), models["float32"].weights.wte[ids])
+    many = torch.arange(100)  # past a decode step: through the mapping, pages released after
+    assert torch.equal(embed(w, many), models["float32"].weights.wte[many])
