@@ -168,7 +168,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
   for (int p = 0; p < NP; ++p) {
     const int64_t c0 = n0 + p * P, n = std::min<int64_t>(P, N - c0);
     const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-    const __m512 bias = _mm512_maskz_loadu_ps(keep, b + c0);
+    const __m512 bias = b ? _mm512_maskz_loadu_ps(keep, b + c0) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N + c0, keep, _mm512_add_ps(acc[r][p], bias));
   }
 }
@@ -243,7 +243,7 @@ __attribute__((target("avx2,f16c,fma"))) void panel_avx2(const QuantX& xq, const
     alignas(32) float out[P];
     _mm256_store_ps(out, acc[r][0]);
     _mm256_store_ps(out + 8, acc[r][1]);
-    for (int c = 0; c < n; ++c) y[(m0 + r) * N + n0 + c] = out[c] + b[n0 + c];
+    for (int c = 0; c < n; ++c) y[(m0 + r) * N + n0 + c] = out[c] + (b ? b[n0 + c] : 0.f);
   }
 }
 
@@ -294,8 +294,7 @@ torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   x = x.contiguous();
   const QuantX xq = quantize_x(x.data_ptr<float>(), M, K);
   auto y = torch::empty({M, N}, x.options());
-  const std::vector<float> zeros(bias.numel() ? 0 : N, 0.f);
-  const float* b = bias.numel() ? bias.data_ptr<float>() : zeros.data();
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;  // none: + 0 (the head has no bias)
   const auto* w = packed.data_ptr<uint8_t>();
   const auto* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (bits == 8)
