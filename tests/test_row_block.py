@@ -5,6 +5,7 @@ embedding rows read from the file."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,7 @@ def test_a_quantized_model_reads_its_embedding_rows_from_the_file(models: dict[s
     assert torch.equal(embed(w, ids), models["float32"].weights.wte[ids])
     many = torch.arange(100)  # past a decode step: through the mapping, pages released after
     assert torch.equal(embed(w, many), models["float32"].weights.wte[many])
+    with pytest.raises(IndexError, match="index 50257 is out of bounds for 50257 rows"):
+        embed(w, torch.tensor([50257]))
+    other = replace(w.wte_pages, inode=(0, 0))  # as if the file on disk were replaced since it was mapped
+    assert other.read_rows(w.wte, [464]) is None

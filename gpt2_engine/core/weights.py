@@ -101,14 +101,19 @@ class FilePages:
     end: int  # one past its last byte
     path: str = ""  # the mapped file
     offset: int = 0  # where in it the checked tensor's first byte is
+    inode: tuple[int, int] = (0, 0)  # (device, inode) of that file when it was checked
 
     def read_rows(self, table: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
         """Rows `ids` of `table` (a contiguous 2-D tensor within the checked one) as [n, C], read from the file with
         pread instead of through the mapping: nothing gets mapped, so there is nothing to release afterwards (a
-        release and the page fault of the next read cost ~0.3 ms a decode step). None where that cannot be done."""
+        release and the page fault of the next read cost ~0.3 ms a decode step). None where that cannot be done,
+        or where the file at `path` is no longer the one mapped (replaced on disk since)."""
         first = table.data_ptr()
         if not self.path or table.dim() != 2 or not table.is_contiguous() or not self.start <= first < self.end:
             return None
+        for t in ids:
+            if not 0 <= t < table.shape[0]:
+                raise IndexError(f"index {t} is out of bounds for {table.shape[0]} rows")
         out = torch.empty(len(ids), table.shape[1], dtype=table.dtype)  # [n, C]
         row_bytes = table.shape[1] * table.element_size()
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")
@@ -117,6 +122,9 @@ class FilePages:
         except OSError:
             return None
         try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.inode:
+                return None
             for i, t in enumerate(ids):
                 at = self.offset + first - self.start + t * row_bytes
                 if os.preadv(fd, [view[i * row_bytes : (i + 1) * row_bytes]], at) != row_bytes:
@@ -420,7 +428,11 @@ def file_pages(tensor: torch.Tensor, source: Path) -> FilePages | None:
         if low <= start and end <= high:
             if len(fields) < 6 or fields[5] != target:
                 return None
-            return FilePages(start, end, target, int(fields[2], 16) + start - low)
+            try:
+                st = os.stat(target)
+            except OSError:
+                return None
+            return FilePages(start, end, target, int(fields[2], 16) + start - low, (st.st_dev, st.st_ino))
     return None
 
 

@@ -140,7 +140,6 @@ struct Projection {
 
 }  // namespace
 
-// The tensors of one block, held once for all the passes (model.native_block builds it).
 // y [R, C] = layer_norm(x [R, C]) row by row.
 static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, float eps, torch::Tensor& y) {
   const int64_t R = x.size(0), C = x.size(1);
@@ -149,6 +148,7 @@ static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, const torc
                    C, eps);
 }
 
+// The tensors of one block, held once for all the passes (model.native_block builds it).
 class RowBlock {
  public:
   // params: ln_1 weight and bias, ln_2 weight and bias, then for c_attn, attn_c_proj, c_fc, mlp_c_proj in turn:
@@ -164,6 +164,7 @@ class RowBlock {
       const auto* p = params.data() + 4 + 6 * j;
       TORCH_CHECK(bits[j] == 0 || bits[j] == 8 || bits[j] == 4, "RowBlock: bits must be 0, 8 or 4");
       proj_[j] = {p[0], p[1], p[2], p[3].numel() ? p[3] : torch::Tensor(), p[4], p[5], bits[j]};
+      lora_ = lora_ || proj_[j].lora_a.defined();
     }
   }
 
@@ -177,7 +178,8 @@ class RowBlock {
     TORCH_CHECK(k_cache.dim() == 5 && layer_ < k_cache.size(0), "RowBlock: caches must be [n_layer, slots, nh, L, hs]");
     const torch::Tensor x = x_in.reshape({-1, C}).contiguous();  // [R, C]
     const int64_t R = x.size(0);
-    const torch::Tensor index = adapters.numel() ? adapters : torch::zeros({R}, slots.options());
+    // each row's adapter, for the projections with LoRA (none: adapter 0 for every row, the single-adapter model)
+    const torch::Tensor index = adapters.numel() || !lora_ ? adapters : torch::zeros({R}, slots.options());
     auto out = torch::empty_like(x);  // [R, C]: the residual stream after this block
     auto h = torch::empty_like(x);  // [R, C]: a layer norm's output
     norm(x, ln_[0], ln_[1], h);
@@ -208,7 +210,7 @@ class RowBlock {
   std::array<Projection, 4> proj_;
   int64_t layer_, n_head_;
   float eps_;
-  bool avx512_, vnni_;
+  bool avx512_, vnni_, lora_ = false;
 };
 
 // The final layer norm and the tied head over the rows of a decode-sized pass: logits [R, V] = ln_f(x) wte^T, with

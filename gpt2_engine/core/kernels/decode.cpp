@@ -249,7 +249,11 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const t
   for (; c + 8 <= C; c += 8) {
     __m256 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (m0 + r) * C + c);
-    if (m0 == 0 && c % LINE<W>() == 0) prefetch_next<NV, W>(w, C, v0, c);
+    if (m0 == 0 && c % LINE<W>() == 0) {
+      prefetch_next<NV, W>(w, C, v0, c);
+      for (int i = 0; i < NV; ++i)  // as the AVX-512 body
+        _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV * HEAD_AHEAD + i) * C + c), _MM_HINT_T1);
+    }
     for (int i = 0; i < NV; ++i) {
       const __m256 wv = W::load8(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(xs[r], wv, acc[i][r]);
