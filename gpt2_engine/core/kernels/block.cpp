@@ -18,7 +18,7 @@
 #include <cmath>
 #include <vector>
 
-// decode.cpp, quant.cpp, attention.cpp, lora.cpp
+// decode.cpp, quant.cpp, attention.cpp (its exp8 too), lora.cpp
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
@@ -27,6 +27,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
 void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
                torch::Tensor y);
+__attribute__((target("avx2,fma"))) __m256 exp8(__m256 v);
 
 namespace {
 
@@ -62,24 +63,6 @@ __attribute__((target("avx2,fma"))) void layer_norm_row(const float* x, const fl
     _mm256_storeu_ps(y + c, _mm256_fmadd_ps(n, _mm256_loadu_ps(w + c), _mm256_loadu_ps(b + c)));
   }
   for (int64_t c = whole; c < C; ++c) y[c] = __builtin_fmaf((x[c] - mean) * rstd, w[c], b[c]);
-}
-
-// exp(v) for v in [-87, 88] (callers clamp): v = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial
-// (about 1 ulp), times 2^n built in the exponent bits.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 v) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // GPT-2's GELU, the tanh approximation 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), in place. Since
