@@ -81,20 +81,24 @@ def llamacpp() -> tuple[Path, Path]:
 
 
 def gguf_files(weights: Path, bin_dir: Path, src: Path) -> dict[str, Path]:
-    """{format: GGUF file} of the checkpoint, converted once into the cache."""
+    """{format: GGUF file} of the checkpoint, each converted once into the cache: f32 by convert_hf_to_gguf.py, the
+    others from it by llama-quantize (a format added since an earlier run is made from the f32 file already there)."""
     out = CACHE / "gguf" / weights.name
     files = {fmt: out / f"model-{fmt}.gguf" for fmt in ENGINE_FORMAT}
-    if all(f.is_file() for f in files.values()):
-        return files
-    if files["f32"].is_file():  # converted before; only a format added since is missing
-        for fmt in ("q8_0", "q4_0", "f16"):
-            if not files[fmt].is_file():
-                run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files[fmt]), fmt.upper()],
-                    out / f"{fmt}.log")
-        return files
+    if not files["f32"].is_file():
+        convert_f32(weights, src, out, files["f32"])
+    for fmt, path in files.items():
+        if fmt != "f32" and not path.is_file():
+            run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(path), fmt.upper()], out / f"{fmt}.log")
+    return files
+
+
+def convert_f32(weights: Path, src: Path, out: Path, target: Path) -> None:
+    """The checkpoint as an f32 GGUF, by llama.cpp's own converter, from a copy without the causal-mask buffers that
+    its GPT-2 path does not expect."""
     from safetensors.torch import load_file, save_file
 
-    plain = out / "hf"  # the checkpoint without the causal-mask buffers convert_hf_to_gguf.py does not expect
+    plain = out / "hf"
     plain.mkdir(parents=True, exist_ok=True)
     tensors = load_file(weights / "model.safetensors")
     buffers = [k for k in tensors if k.split(".")[-2:] in (["attn", "bias"], ["attn", "masked_bias"])]  # not c_attn.bias
@@ -104,12 +108,9 @@ def gguf_files(weights: Path, bin_dir: Path, src: Path) -> dict[str, Path]:
         if f.is_file() and f.suffix in (".json", ".txt"):
             shutil.copy(f, plain / f.name)
     env = {"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin"}
-    run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(plain), "--outtype", "f32", "--outfile",
-         str(files["f32"])], out / "convert.log", env=env)
-    for fmt in ("q8_0", "q4_0", "f16"):
-        run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files[fmt]), fmt.upper()], out / f"{fmt}.log")
+    run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(plain), "--outtype", "f32", "--outfile", str(target)],
+        out / "convert.log", env=env)
     shutil.rmtree(plain)
-    return files
 
 
 def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int) -> float:

@@ -128,7 +128,8 @@ class Pass:
 
     def logits(self) -> torch.Tensor:
         """[n, V]: the logits after each segment's last `outputs` rows, segment by segment (every block must have
-        run). The head is row-invariant too (projection.head_logits), so a row's logits do not depend on n."""
+        run). The head is row-invariant too (NativeRows.head, or projection.head_logits past DECODE_ROWS), so a row's
+        logits do not depend on n."""
         assert self.done, "the pass has blocks left to run"
         x = self.x[0]  # [R, C]
         if any(s.outputs != len(s.ids) for s in self.segments):  # not every row: each segment's last `outputs`

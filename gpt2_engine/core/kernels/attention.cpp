@@ -17,6 +17,7 @@
 #include <vector>
 
 __attribute__((target("avx2,fma"))) __m256 exp8(__m256 v);  // below
+__attribute__((target("avx2,fma"))) float sum8(__m256 v);  // below
 
 namespace {
 
@@ -96,9 +97,7 @@ __attribute__((target("avx2,fma"))) float exp_shifted(float* p, int64_t n, float
     _mm256_storeu_ps(p + j, e);
     acc = _mm256_add_ps(acc, e);
   }
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  float sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  float sum = sum8(acc);
   if (j < n) {  // the tail through the same exp, padded
     alignas(32) float tail[8];
     for (int i = 0; i < 8; ++i) tail[i] = j + i < n ? p[j + i] : m;
@@ -109,6 +108,14 @@ __attribute__((target("avx2,fma"))) float exp_shifted(float* p, int64_t n, float
 }
 
 }  // namespace
+
+// The sum of 8 lanes in a fixed pairwise order, the same on every machine these kernels run on (block.cpp uses it
+// too).
+__attribute__((target("avx2,fma"))) float sum8(__m256 v) {
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
 
 // exp(v) for v in [-87, 88] (callers clamp), 8 lanes at a time; the softmaxes here and in block.cpp (GELU, the
 // logsumexp of a row of logits) use it: v = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial

@@ -18,7 +18,7 @@
 #include <cmath>
 #include <vector>
 
-// decode.cpp, quant.cpp, attention.cpp (its exp8 too), lora.cpp
+// decode.cpp, quant.cpp, attention.cpp (its exp8 and sum8 too), lora.cpp
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
@@ -28,15 +28,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
                torch::Tensor y);
 __attribute__((target("avx2,fma"))) __m256 exp8(__m256 v);
+__attribute__((target("avx2,fma"))) float sum8(__m256 v);
 
 namespace {
-
-// A fixed reduction of 8 lanes (pairwise), the same on every machine these kernels run on.
-__attribute__((target("avx2,fma"))) inline float sum8(__m256 v) {
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
 
 // y = (x - mean) / sqrt(var + eps) * w + b over one row of C; mean and (biased) variance in 8 lanes then sum8, the
 // last C % 8 in scalar code. GPT-2's eps is 1e-5.
