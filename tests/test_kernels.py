@@ -110,11 +110,12 @@ QUANT_SHAPES = [(768, 2304), (3072, 768), (64, 1001), (64, 37)]
 
 
 @pytest.mark.parametrize("vnni", QUANT_PATHS, ids=lambda v: "vnni" if v else "avx2")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("K,N", QUANT_SHAPES)
 def test_packed_rows_equals_the_torch_reference_bit_for_bit(native, vnni: bool, bits: int, K: int, N: int) -> None:
     """The kernel and projection.quantized_reference do the same arithmetic: identical bits, on each path, for 1 to
-    16 rows and for a prefill-sized input (the same kernel serves every row count)."""
+    16 rows and for a prefill-sized input (the same kernel serves every row count; 6 bits read directly below 4
+    rows and widened to 8 bits from 4 up)."""
     from gpt2_engine.core.projection import quantized_reference
     from gpt2_engine.core.quantize import quantize_matrix
 
@@ -131,7 +132,7 @@ def test_packed_rows_equals_the_torch_reference_bit_for_bit(native, vnni: bool, 
     assert torch.equal(no_bias, quantized_reference(x[:2], m, None))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_packed_rows_error_is_the_activation_rounding(native, bits: int) -> None:
     """Against the float product with the dequantized weight, the only difference is rounding each activation to
     its group's int8 step s (|error| <= s / 2): bounded by sum over k of s_group(k) / 2 * |w[k, n]|, plus float32
@@ -151,11 +152,23 @@ def test_packed_rows_error_is_the_activation_rounding(native, bits: int) -> None
     assert (err <= bound).all() and err.max() > 0
 
 
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_dequantize_panels_is_what_the_kernel_multiplies(native, bits: int) -> None:
+    """dequantize_panels (the backward's weight) equals quantize.dequantize, column range by column range."""
+    from gpt2_engine.core.projection import dequantize_columns
+    from gpt2_engine.core.quantize import dequantize, quantize_matrix
+
+    m = quantize_matrix(torch.randn(96, 70, generator=torch.Generator().manual_seed(bits)), bits)
+    full = dequantize(m)
+    for first, end in ((0, 70), (16, 33), (64, 70)):
+        assert torch.equal(dequantize_columns(m, first, end), full[:, first:end]), (first, end)
+
+
 def test_packed_rows_rejects_what_it_does_not_handle(native) -> None:
     from gpt2_engine.core.quantize import quantize_matrix
 
     m = quantize_matrix(torch.randn(64, 32), 4)
-    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+    with pytest.raises(RuntimeError, match="bits must be 8, 6 or 4"):
         native.packed_rows(torch.zeros(1, 64), m.packed, m.scales, torch.zeros(32), 32, 2, False)
     with pytest.raises(RuntimeError, match="do not match"):
         native.packed_rows(torch.zeros(1, 64), m.packed, m.scales, torch.zeros(32), 32, 8, False)

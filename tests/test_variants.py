@@ -17,11 +17,11 @@ from gpt2_engine.core.quantize import dequantize, pack, quantize_groups, quantiz
 from gpt2_engine.core.weights import Linear, QuantizedMatrix
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_quantize_groups_error_is_half_a_step(bits: int) -> None:
-    """Each weight is within half its group's step of its value; the clamped exceptions are int4's +8 (the group's
-    extreme maps to -8 exactly, its opposite can need +8, stored as 7: one step) and int8's values past 127 * d
-    after d is rounded to float16 (a few thousandths of a step more)."""
+    """Each weight is within half its group's step of its value; the clamped exceptions are int4's +8 and int6's +32
+    (the group's extreme maps to the lowest level exactly, its opposite can need one more than the highest: one
+    step) and int8's values past 127 * d after d is rounded to float16 (a few thousandths of a step more)."""
     w = torch.randn(256, 200, generator=torch.Generator().manual_seed(bits)) * 0.1
     q, scales = quantize_groups(w, bits)
     d = scales.float().repeat_interleave(32, dim=0)  # [K, N]
@@ -30,12 +30,13 @@ def test_quantize_groups_error_is_half_a_step(bits: int) -> None:
     if bits == 8:
         assert q.abs().max() == 127 and (err <= d.abs() * 0.503).all()
     else:
-        assert q.min() == -8 and q.max() <= 7
+        low = -8 if bits == 4 else -32
+        assert q.min() == low and q.max() <= -low - 1
         half = err <= d.abs() / 2 + 1e-7
         assert (err <= d.abs() + 1e-7).all() and half.float().mean() > 0.99
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_pack_and_unpack_are_inverse(bits: int) -> None:
     w = torch.randn(64, 37, generator=torch.Generator().manual_seed(0))
     q, scales = quantize_groups(w, bits)

@@ -38,7 +38,7 @@ IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """A (K, N) weight matrix in blockwise int8 or int4 (core/quantize.py makes it; kernels/quant.cpp reads it).
+    """A (K, N) weight matrix in blockwise int8, int6 or int4 (core/quantize.py makes it; kernels/quant.cpp reads it).
 
     Column n's inputs come in groups of 32, each with a float16 scale: W[k, n] = q[k, n] * scales[k // 32, n]. The
     values are stored offset to unsigned and repacked in panels of 16 columns (quantize.pack describes the layout).
@@ -46,7 +46,7 @@ class QuantizedMatrix:
 
     packed: torch.Tensor  # uint8, K * N_padded * bits / 8 bytes
     scales: torch.Tensor  # float16 [N_padded / 16, K / 32, 16]
-    bits: int  # 8 or 4
+    bits: int  # 8, 6 (the int4 models' head) or 4
     in_features: int  # K
     out_features: int  # N
 

@@ -101,11 +101,11 @@ __attribute__((target("avx2,fma"))) float row_logsumexp(const float* x, int64_t 
   return m + std::log(sum);
 }
 
-// One projection's tensors: a float32/bfloat16 weight (K, N), or a packed int8/int4 one with its scales (bits 8/4),
+// One projection's tensors: a float32/bfloat16 weight (K, N), or a packed int8/int6/int4 one with its scales (bits 8/6/4),
 // the bias, and the LoRA stack (a, b, scale) where it has one.
 struct Projection {
   torch::Tensor weight, scales, bias, lora_a, lora_b, lora_scale;
-  int64_t bits;  // 0: float32 or bfloat16 (decode.cpp); 8 or 4: packed (quant.cpp)
+  int64_t bits;  // 0: float32 or bfloat16 (decode.cpp); 8, 6 or 4: packed (quant.cpp)
 
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& index, bool avx512, bool vnni) const {
     torch::Tensor y = bits ? packed_rows(x, weight, scales, bias, bias.numel(), bits, vnni)
@@ -129,7 +129,7 @@ static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, const torc
 class RowBlock {
  public:
   // params: ln_1 weight and bias, ln_2 weight and bias, then for c_attn, attn_c_proj, c_fc, mlp_c_proj in turn:
-  // weight, scales (empty: float), bias, lora a, b, scale (empty: none). bits: each projection's (0, 8 or 4).
+  // weight, scales (empty: float), bias, lora a, b, scale (empty: none). bits: each projection's (0, 8, 6 or 4).
   RowBlock(std::vector<torch::Tensor> params, std::vector<int64_t> bits, int64_t layer, int64_t n_head, double eps,
            bool avx512, bool vnni)
       : layer_(layer), n_head_(n_head), eps_(static_cast<float>(eps)), avx512_(avx512), vnni_(vnni) {
@@ -139,7 +139,7 @@ class RowBlock {
       TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1, "RowBlock: layer norms must be float32 [C]");
     for (int j = 0; j < 4; ++j) {
       const auto* p = params.data() + 4 + 6 * j;
-      TORCH_CHECK(bits[j] == 0 || bits[j] == 8 || bits[j] == 4, "RowBlock: bits must be 0, 8 or 4");
+      TORCH_CHECK(bits[j] == 0 || bits[j] == 8 || bits[j] == 6 || bits[j] == 4, "RowBlock: bits must be 0, 8, 6 or 4");
       proj_[j] = {p[0], p[1], p[2], p[3].numel() ? p[3] : torch::Tensor(), p[4], p[5], bits[j]};
       lora_ = lora_ || proj_[j].lora_a.defined();
     }
@@ -201,7 +201,7 @@ class RowHead {
         eps_(static_cast<float>(eps)), avx512_(avx512), vnni_(vnni) {
     TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_b.scalar_type() == at::kFloat && ln_w.is_contiguous() &&
                     ln_b.is_contiguous(), "RowHead: the layer norm must be float32 [C]");
-    TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "RowHead: bits must be 0, 8 or 4");
+    TORCH_CHECK(bits == 0 || bits == 8 || bits == 6 || bits == 4, "RowHead: bits must be 0, 8, 6 or 4");
   }
 
   // x [R, C] -> logits [R, V].

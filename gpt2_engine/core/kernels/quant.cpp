@@ -1,4 +1,4 @@
-// Decode-sized matmuls against blockwise-quantized weights, in llama.cpp's q8_0 / q4_0 manner: the weights are 8 or
+// Decode-sized matmuls against blockwise-quantized weights, in llama.cpp's q8_0 / q4_0 manner: the weights are 8, 6 or
 // 4 bits with one scale per group of 32 along the input dimension, and each row of activations is quantized to int8
 // per group of 32 as well, so that a group's products are integer dot products (VNNI where the CPU has it).
 //
@@ -10,13 +10,19 @@
 // output columns, each panel one contiguous stream (the prefetchers' best case):
 //   8 bits: panel p, quad j, column c, byte i = u[4j + i, 16p + c]                          (u = w + 128)
 //   4 bits: panel p, octet j, column c, byte i = u[8j + i, 16p + c] | u[8j + 4 + i, 16p + c] << 4   (u = w + 8)
+//   6 bits (u = w + 32; the int4 models' head): per group of 32 inputs, the 4 bits' 4 octets of the low nibbles of
+//           u (256 bytes), then 4 planes of 32 bytes with their top 2 bits: plane j, byte 4c + i holds those of
+//           inputs 8j + i and 8j + 4 + i of columns c (bits 0-1, 4-5) and c + 8 (bits 2-3, 6-7), c < 8
 // so one 32-bit lane holds 4 consecutive inputs of one column: exactly what vpdpbusd multiplies by 4 broadcast
-// activation bytes. Scales are float16 [panels, K / 32, 16]. With a few rows the kernel is bound by the dot
+// activation bytes. A plane broadcast to both halves of a 512-bit register lines each top field up with its nibble's
+// byte, so masks alone (no shifts) split it into dot products of their own, scaled back per lane once per group. Scales are float16 [panels, K / 32, 16]. With a few rows the kernel is bound by the dot
 // products, not the memory: the AVX-512 body works on MR rows x NP panels at once, so each weight load feeds MR
 // rows and each activation broadcast NP panels (8 rows: 15.5 -> 12.6 ms a step of GPT-2 small's int8 matmuls).
+// From MR rows up, 6-bit panels are first widened into the 8-bit layout (u + 96 = w + 128) and run through the 8-bit
+// body: the widening is paid once for all the rows instead of a mask per row.
 //
 // Exactness: within a group the products are summed in int32, which is exact, so the AVX-512 VNNI body, the AVX2 body
-// (maddubs; no VNNI there) and any row count give the same integer. Across groups each lane accumulates
+// (maddubs; no VNNI there), the widened 6 bits and any row count give the same integer. Across groups each lane accumulates
 // acc = fma(float(isum_g), xscale_g * wscale_g, acc) for g = 0, 1, ... in order, then adds the bias: the same float
 // operations in the same order on every path, so the results are identical bits whatever the CPU path or the number
 // of rows (batch invariance). The torch reference (core/projection.py) does the same arithmetic.
@@ -38,6 +44,9 @@ constexpr int NP = 2;    // panels sharing each broadcast of the activations: 16
 // How far ahead (bytes) of a panel's stream each body asks for lines into L2. At one row the loop has little
 // work per byte, and the hardware prefetchers alone left the two threads reading well below the machine's bandwidth.
 constexpr int64_t PREFETCH = 8192;
+// The 6-bit body does twice the dot products per byte of the 4- and 8-bit ones, so it falls further behind its stream
+// between requests: it asks further ahead.
+constexpr int64_t PREFETCH_6 = 12288;
 
 // Activations of one call, quantized per row and group: q = round(x / s), s = max |x| / 127 (s = 0 for a zero group).
 struct QuantX {
@@ -103,16 +112,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
     int64_t m0, int64_t n0) {
   // NP neighbouring panels at once, so that each broadcast of 4 activation bytes feeds NP dot products
   const int64_t groups = K / G, panel_bytes = K * P * BITS / 8, panel_scales = groups * P;
-  constexpr int zero = BITS == 8 ? 128 : 8;
+  constexpr int zero = BITS == 8 ? 128 : BITS == 6 ? 32 : 8;
+  constexpr int64_t ahead = BITS == 6 ? PREFETCH_6 : PREFETCH;
   __m512 acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int64_t g = 0; g < groups; ++g) {
-    if (m0 == 0)  // the first rows' pass fetches each panel PREFETCH bytes ahead into L2 (see PREFETCH)
+    if (m0 == 0)  // the first rows' pass fetches each panel `ahead` bytes ahead into L2 (see PREFETCH)
       for (int p = 0; p < NP; ++p)
         for (int64_t l = 0; l < G * P * BITS / 8; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_bytes + g * G * P * BITS / 8 + PREFETCH + l),
+          _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_bytes + g * G * P * BITS / 8 + ahead + l),
                        _MM_HINT_T1);
     __m512i isum[R][NP];
     for (int r = 0; r < R; ++r)
@@ -128,7 +138,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
           for (int p = 0; p < NP; ++p) isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], u[p], xb);
         }
       }
-    } else {
+    } else if constexpr (BITS == 4) {
       // The high nibbles are multiplied in place (16 u, masked, not shifted) into sums of their own: one
       // instruction fewer per 64 bytes, and two independent chains of dot products instead of one, which at one
       // row is what bounds the loop (each vpdpbusd waits for the previous one's result). 16 sum(u x) is exact in
@@ -152,6 +162,43 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
       }
       for (int r = 0; r < R; ++r)
         for (int p = 0; p < NP; ++p) isum[r][p] = _mm512_add_epi32(isum[r][p], _mm512_srai_epi32(isum_hi[r][p], 4));
+    } else {
+      // 6 bits: u = nibble + 16 top. Four chains: the low and high nibbles as in 4 bits, and the top fields of
+      // each, masked in place from the broadcast plane: the low inputs' top sits at bits 0-1 in lanes 0-7 (x1) and
+      // 2-3 in lanes 8-15 (x4), the high inputs' at 4-5 (x16) and 6-7 (x64). Per group, shifts by lane take each
+      // chain to 16 sum(top x), exactly (|64 * 3 * 127 * 16| < 2^31).
+      const __m512i top_lo = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
+      const __m512i top_hi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(static_cast<char>(0xC0)), 1);
+      __m512i isum_hi[R][NP], tsum_lo[R][NP], tsum_hi[R][NP];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < NP; ++p)
+          isum_hi[r][p] = tsum_lo[r][p] = tsum_hi[r][p] = _mm512_setzero_si512();
+      for (int j = 0; j < G / 8; ++j) {
+        __m512i lo[NP], hi[NP], tl[NP], th[NP];
+        for (int p = 0; p < NP; ++p) {
+          const uint8_t* grp = w + p * panel_bytes + g * (G * P * 6 / 8);
+          const __m512i u = _mm512_loadu_si512(grp + 64 * j);
+          const __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 32 * j)));
+          lo[p] = _mm512_and_si512(u, low), hi[p] = _mm512_and_si512(u, high);
+          tl[p] = _mm512_and_si512(t, top_lo), th[p] = _mm512_and_si512(t, top_hi);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x0 = _mm512_set1_epi32(four(xg[r] + 8 * j)), x1 = _mm512_set1_epi32(four(xg[r] + 8 * j + 4));
+          for (int p = 0; p < NP; ++p) {
+            isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], lo[p], x0);
+            isum_hi[r][p] = _mm512_dpbusd_epi32(isum_hi[r][p], hi[p], x1);
+            tsum_lo[r][p] = _mm512_dpbusd_epi32(tsum_lo[r][p], tl[p], x0);
+            tsum_hi[r][p] = _mm512_dpbusd_epi32(tsum_hi[r][p], th[p], x1);
+          }
+        }
+      }
+      const __m512i up = _mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(2), 1);    // x1, x4 -> x16
+      const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(2), 1);  // x16, x64 -> x16
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < NP; ++p) {
+          const __m512i top = _mm512_add_epi32(_mm512_sllv_epi32(tsum_lo[r][p], up), _mm512_srav_epi32(tsum_hi[r][p], down));
+          isum[r][p] = _mm512_add_epi32(_mm512_add_epi32(isum[r][p], _mm512_srai_epi32(isum_hi[r][p], 4)), top);
+        }
     }
     for (int p = 0; p < NP; ++p) {
       const __m512 wscale =
@@ -173,9 +220,38 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
   }
 }
 
+// Half h (columns 8h..8h+7) of a 6-bit octet: its nibble bytes u and the octet's plane t -> the u of its low inputs
+// (8j + i) and of its high ones (8j + 4 + i), each < 64: the nibble with its top field moved to bits 4-5.
+__attribute__((target("avx2"))) inline void six_bits(__m256i u, __m256i t, int h, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m256i tl = h == 0 ? _mm256_slli_epi16(t, 4) : _mm256_slli_epi16(t, 2);  // bits 0-1 or 2-3 -> 4-5
+  const __m256i th = h == 0 ? t : _mm256_srli_epi16(t, 2);                        // bits 4-5 or 6-7 -> 4-5
+  lo = _mm256_or_si256(_mm256_and_si256(u, low), _mm256_and_si256(tl, top));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u, 4), low), _mm256_and_si256(th, top));
+}
+
+// One panel of 6-bit weights in the 8-bit layout (u + 96 = w + 128): group g's octet j holds quads 2j (its low
+// inputs) and 2j + 1 (its high ones), byte for byte in the same lanes.
+__attribute__((target("avx2"))) void widen_panel(const uint8_t* src, uint8_t* dst, int64_t K) {
+  const __m256i offset = _mm256_set1_epi8(96);
+  for (int64_t g = 0; g < K / G; ++g, src += G * P * 6 / 8, dst += G * P) {
+    for (int64_t l = 0; l < G * P * 6 / 8; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH + l), _MM_HINT_T1);
+    for (int j = 0; j < G / 8; ++j) {
+      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256 + 32 * j));
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo, hi;
+        six_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j + 32 * h)), t, h, lo, hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 128 * j + 32 * h), _mm256_add_epi8(lo, offset));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 128 * j + 64 + 32 * h), _mm256_add_epi8(hi, offset));
+      }
+    }
+  }
+}
+
 // ---- AVX2: the same panel as two halves of 8 columns; maddubs (u8 x s8 -> pairs in int16) then madd -> int32 ------
 
-// 8 lanes of sum over 4 bytes of u * x. 4-bit weights: u <= 15, so the int16 pairs cannot saturate. 8-bit weights are
+// 8 lanes of sum over 4 bytes of u * x. 4- and 6-bit weights: u <= 63, so the int16 pairs cannot saturate. 8-bit weights are
 // taken back to signed w = u - 128 and multiplied as |w| * (x with w's sign): |w| <= 127, |x| <= 127, no saturation.
 template <int BITS>
 __attribute__((target("avx2,fma"))) inline __m256i dot4(__m256i u, __m256i x) {
@@ -194,14 +270,15 @@ __attribute__((target("avx2,f16c,fma"))) void panel_avx2(const QuantX& xq, const
                                                           int64_t n0) {
   const int64_t groups = K / G;
   // the 8-bit body multiplies signed weights directly: no zero point to take off
-  constexpr int zero = BITS == 8 ? 0 : 8;
+  constexpr int zero = BITS == 8 ? 0 : BITS == 6 ? 32 : 8;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     if (m0 == 0)  // as the AVX-512 body
       for (int64_t l = 0; l < G * P * BITS / 8; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + g * G * P * BITS / 8 + PREFETCH + l), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + g * G * P * BITS / 8 + (BITS == 6 ? PREFETCH_6 : PREFETCH) + l),
+                     _MM_HINT_T1);
     __m256i isum[R][2];
     for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
     const int8_t* xg[R];
@@ -217,10 +294,15 @@ __attribute__((target("avx2,f16c,fma"))) void panel_avx2(const QuantX& xq, const
       }
     } else {
       for (int j = 0; j < G / 8; ++j) {
-        const uint8_t* p = w + (g * (G / 8) + j) * 64;
+        const uint8_t* p = BITS == 4 ? w + (g * (G / 8) + j) * 64 : w + g * (G * P * 6 / 8) + 64 * j;
         for (int h = 0; h < 2; ++h) {
           const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
-          const __m256i lo = _mm256_and_si256(u, low), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+          __m256i lo, hi;
+          if constexpr (BITS == 6)
+            six_bits(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * (G * P * 6 / 8) + 256 + 32 * j)), h,
+                     lo, hi);
+          else
+            lo = _mm256_and_si256(u, low), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
           for (int r = 0; r < R; ++r) {
             isum[r][h] = _mm256_add_epi32(isum[r][h], dot4<4>(lo, _mm256_set1_epi32(four(xg[r] + 8 * j))));
             isum[r][h] = _mm256_add_epi32(isum[r][h], dot4<4>(hi, _mm256_set1_epi32(four(xg[r] + 8 * j + 4))));
@@ -247,29 +329,45 @@ __attribute__((target("avx2,f16c,fma"))) void panel_avx2(const QuantX& xq, const
   }
 }
 
+// `count` (<= NP) neighbouring panels from panel p, at w and ws, for all M rows.
+template <int BITS>
+void run_set(const QuantX& xq, const uint8_t* w, const uint16_t* ws, const float* b, float* y, int64_t M, int64_t K,
+             int64_t N, int64_t p, int64_t count, bool vnni) {
+  const int64_t panel_bytes = K * P * BITS / 8, panel_scales = K / G * P;
+  int64_t m0 = 0;
+  if (vnni && count == NP) {
+    if constexpr (BITS != 6)  // 6 bits come here below MR rows only (run_panels)
+      for (; m0 + MR <= M; m0 += MR) panel_vnni<MR, NP, BITS>(xq, w, ws, b, y, K, N, m0, p * P);
+    for (; m0 < M; ++m0) panel_vnni<1, NP, BITS>(xq, w, ws, b, y, K, N, m0, p * P);
+    return;
+  }
+  for (int64_t q = 0; q < count; ++q) {
+    const uint8_t* wq = w + q * panel_bytes;
+    const uint16_t* sq = ws + q * panel_scales;
+    if (vnni) {
+      for (m0 = 0; m0 < M; ++m0) panel_vnni<1, 1, BITS>(xq, wq, sq, b, y, K, N, m0, (p + q) * P);
+    } else {
+      for (m0 = 0; m0 + 2 <= M; m0 += 2) panel_avx2<2, BITS>(xq, wq, sq, b, y, K, N, m0, (p + q) * P);
+      if (m0 < M) panel_avx2<1, BITS>(xq, wq, sq, b, y, K, N, m0, (p + q) * P);
+    }
+  }
+}
+
 template <int BITS>
 void run_panels(const QuantX& xq, const uint8_t* w, const uint16_t* ws, const float* b, float* y, int64_t M,
                 int64_t K, int64_t N, bool vnni) {
   const int64_t panels = (N + P - 1) / P;
   const int64_t panel_bytes = K * P * BITS / 8, panel_scales = K / G * P;
+  const bool widen = BITS == 6 && M >= MR;  // see the header
   at::parallel_for(0, (panels + NP - 1) / NP, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> wide(widen ? NP * K * P : 0);
     for (int64_t p = begin * NP; p < std::min(end * NP, panels); p += NP) {
-      const uint8_t* wp = w + p * panel_bytes;
-      const uint16_t* sp = ws + p * panel_scales;
-      int64_t m0 = 0;
-      if (vnni && p + NP <= panels) {
-        for (; m0 + MR <= M; m0 += MR) panel_vnni<MR, NP, BITS>(xq, wp, sp, b, y, K, N, m0, p * P);
-        for (; m0 < M; ++m0) panel_vnni<1, NP, BITS>(xq, wp, sp, b, y, K, N, m0, p * P);
-      } else if (vnni) {
-        for (int64_t q = p; q < panels; ++q)
-          for (m0 = 0; m0 < M; ++m0)
-            panel_vnni<1, 1, BITS>(xq, w + q * panel_bytes, ws + q * panel_scales, b, y, K, N, m0, q * P);
+      const int64_t count = std::min<int64_t>(NP, panels - p);
+      if (widen) {
+        for (int64_t q = 0; q < count; ++q) widen_panel(w + (p + q) * panel_bytes, wide.data() + q * K * P, K);
+        run_set<8>(xq, wide.data(), ws + p * panel_scales, b, y, M, K, N, p, count, vnni);
       } else {
-        for (int64_t q = p; q < std::min(p + NP, panels); ++q) {
-          for (m0 = 0; m0 + 2 <= M; m0 += 2)
-            panel_avx2<2, BITS>(xq, w + q * panel_bytes, ws + q * panel_scales, b, y, K, N, m0, q * P);
-          if (m0 < M) panel_avx2<1, BITS>(xq, w + q * panel_bytes, ws + q * panel_scales, b, y, K, N, m0, q * P);
-        }
+        run_set<BITS>(xq, w + p * panel_bytes, ws + p * panel_scales, b, y, M, K, N, p, count, vnni);
       }
     }
   });
@@ -281,7 +379,7 @@ void run_panels(const QuantX& xq, const uint8_t* w, const uint16_t* ws, const fl
 // (the head has none): y [M, N] float32. vnni: the AVX-512 VNNI body, else the AVX2 one.
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni) {
-  TORCH_CHECK(bits == 8 || bits == 4, "packed_rows: bits must be 8 or 4");
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 4, "packed_rows: bits must be 8, 6 or 4");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf &&
                   bias.scalar_type() == at::kFloat, "packed_rows: expected float32 x and bias, uint8 packed, float16 scales");
   TORCH_CHECK(x.dim() == 2 && bias.dim() == 1, "packed_rows: expected x [M, K] and bias [N]");
@@ -299,6 +397,8 @@ torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const auto* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (bits == 8)
     run_panels<8>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
+  else if (bits == 6)
+    run_panels<6>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
   else
     run_panels<4>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
   return y;
@@ -311,7 +411,7 @@ torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // rows kilobytes apart, one TLB miss per 64 bytes. Groups are split over threads.
 void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits, int64_t K, int64_t p0, int64_t p1,
                        torch::Tensor out) {
-  TORCH_CHECK(bits == 8 || bits == 4, "dequantize_panels: bits must be 8 or 4");
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 4, "dequantize_panels: bits must be 8, 6 or 4");
   TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && out.scalar_type() == at::kFloat &&
                   packed.is_contiguous() && scales.is_contiguous() && out.is_contiguous(),
               "dequantize_panels: expected contiguous uint8 packed, float16 scales and float32 out");
@@ -323,8 +423,10 @@ void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits,
   const auto* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* o = out.data_ptr<float>();
   const int64_t width = (p1 - p0) * P, panel_bytes = K * P * bits / 8, group_bytes = G * P * bits / 8;
-  // a lane of 4 bytes per column holds 4 inputs (8 bits) or 8 inputs (4 bits: low nibbles first, then high)
+  // a lane of 4 bytes per column holds 4 inputs (8 bits) or 8 inputs (4 and 6 bits: low nibbles first, then high;
+  // 6 bits add each one's top 2 bits from the octet's plane, see the header)
   const int64_t per_lane = bits == 8 ? 4 : 8;
+  const int zero = bits == 8 ? 128 : bits == 6 ? 32 : 8;
   at::parallel_for(0, K / G, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g) {
       for (int64_t p = p0; p < p1; ++p) {
@@ -343,8 +445,13 @@ void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits,
               float* high = row + 4 * width;
               for (int c = 0; c < P; ++c) {
                 const uint8_t u = lane[c * 4 + i];
-                row[c] = static_cast<float>(static_cast<int>(u & 0x0F) - 8) * s[c];
-                high[c] = static_cast<float>(static_cast<int>(u >> 4) - 8) * s[c];
+                int top_lo = 0, top_hi = 0;
+                if (bits == 6) {
+                  const uint8_t t = src[256 + 32 * j + 4 * (c % 8) + i];
+                  top_lo = (t >> (c < 8 ? 0 : 2)) & 3, top_hi = (t >> (c < 8 ? 4 : 6)) & 3;
+                }
+                row[c] = static_cast<float>(static_cast<int>(u & 0x0F) + 16 * top_lo - zero) * s[c];
+                high[c] = static_cast<float>(static_cast<int>(u >> 4) + 16 * top_hi - zero) * s[c];
               }
             }
           }
