@@ -226,6 +226,66 @@ def test_decode_attention_matches_torch_and_ignores_the_other_rows(native, isa: 
         native.decode_attention(q[:1], kn[:1], vn[:1], k, v, torch.tensor([5]), torch.tensor([3]), isa == "avx512")
 
 
+@pytest.mark.skipif(not cpu().avx512, reason="the prefill attention kernel is AVX-512 (torch's kernel elsewhere)")
+@pytest.mark.parametrize("B,T,S", [(1, 1, 1), (2, 17, 17), (1, 37, 50), (1, 130, 130), (1, 16, 300)])
+def test_prefill_attention_matches_causal_softmax(native, B: int, T: int, S: int) -> None:
+    """A prompt's causal attention, T queries at the last T of S positions, read straight from strided views (q
+    from the fused Q/K/V projection's output, k and v from a cache longer than S): each query's output equals
+    softmax(q k^T / 8) v over the keys up to its own position, in float64, to float32 rounding (~1e-7 measured; torch's
+    fused kernel is as far from it), and the result comes back with the heads merged."""
+    g = torch.Generator().manual_seed(T + S)
+    qkv = torch.randn(B, T, 3 * 768, generator=g)
+    q = qkv[..., :768].view(B, T, 12, 64).transpose(1, 2)  # [B, nh, T, hs], rows 2304 floats apart
+    cache = torch.randn(2, B, 12, S + 9, 64, generator=g)
+    k, v = cache[0, :, :, :S], cache[1, :, :, :S]  # [B, nh, S, hs]
+    out = native.prefill_attention(q, k, v)
+    assert out.shape == (B, T, 12, 64) and out.is_contiguous()
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    scores = (q.double() @ k.double().transpose(-1, -2) / 8).masked_fill(~mask, -torch.inf)
+    ref = (torch.softmax(scores, -1) @ v.double()).transpose(1, 2)  # [B, T, nh, hs]
+    assert (out.double() - ref).abs().max() < 2e-6
+    if S == T:  # torch's fused kernel: what the model ran before
+        fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        assert (out - fused).abs().max() < 2e-6
+
+
+@pytest.mark.skipif(not cpu().avx512, reason="the prefill attention kernel is AVX-512")
+def test_prefill_attention_rejects_what_it_does_not_handle(native) -> None:
+    q = torch.zeros(1, 2, 4, 64)
+    with pytest.raises(RuntimeError, match="S >= T"):
+        native.prefill_attention(q, torch.zeros(1, 2, 3, 64), torch.zeros(1, 2, 3, 64))
+    with pytest.raises(RuntimeError, match=r"\[B, nh, T, 64\]"):
+        native.prefill_attention(torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32))
+    with pytest.raises(RuntimeError, match="float32"):
+        native.prefill_attention(q.double(), q.double(), q.double())
+    with pytest.raises(RuntimeError, match="hs must be contiguous"):
+        t = torch.zeros(1, 2, 64, 4).transpose(2, 3)
+        native.prefill_attention(t, t, t)
+
+
+def test_gelu_is_the_tanh_form_and_the_decode_steps(native) -> None:
+    """model.gelu on a prompt's activations: GPT-2's tanh form 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), against
+    the latter in float64 (the former cancels in float64 too where tanh(u) is near -1): within 2e-6 relative where
+    the value passes 1e-3 (1e-6 measured), and 1e-9 absolute below (9e-10 measured; torch's float32 kernel is
+    4e-7 absolute off the same reference, this one 5e-7). Elementwise, so any slice has the bits the same values get
+    alone (a decode step's rows)."""
+    import math
+
+    from gpt2_engine.core.model import gelu
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 3072, generator=g) * 4
+    x[0, :4] = torch.tensor([0.0, -30.0, 30.0, 1e-30])
+    y = gelu(x)
+    xd = x.double()
+    ref = xd / (1 + torch.exp(-2 * math.sqrt(2 / math.pi) * (xd + 0.044715 * xd**3)))
+    err, big = (y.double() - ref).abs(), ref.abs() > 1e-3
+    assert (err[big] <= 2e-6 * ref.abs()[big]).all() and (err[~big] <= 1e-9).all()
+    assert y[0, 0] == 0 and y[0, 2] == 30.0 and -1e-30 < y[0, 1] <= 0
+    assert torch.equal(gelu(x[7:8, 5:77]), y[7:8, 5:77])
+    assert torch.equal(native.gelu(x[:, ::2]), y[:, ::2])  # strided input: copied first
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(),
                     reason="the loaded libgomp is read from /proc/self/maps, which only Linux has")
 def test_kernels_share_torchs_openmp_runtime(native) -> None:
@@ -250,9 +310,12 @@ def test_kernels_give_the_same_bits_on_any_number_of_threads(native) -> None:
 
     def run() -> list[torch.Tensor]:
         k, v = kc.clone(), vc.clone()
-        return [native.conv1d_rows(x, w, b, cpu().avx512), native.dot_rows(x, head, cpu().avx512),
-                native.packed_rows(x, m.packed, m.scales, b, 2304, 4, cpu().avx512_vnni),
-                native.decode_attention(q, kn, vn, k, v, slots, starts, cpu().avx512)]
+        out = [native.conv1d_rows(x, w, b, cpu().avx512), native.dot_rows(x, head, cpu().avx512),
+               native.packed_rows(x, m.packed, m.scales, b, 2304, 4, cpu().avx512_vnni),
+               native.decode_attention(q, kn, vn, k, v, slots, starts, cpu().avx512), native.gelu(w)]
+        if cpu().avx512:
+            out.append(native.prefill_attention(kc[:, :, :33], kc, vc))  # [3, 12, 33 of 40, 64]: S > T
+        return out
 
     threads = torch.get_num_threads()
     try:

@@ -111,7 +111,12 @@ def lm_head(x: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tens
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's GELU is the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), not the erf form."""
+    """GPT-2's GELU is the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), not the erf form.
+    The native kernel's (kernels/block.cpp, what a decode step's blocks compute) where it applies: float32 with
+    nothing to differentiate; elsewhere torch's."""
+    native = decode_kernels()
+    if native is not None and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
+        return native.gelu(x)
     return F.gelu(x, approximate="tanh")
 
 
@@ -157,14 +162,27 @@ def query_blocks(T: int, S: int) -> list[tuple[int, int, int]]:
     return [(i, min(i + QUERY_BLOCK, T), S - T + min(i + QUERY_BLOCK, T)) for i in range(0, T, QUERY_BLOCK)]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs), causal) v for a whole sequence: q, k, v [B, nh, T, hs] -> [B, nh, T, hs]. The
+    native kernel (kernels/attention.cpp) where it applies: AVX-512, float32, head size 64, nothing to differentiate;
+    it returns the heads merged ([B, T, nh, hs]), so the result here is a transposed view and merge_heads copies
+    nothing. Elsewhere torch's fused flash-attention kernel."""
+    native = decode_kernels()
+    if (native is not None and cpu().avx512 and q.shape[-1] == 64
+            and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (q, k, v))
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return native.prefill_attention(q, k, v).transpose(1, 2)  # [B, nh, T, hs]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               tap: Tap | None = None, causal: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs), masked) v: q [B, nh, T, hs], k and v [B, nh, S, hs] -> [B, nh, T, hs].
 
     The T new queries are the last T of the S positions. `causal` says that mask is nothing but the causal mask of
-    a whole sequence (S = T, no padding): that case, a prompt or a scoring window, runs in torch's fused
-    flash-attention kernel, which never writes the [T, S] scores and skips the blocks above the diagonal (at 1,024
-    tokens it takes a third of the time of the explicit form below; rows agree with it to ~1e-7). Every other case,
+    a whole sequence (S = T, no padding): that case, a prompt or a scoring window, runs in causal_attention, which
+    never writes the [T, S] scores and skips the blocks above the diagonal (at 1,024 tokens torch's fused kernel
+    takes a third of the time of the explicit form below; rows agree with it to ~1e-7). Every other case,
     and any hook on the scores or the pattern, is the explicit form. A long prompt there goes in blocks of queries
     (query_blocks): half the work of a causal prefill, and each block's scores fit in cache.
     """
@@ -177,7 +195,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         return tapped_attention(q, k, v, mask, tap, fused and not edited)
     if fused:
         assert T == S, "causal attention is for a whole sequence: as many keys as queries"
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
+        return causal_attention(q, k, v)  # [B, nh, T, hs]
     if T <= QUERY_BLOCK:
         return attention_weights(q, k, mask) @ v  # [B, nh, T, hs]
     out = torch.empty_like(q)
@@ -192,7 +210,7 @@ def tapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """attention() with hook points `attn.hook_attn_scores` and `attn.hook_pattern`, each the whole [B, nh, T, S]
     (scores a block does not compute are masked ones: the dtype's minimum, weights 0). The blocks are the same as
     attention()'s explicit form, on the same values, so the output is the same bits; a hook's replacement is used
-    as it is. `fused` (the points are only recorded): the output is the fused kernel's, as attention() gives it."""
+    as it is. `fused` (the points are only recorded): the output is causal_attention's, as attention() gives it."""
     T, S = q.shape[2], k.shape[2]
     blocks = query_blocks(T, S)
     scores = q.new_full((q.shape[0], q.shape[1], T, S), torch.finfo(q.dtype).min)  # [B, nh, T, S]
@@ -204,7 +222,7 @@ def tapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         pattern[:, :, i:j, :keys] = softmax(scores[:, :, i:j, :keys].contiguous())
     pattern = tap("attn.hook_pattern", pattern)
     if fused:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
+        return causal_attention(q, k, v)  # [B, nh, T, hs]
     out = torch.empty_like(q)  # [B, nh, T, hs]
     for i, j, keys in blocks:
         out[:, :, i:j] = pattern[:, :, i:j, :keys].contiguous() @ v[:, :, :keys]

@@ -62,7 +62,7 @@ __attribute__((target("avx2,fma"))) void layer_norm_row(const float* x, const fl
 // GPT-2's GELU, the tanh approximation 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), in place. Since
 // 1 + tanh(u) = 2 / (1 + exp(-2u)), it is x / (1 + exp(-2u)): one exp and one division, and no cancellation where
 // tanh(u) is near -1. -2u is clamped to [-87, 88], where the result is x or a value below 1e-37 |x| anyway.
-__attribute__((target("avx2,fma"))) void gelu_inplace(float* x, int64_t n) {
+__attribute__((target("avx2,fma"))) void gelu_to(const float* x, float* y, int64_t n) {
   const __m256 k = _mm256_set1_ps(-2.0f * 0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
   const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), one = _mm256_set1_ps(1.0f);
   int64_t i = 0;
@@ -70,15 +70,17 @@ __attribute__((target("avx2,fma"))) void gelu_inplace(float* x, int64_t n) {
     const __m256 v = _mm256_loadu_ps(x + i);
     const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c, v), _mm256_mul_ps(v, v), v);  // x + 0.044715 x^3
     const __m256 t = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(k, inner)));  // -2u
-    _mm256_storeu_ps(x + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(t))));
+    _mm256_storeu_ps(y + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(t))));
   }
   if (i < n) {  // the tail through the same vector code, padded with zeros
     alignas(32) float tail[8] = {};
     std::copy(x + i, x + n, tail);
-    gelu_inplace(tail, 8);
-    std::copy(tail, tail + (n - i), x + i);
+    gelu_to(tail, tail, 8);
+    std::copy(tail, tail + (n - i), y + i);
   }
 }
+
+void gelu_inplace(float* x, int64_t n) { gelu_to(x, x, n); }
 
 // log(sum(exp(x))) over one row of V floats (see logsumexp_rows).
 __attribute__((target("avx2,fma"))) float row_logsumexp(const float* x, int64_t V) {
@@ -234,6 +236,22 @@ std::vector<double> logsumexp_rows(torch::Tensor x) {
   return out;
 }
 
+// GELU of a whole tensor (a prompt's MLP), the same function as the blocks' above: elementwise, split over the
+// threads in chunks, so each element's bits are those of a decode step's. torch's tanh form took about as long
+// as a prompt's layer norms, residual adds and bias copies together.
+torch::Tensor gelu(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gelu: float32 only");
+  x = x.contiguous();
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t chunk = 16384;
+  at::parallel_for(0, (x.numel() + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) gelu_to(xp + i * chunk, yp + i * chunk, std::min(chunk, x.numel() - i * chunk));
+  });
+  return y;
+}
+
 void bind_row_block(py::module& m) {
   py::class_<RowBlock>(m, "RowBlock")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, bool, bool>())
@@ -245,4 +263,5 @@ void bind_row_block(py::module& m) {
            py::call_guard<py::gil_scoped_release>());
   m.def("logsumexp_rows", &logsumexp_rows, "each row's logsumexp, row by row (block.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gelu", &gelu, "GPT-2's GELU (tanh form) of a float32 tensor (block.cpp)", py::call_guard<py::gil_scoped_release>());
 }

@@ -333,6 +333,7 @@ torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
 // attention.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v);
 // quant.cpp
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
@@ -357,6 +358,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order", release());
   m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order", release());
   m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",
+        release());
+  m.def("prefill_attention", &prefill_attention, "a prompt's causal attention, AVX-512, hs 64 (attention.cpp)",
         release());
   m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)",
         release());
