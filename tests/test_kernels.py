@@ -47,6 +47,24 @@ def test_conv1d_rows_matches_torch_and_is_row_invariant(native, isa: str, K: int
         assert torch.equal(native.conv1d_rows(x[m - 1 : m], w, b, isa == "avx512")[0], full[m - 1]), m
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("offset", [1, 4, 15])
+def test_conv1d_rows_gives_the_same_bits_for_weights_off_a_cache_line(native, isa: str, offset: int) -> None:
+    """Weights used in place from a memory-mapped file can start anywhere past a 4-byte boundary; from 3 rows the
+    AVX-512 passes then realign their tiles, with masked tiles at both ends of each thread's columns. Every element is
+    still one chain in k order: the bits of the same weights at an aligned address, at every row count."""
+    g = torch.Generator().manual_seed(offset)
+    for K, N in ((96, 2304), (64, 192)):  # many tiles a thread; one tile a thread (only the masked ones)
+        aligned = torch.randn(K, N, generator=g)
+        shifted = torch.empty(K * N + 16)[offset : offset + K * N].view(K, N)
+        shifted.copy_(aligned)
+        assert shifted.data_ptr() % 64 == 4 * offset % 64 and aligned.data_ptr() % 64 == 0
+        b, x = torch.randn(N, generator=g), torch.randn(DECODE_ROWS, K, generator=g)
+        for m in (1, 2, 3, 4, 8, 13, DECODE_ROWS):
+            assert torch.equal(native.conv1d_rows(x[:m], shifted, b, isa == "avx512"),
+                               native.conv1d_rows(x[:m], aligned, b, isa == "avx512")), (N, m)
+
+
 def test_conv1d_rows_is_the_same_on_both_instruction_sets(native) -> None:
     if len(ISAS) < 2:
         pytest.skip("this CPU has AVX2 only; the AVX-512 path is checked on machines that have it")

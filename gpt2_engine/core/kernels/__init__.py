@@ -1,14 +1,14 @@
 """Native kernels and the CPU facts that choose them.
 
 decode.cpp holds float32/bfloat16 matmuls for decode-sized inputs whose results do not depend on the number of rows;
-quant.cpp the blockwise int8/int4 matmul with integer dot products; attention.cpp one decode step's attention over
-many cache slots; block.cpp a whole block (and the final layer norm with the head) of a decode-sized pass as one
-call on those kernels, and the per-row logsumexp the sampler reads; training.cpp the optimizer's one-pass AdamW update; lora.cpp
-the per-row LoRA term of multi-adapter passes (see their headers). All are compiled on first use,
-as one module, by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from there
-afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the build fails, one
-warning line says so and the model runs on torch's kernels (correct; float32 decoding is then not batch-invariant,
-and the quantized reference is slow).
+quant.cpp the blockwise int8/int6/int4 matmul with integer dot products; attention.cpp one decode step's attention
+over many cache slots, and a prompt's causal attention; block.cpp a whole block (and the final layer norm with the
+head) of a decode-sized pass as one call on those kernels, and the per-row logsumexp the sampler reads; training.cpp
+the optimizer's one-pass AdamW update; lora.cpp the per-row LoRA term of multi-adapter passes (see their headers).
+All are compiled on first use, as one module, by torch's cpp_extension (with ninja) into torch's extension cache,
+and loaded from there afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the
+build fails, one warning line says so and the model runs on torch's kernels (correct; float32 decoding is then not
+batch-invariant, and the quantized reference is slow).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -31,8 +32,9 @@ constexpr int MR = 4;   // rows of x sharing each load of the weight (register b
 // multiply-adds in k order, so the pass length never changes a bit.
 // A long pass reads 128 short row segments, too many streams for the hardware prefetchers, and from memory it ran
 // at the sum of its load and compute times. So it prefetches the next tile's segment of each row as it goes (one
-// tile ahead; two or more measured slower): the 48 projections of GPT-2 small at 8 rows went from 22.5 to 20.1 ms
-// (AVX-512) and from 34.2 to 25.4 ms (AVX2); at 1 or 2 rows nothing changes.
+// tile ahead; two or more measured slower), into L2: a tile is 32 KB, and asked into L1 the lines waited on L1's few
+// miss buffers and evicted the tile being computed, which left the pass near the sum of the two times again. Into
+// L2 the loads and the multiply-adds overlap: at 4 to 8 rows the projections run near the bandwidth of one row.
 // At one or two rows the loop does little work per byte, and the hardware prefetchers alone left the two threads
 // reading well below the machine's bandwidth: each pass also asks for its tile's segment of the next KB_FEW rows
 // into L2 (GPT-2 small's 48 projections at 1 row: 12.2 to 10.6 ms, Zen 4).
@@ -97,7 +99,7 @@ __attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, c
     // the next tile's part of this weight row, 4 cache lines in float32 (past the end of w a prefetch is harmless)
     if (ahead)
       for (int j = 0; j < int(sizeof(typename W::T)); ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 64) + 64 * j, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 64) + 64 * j, _MM_HINT_T1);
     else if (m0 == 0)  // the next pass's segment of this column tile, into L2 (see KB_FEW)
       for (int j = 0; j < int(sizeof(typename W::T)); ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (k + KB_FEW) * N + n) + 64 * j, _MM_HINT_T1);
@@ -123,7 +125,7 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
     __m256 wv[4];
     if (ahead)  // the next tile's part of this weight row, 2 cache lines in float32
       for (int j = 0; j < int(sizeof(typename W::T)) / 2; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 32) + 64 * j, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 32) + 64 * j, _MM_HINT_T1);
     else if (m0 == 0)  // as the AVX-512 body
       for (int j = 0; j < int(sizeof(typename W::T)) / 2; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (k + KB_FEW) * N + n) + 64 * j, _MM_HINT_T1);
@@ -137,15 +139,70 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + (m0 + r) * N + n + 8 * j, a[r][j]);
 }
 
+// The same chains for `width` <= 16 J columns from n, with masked loads and stores (float32 weights, from 3 rows).
+template <int R, int J>
+__attribute__((target("avx512f,fma"))) inline void edge_avx512(const float* x, const float* w, float* y, int64_t K,
+                                                               int64_t N, int64_t m0, int64_t n, int64_t width,
+                                                               int64_t k0, int64_t kn) {
+  __mmask16 mask[J];
+  for (int j = 0; j < J; ++j) {
+    const int64_t left = std::clamp<int64_t>(width - 16 * j, 0, 16);
+    mask[j] = static_cast<__mmask16>((1u << left) - 1);
+  }
+  __m512 a[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) a[r][j] = _mm512_maskz_loadu_ps(mask[j], y + (m0 + r) * N + n + 16 * j);
+  for (int64_t k = k0; k < k0 + kn; ++k) {
+    __m512 wv[J];
+    for (int j = 0; j < 4; ++j)  // the next tile's part of this row, as tile_avx512's passes do
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + width) + 64 * j, _MM_HINT_T1);
+    for (int j = 0; j < J; ++j) wv[j] = _mm512_maskz_loadu_ps(mask[j], w + k * N + n + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
+      for (int j = 0; j < J; ++j) a[r][j] = _mm512_fmadd_ps(xv, wv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) _mm512_mask_storeu_ps(y + (m0 + r) * N + n + 16 * j, mask[j], a[r][j]);
+}
+
+template <int R>
+inline void edge(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n, int64_t width,
+                 int64_t k0, int64_t kn) {
+  switch ((width + 15) / 16) {
+    case 1: edge_avx512<R, 1>(x, w, y, K, N, m0, n, width, k0, kn); break;
+    case 2: edge_avx512<R, 2>(x, w, y, K, N, m0, n, width, k0, kn); break;
+    case 3: edge_avx512<R, 3>(x, w, y, K, N, m0, n, width, k0, kn); break;
+    default: edge_avx512<R, 4>(x, w, y, K, N, m0, n, width, k0, kn); break;
+  }
+}
+
+// From 3 rows on the multiply-adds keep the loads busy, and a 64-byte load that straddles two cache lines costs two
+// (a memory-mapped safetensors file aligns a tensor to 8 bytes at best, so float32 weights used in place often sit
+// mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
+// columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
+// boundary.
 template <typename W>
 __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const typename W::T* w, float* y,
                                                            int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
   const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
-  for (int64_t k0 = 0; k0 < K; k0 += kb)
-    for (int64_t n = c0; n < c1; n += 64)
+  int64_t lead = 0;
+  if constexpr (std::is_same_v<W, F32>)
+    if (kb == KB_MANY) lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w + c0) % 64) % 64 / 4);
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t kn = std::min<int64_t>(kb, K - k0);
+    int64_t n = c0 + lead;
+    if constexpr (std::is_same_v<W, F32>)
+      if (lead)
+        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, c0, lead, k0, kn); });
+    for (; n + 64 <= c1; n += 64)
       for_rows(M, [&](auto R, int64_t m0) {
-        tile_avx512<decltype(R)::value, W>(x, w, y, K, N, m0, n, k0, std::min<int64_t>(kb, K - k0), kb == KB_MANY);
+        tile_avx512<decltype(R)::value, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY);
       });
+    if constexpr (std::is_same_v<W, F32>)
+      if (n < c1)
+        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, n, c1 - n, k0, kn); });
+  }
 }
 
 template <typename W>
