@@ -182,6 +182,30 @@ inline void edge(const float* x, const float* w, float* y, int64_t K, int64_t N,
 // mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
 // columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
 // boundary.
+// tile_avx2's chains for `width` < 32 columns from n, with masked loads and stores (float32 weights, from 3 rows).
+template <int R>
+__attribute__((target("avx2,fma"))) void edge_avx2(const float* x, const float* w, float* y, int64_t K, int64_t N,
+                                                   int64_t m0, int64_t n, int64_t width, int64_t k0, int64_t kn) {
+  __m256i mask[4];
+  for (int j = 0; j < 4; ++j)
+    mask[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(width - 8 * j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_maskload_ps(y + (m0 + r) * N + n + 8 * j, mask[j]);
+  for (int64_t k = k0; k < k0 + kn; ++k) {
+    __m256 wv[4];
+    for (int j = 0; j < 2; ++j)  // the next tile's part of this row, as tile_avx2's passes do
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + width) + 64 * j, _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) wv[j] = _mm256_maskload_ps(w + k * N + n + 8 * j, mask[j]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[(m0 + r) * K + k]);
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_maskstore_ps(y + (m0 + r) * N + n + 8 * j, mask[j], a[r][j]);
+}
+
 template <typename W>
 __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const typename W::T* w, float* y,
                                                            int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
@@ -209,13 +233,26 @@ template <typename W>
 __attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const typename W::T* w, float* y, int64_t M,
                                                       int64_t K, int64_t N, int64_t c0, int64_t c1) {
   const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
+  int64_t lead = 0;  // as the AVX-512 body: from 3 rows, tiles start at the rows' first 64-byte boundary
+  if constexpr (std::is_same_v<W, F32>)
+    if (kb == KB_MANY) lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w + c0) % 64) % 64 / 4);
   for (int64_t k0 = 0; k0 < K; k0 += kb) {
     const int64_t kn = std::min<int64_t>(kb, K - k0);
-    for (int64_t n = c0; n < c1; n += 32) {
+    const auto edge = [&](int64_t n, int64_t width) {
+      if constexpr (std::is_same_v<W, F32>) {
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2) edge_avx2<2>(x, w, y, K, N, m0, n, width, k0, kn);
+        if (m0 < M) edge_avx2<1>(x, w, y, K, N, m0, n, width, k0, kn);
+      }
+    };
+    if (lead) edge(c0, lead);
+    int64_t n = c0 + lead;
+    for (; n + 32 <= c1; n += 32) {
       int64_t m0 = 0;
       for (; m0 + 2 <= M; m0 += 2) tile_avx2<2, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY);
       if (m0 < M) tile_avx2<1, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY);
     }
+    if (n < c1) edge(n, c1 - n);
   }
 }
 
