@@ -244,7 +244,7 @@ def test_decode_attention_matches_torch_and_ignores_the_other_rows(native, isa: 
         native.decode_attention(q[:1], kn[:1], vn[:1], k, v, torch.tensor([5]), torch.tensor([3]), isa == "avx512")
 
 
-@pytest.mark.skipif(not cpu().avx512, reason="the prefill attention kernel is AVX-512 (torch's kernel elsewhere)")
+@pytest.mark.skipif(not cpu().avx512, reason="this CPU has no AVX-512: prompts run in torch's fused attention kernel here, which the parity tests cover")
 @pytest.mark.parametrize("B,T,S", [(1, 1, 1), (2, 17, 17), (1, 37, 50), (1, 130, 130), (1, 16, 300)])
 def test_prefill_attention_matches_causal_softmax(native, B: int, T: int, S: int) -> None:
     """A prompt's causal attention, T queries at the last T of S positions, read straight from strided views (q
@@ -267,7 +267,7 @@ def test_prefill_attention_matches_causal_softmax(native, B: int, T: int, S: int
         assert (out - fused).abs().max() < 2e-6
 
 
-@pytest.mark.skipif(not cpu().avx512, reason="the prefill attention kernel is AVX-512")
+@pytest.mark.skipif(not cpu().avx512, reason="this CPU has no AVX-512, so the prompt attention kernel is never called here")
 def test_prefill_attention_rejects_what_it_does_not_handle(native) -> None:
     q = torch.zeros(1, 2, 4, 64)
     with pytest.raises(RuntimeError, match="S >= T"):
@@ -302,6 +302,11 @@ def test_gelu_is_the_tanh_form_and_the_decode_steps(native) -> None:
     assert y[0, 0] == 0 and y[0, 2] == 30.0 and -1e-30 < y[0, 1] <= 0
     assert torch.equal(gelu(x[7:8, 5:77]), y[7:8, 5:77])
     assert torch.equal(native.gelu(x[:, ::2]), y[:, ::2])  # strided input: copied first
+    out = torch.empty_like(x)  # the training step's buffer
+    gelu(x, out)
+    assert torch.equal(out, y)
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor of x's shape"):
+        native.gelu(x, torch.empty(3))
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(),

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .model import split_heads
+from .model import gelu, split_heads
 from .projection import dequantize_columns, project
 from .weights import LayerNorm, Linear, QuantizedMatrix
 
@@ -130,8 +130,8 @@ GELU_A = 0.044715
 
 
 def gelu_forward(x: torch.Tensor, out: torch.Tensor) -> None:
-    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh form (model.gelu's kernel)."""
-    torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh form: model.gelu, into the step's buffer."""
+    gelu(x, out)
 
 
 def gelu_backward(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Tensor) -> None:

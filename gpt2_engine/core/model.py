@@ -110,14 +110,17 @@ def lm_head(x: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tens
     return flat.view(*x.shape[:-1], flat.shape[-1])
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
+def gelu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """GPT-2's GELU is the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), not the erf form.
     The native kernel's (kernels/block.cpp, what a decode step's blocks compute) where it applies: float32 with
-    nothing to differentiate; elsewhere torch's."""
+    nothing to differentiate; elsewhere torch's. Written into `out` where given (the training step's buffer)."""
     native = decode_kernels()
-    if native is not None and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
-        return native.gelu(x)
-    return F.gelu(x, approximate="tanh")
+    if (native is not None and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad)
+            and (out is None or (out.dtype == torch.float32 and out.is_contiguous()))):
+        return native.gelu(x, out)
+    if out is None:
+        return F.gelu(x, approximate="tanh")
+    return torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
 
 
 def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -237,12 +237,14 @@ std::vector<double> logsumexp_rows(torch::Tensor x) {
 }
 
 // GELU of a whole tensor (a prompt's MLP), the same function as the blocks' above: elementwise, split over the
-// threads in chunks, so each element's bits are those of a decode step's. torch's tanh form took about as long
-// as a prompt's layer norms, residual adds and bias copies together.
-torch::Tensor gelu(torch::Tensor x) {
+// threads in chunks, so each element's bits are those of a decode step's; one exp and a division where torch's
+// kernel evaluates tanh.
+torch::Tensor gelu(torch::Tensor x, std::optional<torch::Tensor> out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gelu: float32 only");
   x = x.contiguous();
-  auto y = torch::empty_like(x);
+  auto y = out ? *out : torch::empty_like(x);
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.sizes() == x.sizes(),
+              "gelu: out must be a contiguous float32 tensor of x's shape");
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t chunk = 16384;
@@ -263,5 +265,6 @@ void bind_row_block(py::module& m) {
            py::call_guard<py::gil_scoped_release>());
   m.def("logsumexp_rows", &logsumexp_rows, "each row's logsumexp, row by row (block.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("gelu", &gelu, "GPT-2's GELU (tanh form) of a float32 tensor (block.cpp)", py::call_guard<py::gil_scoped_release>());
+  m.def("gelu", &gelu, "GPT-2's GELU (tanh form) of a float32 tensor, into out where given (block.cpp)", py::arg("x"),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -15,17 +15,18 @@
 //           inputs 8j + i and 8j + 4 + i of columns c (bits 0-1, 4-5) and c + 8 (bits 2-3, 6-7), c < 8
 // so one 32-bit lane holds 4 consecutive inputs of one column: exactly what vpdpbusd multiplies by 4 broadcast
 // activation bytes. A plane broadcast to both halves of a 512-bit register lines each top field up with its nibble's
-// byte, so masks alone (no shifts) split it into dot products of their own, scaled back per lane once per group. Scales are float16 [panels, K / 32, 16]. With a few rows the kernel is bound by the dot
-// products, not the memory: the AVX-512 body works on MR rows x NP panels at once, so each weight load feeds MR
-// rows and each activation broadcast NP panels (8 rows: 15.5 -> 12.6 ms a step of GPT-2 small's int8 matmuls).
+// byte, so masks alone (no shifts) split it into dot products of their own, scaled back per lane once per group.
+// Scales are float16 [panels, K / 32, 16]. With a few rows the kernel is bound by the dot products, not the memory:
+// the AVX-512 body works on MR rows x NP panels at once, so each weight load feeds MR rows and each activation
+// broadcast NP panels (8 rows: 15.5 -> 12.6 ms a step of GPT-2 small's int8 matmuls).
 // From MR rows up, 6-bit panels are first widened into the 8-bit layout (u + 96 = w + 128) and run through the 8-bit
 // body: the widening is paid once for all the rows instead of a mask per row.
 //
 // Exactness: within a group the products are summed in int32, which is exact, so the AVX-512 VNNI body, the AVX2 body
-// (maddubs; no VNNI there), the widened 6 bits and any row count give the same integer. Across groups each lane accumulates
-// acc = fma(float(isum_g), xscale_g * wscale_g, acc) for g = 0, 1, ... in order, then adds the bias: the same float
-// operations in the same order on every path, so the results are identical bits whatever the CPU path or the number
-// of rows (batch invariance). The torch reference (core/projection.py) does the same arithmetic.
+// (maddubs; no VNNI there), the widened 6 bits and any row count give the same integer. Across groups each lane
+// accumulates acc = fma(float(isum_g), xscale_g * wscale_g, acc) for g = 0, 1, ... in order, then adds the bias: the
+// same float operations in the same order on every path, so the results are identical bits whatever the CPU path or the
+// number of rows (batch invariance). The torch reference (core/projection.py) does the same arithmetic.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -251,8 +252,9 @@ __attribute__((target("avx2"))) void widen_panel(const uint8_t* src, uint8_t* ds
 
 // ---- AVX2: the same panel as two halves of 8 columns; maddubs (u8 x s8 -> pairs in int16) then madd -> int32 ------
 
-// 8 lanes of sum over 4 bytes of u * x. 4- and 6-bit weights: u <= 63, so the int16 pairs cannot saturate. 8-bit weights are
-// taken back to signed w = u - 128 and multiplied as |w| * (x with w's sign): |w| <= 127, |x| <= 127, no saturation.
+// 8 lanes of sum over 4 bytes of u * x. 4- and 6-bit weights: u <= 63, so the int16 pairs cannot saturate. 8-bit
+// weights are taken back to signed w = u - 128 and multiplied as |w| * (x with w's sign): |w| <= 127, |x| <= 127, no
+// saturation.
 template <int BITS>
 __attribute__((target("avx2,fma"))) inline __m256i dot4(__m256i u, __m256i x) {
   const __m256i ones = _mm256_set1_epi16(1);
