@@ -177,18 +177,14 @@ inline void edge(const float* x, const float* w, float* y, int64_t K, int64_t N,
   }
 }
 
-// From 3 rows on the multiply-adds keep the loads busy, and a 64-byte load that straddles two cache lines costs two
-// (a memory-mapped safetensors file aligns a tensor to 8 bytes at best, so float32 weights used in place often sit
-// mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
-// columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
-// boundary.
 // tile_avx2's chains for `width` < 32 columns from n, with masked loads and stores (float32 weights, from 3 rows).
 template <int R>
 __attribute__((target("avx2,fma"))) void edge_avx2(const float* x, const float* w, float* y, int64_t K, int64_t N,
                                                    int64_t m0, int64_t n, int64_t width, int64_t k0, int64_t kn) {
   __m256i mask[4];
   for (int j = 0; j < 4; ++j)
-    mask[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(width - 8 * j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    mask[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(width - 8 * j)),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = _mm256_maskload_ps(y + (m0 + r) * N + n + 8 * j, mask[j]);
@@ -206,6 +202,11 @@ __attribute__((target("avx2,fma"))) void edge_avx2(const float* x, const float* 
     for (int j = 0; j < 4; ++j) _mm256_maskstore_ps(y + (m0 + r) * N + n + 8 * j, mask[j], a[r][j]);
 }
 
+// From 3 rows on the multiply-adds keep the loads busy, and a 64-byte load that straddles two cache lines costs two
+// (a memory-mapped safetensors file aligns a tensor to 8 bytes at best, so float32 weights used in place often sit
+// mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
+// columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
+// boundary.
 template <typename W>
 __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const typename W::T* w, float* y,
                                                            int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
