@@ -11,7 +11,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test generate demo weights compare bench bench-serve bench-inspect bench-train bench-speculative bench-llamacpp bench-eval serve fixtures clean
+.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-train bench-speculative bench-llamacpp bench-eval serve fixtures clean
 
 install: $(STAMP)
 
@@ -23,8 +23,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-test: install
+# The whole suite, as CI runs it. The test checkpoints are built first, outside pytest, so that their progress shows.
+test: install fixtures
 	$(PY) -m pytest
+
+# The inner loop: everything but the tests marked slow (the serving soak, lm-eval, Ray, the browser, the training
+# runs killed and resumed, the full-size parity sweeps); see the README's Tests section.
+test-fast: install fixtures
+	$(PY) -m pytest -m "not slow"
 
 weights: install
 	$(PY) scripts/download_weights.py --dest $(WEIGHTS) $(ARGS)
@@ -79,11 +85,10 @@ bench-llamacpp: install
 serve: install
 	$(VENV)/bin/gpt2 serve --weights $(WEIGHTS) $(ARGS)
 
-# The test checkpoints (random full-size, the small trained one, the 2-layer copier), built once into .cache/fixtures/.
+# The test checkpoints (random full-size, the small trained one, the 2-layer copier), built once into .cache/fixtures/
+# (several minutes on a fresh clone, with progress on stderr); afterwards a check of a few milliseconds.
 fixtures: install
-	$(PY) scripts/fixtures.py small
-	$(PY) scripts/fixtures.py trained
-	$(PY) scripts/fixtures.py induction
+	@$(PY) scripts/fixtures.py small trained induction
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-results *.egg-info .cache

@@ -1,7 +1,7 @@
 """gpt2-engine: a from-scratch GPT-2 inference engine that loads the official Hugging Face weights."""
 
+from .api import GPT2
 from .core.config import PRESETS, GPT2Config
-from .core.engine import GPT2
 from .core.errors import DownloadError, GenerationError, GPT2EngineError, TokenizerError, WeightsError
 from .core.lora import LoraError, LoraSettings
 from .core.model import KVCache

@@ -6,134 +6,18 @@ Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or d
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from pathlib import Path
 
-from .compare import add_compare
+from .commands.compare import add_compare
+from .commands.download import add_download
+from .commands.eval import add_eval
+from .commands.finetune import add_finetune
+from .commands.generate import add_generate
+from .commands.inspect import add_inspect
+from .commands.merge import add_merge_lora
+from .commands.score import add_score
+from .commands.serve import add_serve
 from .core.errors import GPT2EngineError
-from .core.requests import GenerationSettings
-from .core.sampling import SamplingParams
-from .core.speculate import ADAPTIVE_MAX, ADAPTIVE_START, MAX_DRAFT_TOKENS, check_draft_tokens
-from .download import add_download
-from .eval import add_eval
-from .finetune import add_finetune
-from .inspect.cli import add_inspect
-from .merge import add_merge_lora
-from .options import ModelOptions, UsageError, add_model_options, load_model, positive_int
-from .score import add_score
-from .serve.cli import add_serve
-
-
-def add_generate(sub: argparse._SubParsersAction) -> None:
-    g, s = GenerationSettings(), SamplingParams()
-    p = sub.add_parser(
-        "generate", help="generate text from a prompt",
-        description="Generate text from a prompt, streaming it to stdout. A stats line goes to stderr.",
-        epilog="examples:\n  gpt2 generate \"Hello, my dog is\" -n 40 --seed 0\n  echo 'Once upon a time' | gpt2 generate - "
-               "--temperature 0\n  gpt2 generate -f prompt.txt --stop '\\n\\n' --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompt", nargs="?", help="the prompt text; '-' reads it from stdin; '' starts from <|endoftext|>")
-    p.add_argument("-f", "--file", type=Path, help="read the prompt from FILE (UTF-8)")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
-                   help=f"tokens to generate at most (default {g.max_new_tokens})")
-    p.add_argument("--temperature", type=float, default=s.temperature, metavar="T",
-                   help=f"softmax temperature; 0 is greedy (default {s.temperature})")
-    p.add_argument("--top-k", type=int, default=s.top_k, metavar="K", help=f"keep the K most likely tokens; 0 keeps all (default {s.top_k})")
-    p.add_argument("--top-p", type=float, default=s.top_p, metavar="P",
-                   help=f"nucleus sampling: keep the most likely tokens holding P of the mass; 1 keeps all (default {s.top_p})")
-    p.add_argument("--repetition-penalty", type=float, default=s.repetition_penalty, metavar="R",
-                   help=f"penalise tokens already in the text; 1 is off (default {s.repetition_penalty})")
-    p.add_argument("--seed", type=int, help="random seed for a reproducible run (default: random, printed on stderr)")
-    p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop before this string (repeatable; escapes like \\n are understood)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past <|endoftext|>")
-    p.add_argument("--num-samples", type=positive_int, default=g.num_samples, metavar="K", help="completions to generate (default 1)")
-    p.add_argument("--truncate", choices=["left"], help="keep the last tokens of a prompt too long for the context")
-    p.add_argument("--allow-special", action="store_true", help="read <|endoftext|> in the prompt as the special token, not text")
-    p.add_argument("--no-stream", action="store_true", help="print the text only when it is complete")
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, logprobs, finish_reason")
-    p.add_argument("--speculate", metavar="DRAFTER",
-                   help="speculative decoding: 'int4' or 'int8' (this model quantized drafts), 'ngram' (prompt lookup: "
-                        "for text that quotes the prompt) or a GPT-2 checkpoint directory with the same tokenizer; "
-                        "greedy output is the same tokens as without, sampled output the same distribution")
-    p.add_argument("--draft-tokens", type=int, metavar="K",
-                   help=f"tokens drafted per verify pass, 1..{MAX_DRAFT_TOKENS} (default: adaptive, from "
-                        f"{ADAPTIVE_START} up to {ADAPTIVE_MAX} while drafts are accepted, down to none while not)")
-    add_model_options(p)
-    p.set_defaults(run=run_generate)
-
-
-def read_prompt(args: argparse.Namespace) -> str:
-    if args.file is not None:
-        if args.prompt is not None:
-            raise UsageError("give the prompt either as an argument or with -f FILE, not both")
-        try:
-            return args.file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
-    if args.prompt is None:
-        raise UsageError("no prompt: give PROMPT, '-' for stdin, or -f FILE")
-    if args.prompt == "-":
-        return sys.stdin.read()
-    return args.prompt
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    prompt = read_prompt(args)
-    stop = tuple(s.encode("utf-8").decode("unicode_escape") if "\\" in s else s for s in args.stop)
-    settings = GenerationSettings(  # checked before the model loads: a typo costs no load time
-        max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
-        stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate)
-    check_draft_tokens(args.draft_tokens, "--draft-tokens")
-    if args.draft_tokens is not None and args.speculate is None:
-        raise UsageError("--draft-tokens applies to speculative decoding: give --speculate too")
-    t0 = time.perf_counter()
-    model = load_model(ModelOptions.from_args(args))
-    run = model.generation(prompt, allow_special=args.allow_special, settings=settings, speculate=args.speculate,
-                           draft_tokens=args.draft_tokens)
-    load_seconds = time.perf_counter() - t0  # with the draft model's
-    if run.stats.truncated_tokens:
-        print(f"gpt2: prompt truncated from the left: dropped {run.stats.truncated_tokens} tokens to fit the context "
-              f"of {model.config.n_positions}", file=sys.stderr)
-    stream = not (args.no_stream or args.json or settings.num_samples > 1)
-    for _, piece in run:
-        if stream:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    if args.json:
-        samples = [{"text": c.text, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
-                    "finish_reason": c.finish_reason} for c in run.completions]
-        doc = dict(samples[0]) if len(samples) == 1 else {"samples": samples}
-        doc.update(prompt_tokens=run.completions[0].prompt_tokens, seed=run.stats.seed)
-        if args.speculate is not None:
-            st = run.stats
-            doc["speculation"] = {"drafter": args.speculate, "drafted": st.drafted, "accepted": st.accepted,
-                                  "acceptance_rate": none_if_nan(st.acceptance_rate), "verify_passes": st.verify_passes,
-                                  "tokens_per_verify": none_if_nan(st.tokens_per_verify)}
-        print(json.dumps(doc, ensure_ascii=False))
-    elif stream:
-        print()
-    else:
-        for i, c in enumerate(run.completions):
-            if len(run.completions) > 1:
-                print(f"--- sample {i + 1} ({c.finish_reason}) ---")
-            print(c.text)
-    st = run.stats
-    speculation = ""
-    if args.speculate is not None:
-        speculation = (f" | drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
-                       f"{st.tokens_per_verify:.2f} tokens per verify pass" if st.verify_passes else " | no drafts")
-    print(f"load {load_seconds:.2f} s | prompt {run.completions[0].prompt_tokens} tokens | {st.new_tokens} new tokens | "
-          f"prefill {st.prefill_tokens_per_second:.1f} tok/s | decode {st.decode_tokens_per_second:.1f} tok/s | "
-          f"seed {st.seed}{speculation}", file=sys.stderr)
-    return 0
-
-
-def none_if_nan(x: float) -> float | None:
-    return None if x != x else round(x, 4)
 
 
 def build_parser() -> argparse.ArgumentParser:

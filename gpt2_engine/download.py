@@ -8,7 +8,6 @@ HF_HUB_OFFLINE and a token from the usual huggingface_hub places, all read by hu
 
 from __future__ import annotations
 
-import argparse
 import errno
 import hashlib
 import shutil
@@ -84,7 +83,11 @@ def _translate(e: Exception, repo_id: str, revision: str, dest: Path, filename: 
                transferring: bool = False) -> DownloadError:
     """A huggingface_hub / network / file-system exception as one line that says what to do."""
     from huggingface_hub.errors import (
-        EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
@@ -208,29 +211,3 @@ def check_loads(dest: Path) -> str:
     load_tokenizer(dest)
     return (f"GPT-2 with {config.n_layer} layers, {config.n_head} heads, {config.n_embd} channels "
             f"({parameter_count(config) / 1e6:.0f}M parameters)")
-
-
-def add_download(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("download", help="download and verify the official weights",
-                       description="Download a GPT-2 checkpoint with huggingface_hub into DEST and verify every file's "
-                                   "hash. Honours HF_ENDPOINT, HF_HUB_OFFLINE and HF_TOKEN. Re-running is safe: files "
-                                   "already in place are verified, not downloaded again.")
-    add_download_arguments(p)
-    p.set_defaults(run=run_download)
-
-
-def add_download_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repo", default=OFFICIAL_REPO,
-                   help=f"repository id or one of {', '.join(SHORTHANDS)} (default {OFFICIAL_REPO})")
-    p.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
-    p.add_argument("--dest", type=Path, default=DEFAULT_WEIGHTS, help=f"destination directory (default {DEFAULT_WEIGHTS}/)")
-    p.add_argument("--format", dest="fmt", choices=sorted(WEIGHT_FILES),
-                   help="weights format (default safetensors, or bin when the repo has no safetensors)")
-
-
-def run_download(args: argparse.Namespace) -> int:
-    download(args.repo, revision=args.revision, dest=args.dest, fmt=args.fmt)
-    summary = check_loads(args.dest)
-    print(f"{args.dest}/ holds {summary}")
-    print(f"next: gpt2 generate \"Hello, my dog is\" --weights {args.dest}")
-    return 0

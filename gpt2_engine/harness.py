@@ -10,7 +10,7 @@ It does what lm-eval's own `hf` model does, request for request, so that the met
   first stop string (lm-eval's postprocessing).
 
 Where it differs is the work done. Loglikelihood requests run one prompt at a time through the prefix cache
-(core/prefix.py), sorted so that requests sharing a context (a multiple-choice question's choices, a few-shot
+(runtime/prefix.py), sorted so that requests sharing a context (a multiple-choice question's choices, a few-shot
 preamble) come together: a context's whole blocks run once, and each continuation runs only the rest.
 Generations run through the engine loop, continuously batched in `slots` sequences.
 """
@@ -25,12 +25,12 @@ from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_te
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from .core.engine import GPT2
-from .core.generate import Generation
+from .api import GPT2
 from .core.model import KVCache
-from .core.prefix import DEFAULT_CAPACITY_MB, PrefixCache, prefill
-from .core.requests import GenerationSettings
-from .core.sampling import SamplingParams
+from .runtime.generate import Generation
+from .runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache, prefill
+from .runtime.requests import GenerationSettings
+from .runtime.sampling import SamplingParams
 
 MAX_GEN_TOKS = 256  # lm-eval's default for generate_until tasks that set none (hf's max_gen_toks)
 SLOTS = 8  # sequences generated together

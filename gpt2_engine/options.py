@@ -62,7 +62,7 @@ def load_model(options: ModelOptions):
     """The GPT2 these options name (torch's thread count set first)."""
     import torch
 
-    from .core.engine import GPT2
+    from .api import GPT2
 
     if options.threads:
         torch.set_num_threads(options.threads)

@@ -78,7 +78,7 @@ def bench_text(tokens: int, tokenizer) -> list[int]:
 
 def engine_score(model, ids: list[int], context: int, stride: int) -> float:
     """Seconds for the engine's scorer (`gpt2 score`'s core) over one document of `ids`."""
-    from gpt2_engine.core.scoring import ScoreSettings, score_documents
+    from gpt2_engine.runtime.scoring import ScoreSettings, score_documents
 
     t0 = time.perf_counter()
     list(score_documents(model.weights, model.config, model.tokenizer.eot_id, [("bench", ids, 0)],
@@ -89,7 +89,7 @@ def engine_score(model, ids: list[int], context: int, stride: int) -> float:
 def reference_score(hf, ids: list[int], context: int, stride: int) -> float:
     """Seconds for transformers' sliding-window perplexity loop (its guide's, labels -100 outside the scored part),
     over the same windows as the engine."""
-    from gpt2_engine.core.scoring import windows
+    from gpt2_engine.runtime.scoring import windows
 
     seq = torch.tensor([50256, *ids])
     t0 = time.perf_counter()

@@ -95,7 +95,7 @@ def bench_server(weights: Path, tasks: dict[str, Path], rounds: int) -> dict:
 def bench_eval(weights: Path, tasks: dict[str, Path], skip_hf: bool) -> dict:
     import lm_eval
 
-    from gpt2_engine.core.engine import GPT2
+    from gpt2_engine.api import GPT2
     from gpt2_engine.harness import EngineLM
 
     paths = [str(p) for p in tasks.values()]

@@ -43,9 +43,9 @@ def run_engine(weights: Path, B: int, T: int, steps: int) -> list[float]:
     import torch
 
     from gpt2_engine.core.config import GPT2Config
-    from gpt2_engine.core.optim import AdamW, AdamWSettings, clip_factor
-    from gpt2_engine.core.training import Buffers, decayed, forward_loss, trainable_copy, zero_, zeros_like
     from gpt2_engine.core.weights import load_weights, named_tensors
+    from gpt2_engine.train.optim import AdamW, AdamWSettings, clip_factor
+    from gpt2_engine.train.step import Buffers, decayed, forward_loss, trainable_copy, zero_, zeros_like
 
     config = GPT2Config.from_json(weights / "config.json")
     w = trainable_copy(load_weights(weights, config), config)
@@ -73,10 +73,10 @@ def run_engine_lora(weights: Path, B: int, T: int, steps: int, quantize: str | N
 
     from gpt2_engine.core.config import GPT2Config
     from gpt2_engine.core.lora import LoraSettings, new_adapter, trainable
-    from gpt2_engine.core.optim import AdamW, AdamWSettings, clip_factor
     from gpt2_engine.core.quantize import quantize_weights
-    from gpt2_engine.core.training import Buffers, adapter_gradients, forward_loss
     from gpt2_engine.core.weights import find_weights_file, load_weights
+    from gpt2_engine.train.optim import AdamW, AdamWSettings, clip_factor
+    from gpt2_engine.train.step import Buffers, adapter_gradients, forward_loss
 
     config = GPT2Config.from_json(weights / "config.json")
     base = load_weights(weights, config, resident=quantize is None)  # frozen: used in place from the file

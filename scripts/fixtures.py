@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Test and benchmark checkpoints, written once into the git-ignored `.cache/fixtures/` and reused.
 
-    python scripts/fixtures.py small|trained|induction    # prints the checkpoint's directory, building it if needed
+    python scripts/fixtures.py small|trained|induction ...   # prints each checkpoint's directory, building it if needed
 
 Each checkpoint's directory name carries a hash of the scripts that write it, so a changed recipe is rebuilt and an
 unchanged one is reused across test runs and `make bench`. A build goes to a temporary directory that is renamed
@@ -16,6 +16,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -40,16 +42,51 @@ def ensure(name: str) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))
     try:
-        print(f"building the {name!r} checkpoint into {dest} (once) ...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, str(SCRIPTS / script), str(tmp / "out"), *args], check=True,
-                       stdout=subprocess.DEVNULL)
+        print(f"fixtures: building the {name!r} checkpoint into {dest} (once) ...", file=sys.stderr, flush=True)
+        build(name, [sys.executable, str(SCRIPTS / script), str(tmp / "out"), *args])
         os.replace(tmp / "out", dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
+def build(name: str, command: list[str], heartbeat: float = 30.0) -> None:
+    """Run a fixture script, relaying its output (progress lines) to stderr with the elapsed time, and saying every
+    `heartbeat` seconds that it is still at work when it prints nothing; a failure raises CalledProcessError."""
+    start = time.monotonic()
+    last = [start]
+    done = threading.Event()
+
+    def say(line: str) -> None:
+        last[0] = time.monotonic()
+        print(f"fixtures: [{name} {time.monotonic() - start:5.0f} s] {line}", file=sys.stderr, flush=True)
+
+    def beat() -> None:
+        while not done.wait(heartbeat / 3):
+            if time.monotonic() - last[0] >= heartbeat:
+                say("still building ...")
+
+    ticker = threading.Thread(target=beat, daemon=True)
+    ticker.start()
+    try:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+            for line in child.stdout:
+                if line.strip():
+                    say(line.rstrip())
+        if child.returncode:
+            raise subprocess.CalledProcessError(child.returncode, command)
+    finally:
+        done.set()
+        ticker.join()
+    say("done")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in RECIPES:
-        sys.exit(f"usage: fixtures.py {'|'.join(RECIPES)}")
-    print(ensure(sys.argv[1]))
+    if len(sys.argv) < 2 or any(name not in RECIPES for name in sys.argv[1:]):
+        print(f"usage: fixtures.py {'|'.join(RECIPES)} ... (got {' '.join(sys.argv[1:]) or 'nothing'})", file=sys.stderr)
+        sys.exit(2)
+    for name in sys.argv[1:]:
+        try:
+            print(ensure(name))
+        except subprocess.CalledProcessError as e:
+            sys.exit(f"fixtures: building {name!r} failed (exit {e.returncode}); its output is above")

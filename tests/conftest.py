@@ -42,6 +42,17 @@ def cli(*args: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+def run_pass(w, config, segments, cache) -> torch.Tensor:
+    """One whole pass of the runner over `segments` on an explicit KV cache: the logits after each segment's last
+    `outputs` rows [n, V] (ModelRunner.run, on a cache of the test's own)."""
+    from gpt2_engine.runtime.runner import Pass
+
+    p = Pass(w, config, cache, segments)
+    while not p.done:
+        p.run_block()
+    return p.logits()
+
+
 def engine(directory: Path):
     """The engine on a checkpoint directory, float32."""
     from gpt2_engine import GPT2

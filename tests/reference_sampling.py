@@ -1,5 +1,5 @@
 """Whole-vocabulary [B, V] reference filters: what the engine's `choose` is held to, and what is held to
-transformers' logits processors. Test-only: the engine samples through core/sampling.py's `choose`."""
+transformers' logits processors. Test-only: the engine samples through runtime/sampling.py's `choose`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from gpt2_engine.core.sampling import SamplingParams, apply_penalties, apply_temperature
+from gpt2_engine.runtime.sampling import SamplingParams, apply_penalties, apply_temperature
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The hand-written attention layer (core/backward.py) against torch.autograd, in float64; the whole model's
+"""The hand-written attention layer (train/backward.py) against torch.autograd, in float64; the whole model's
 backward is tests/test_training.py's."""
 
 from __future__ import annotations
@@ -10,17 +10,23 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2
-from gpt2_engine.core.backward import (attention_backward, attention_buffers, attention_forward, causal_blocks,
-                                       draw_keep, linear_backward, linear_forward)
-from gpt2_engine.core.model import attention_mask, causal_self_attention
+from gpt2_engine.core.model import Layer, attention_mask, causal_self_attention, query_blocks
 from gpt2_engine.core.weights import Linear
+from gpt2_engine.train.backward import (
+    attention_backward,
+    attention_buffers,
+    attention_forward,
+    draw_keep,
+    linear_backward,
+    linear_forward,
+)
 
 RTOL = 1e-10
 
 
 @dataclass
 class AttentionRun:
-    """One attention layer run through core/backward.py's functions on buffers of its own."""
+    """One attention layer run through train/backward.py's functions on buffers of its own."""
 
     out: torch.Tensor  # [B, T, C]
     heads: torch.Tensor
@@ -52,7 +58,7 @@ def attention_forward_train(x, c_attn: Linear, c_proj: Linear, n_head: int, p: f
 
 
 def attention_backward_run(grad_out, run: AttentionRun, x, c_attn: Linear, c_proj: Linear, n_head: int):
-    """(dx, dc_attn, dc_proj) from dL/d out, by core/backward.py's functions."""
+    """(dx, dc_attn, dc_proj) from dL/d out, by train/backward.py's functions."""
     B, T, C = x.shape
     new = lambda *shape: torch.zeros(shape, dtype=x.dtype)  # noqa: E731
     g_attn, g_proj = Linear(new(C, 3 * C), new(3 * C)), Linear(new(C, C), new(C))
@@ -91,7 +97,7 @@ def autograd_attention(x, w_attn, b_attn, w_proj, b_proj, n_head, run: Attention
 def full_mask(blocks: tuple[torch.Tensor, ...], T: int) -> torch.Tensor:
     """[B, nh, T, T] from the per-block masks (0 above the diagonal, where the weights are 0 anyway)."""
     full = torch.zeros(*blocks[0].shape[:2], T, T, dtype=blocks[0].dtype)
-    for (i, j), keep in zip(causal_blocks(T), blocks):
+    for (i, j, _), keep in zip(query_blocks(T, T), blocks):
         full[:, :, i:j, :j] = keep
     return full
 
@@ -170,14 +176,14 @@ def test_p_zero_is_the_inference_forward(model: GPT2) -> None:
     x = torch.randn(2, 20, model.config.n_embd, generator=torch.Generator().manual_seed(3))
     run = attention_forward_train(x, blk.c_attn, blk.attn_c_proj, model.config.n_head)
     assert run.att_keep is None and run.out_keep is None
-    expected = causal_self_attention(x, blk, model.config.n_head, attention_mask(20, 0, None, x.device), None, 0)
+    expected = causal_self_attention(x, blk, model.config.n_head, Layer(mask=attention_mask(20, 0, None, x.device)))
     # Once bit-equal; the training forward's softmax is now written out in place (max, exp, divide) where the
     # inference one is torch's fused kernel: they differ by rounding, measured 2.6e-7 of the largest output here
     assert (run.out - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
 
 
 def test_gelu_backward_is_its_written_out_derivative() -> None:
-    from gpt2_engine.core.backward import gelu_backward, gelu_backward_reference
+    from gpt2_engine.train.backward import gelu_backward, gelu_backward_reference
 
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float64, 1e-14), (torch.float32, 2e-6)):

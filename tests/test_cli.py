@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import edited_copy
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
-
-from conftest import edited_copy
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -111,6 +110,7 @@ JSON_KEYS = {"prompt", "engine", "tokens", "max_abs", "mean_abs", "max_rel", "kl
              "first_divergent_position", "passed"}
 
 
+@pytest.mark.slow
 def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path) -> None:
     code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--engine", "all", "--json")
     doc = json.loads(out)
@@ -168,7 +168,7 @@ def test_compare_rtol_zero_fails_on_rounding(capsys, small_dir: Path) -> None:
 
 def test_generate_reports_an_engine_failure_as_an_internal_error(capsys, monkeypatch, small_dir: Path) -> None:
     """A fault inside the engine is not bad input: exit 1 with the internal-error line, not exit 2."""
-    from gpt2_engine.core.runner import ModelRunner
+    from gpt2_engine.runtime.runner import ModelRunner
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")

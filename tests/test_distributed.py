@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from test_serve import free_port, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import build_parser, main
-from gpt2_engine.serve.cli import check_options
+from gpt2_engine.commands.serve import check_options
 
-from test_serve import free_port, wait_for
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 ray = pytest.importorskip("ray", reason="Ray is in the test extra (pip install -e '.[test]')")
 serve = pytest.importorskip("ray.serve")

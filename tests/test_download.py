@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from gpt2_engine import GPT2
 from conftest import assert_same_weights
 from hub_server import FakeHub, repo_from_directory
+
+from gpt2_engine import GPT2
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "test-org/tiny-gpt2"
@@ -64,6 +64,7 @@ def test_second_run_downloads_nothing(hub: FakeHub, tmp_path: Path) -> None:
     assert hub.gets("model.safetensors") == 1 and hub.gets("vocab.json") == 1
 
 
+@pytest.mark.slow
 def test_connection_cut_mid_file_then_rerun_completes(hub: FakeHub, tmp_path: Path) -> None:
     dest = tmp_path / "weights"
     hub.behaviour.cut_file, hub.behaviour.cut_after, hub.behaviour.cuts_left = "model.safetensors", 100_000, 100

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_training import TINY, hf_model, random_batch, tiny_weights
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
 from gpt2_engine.core.kernels import training_kernels
-from gpt2_engine.core.optim import AdamW, AdamWSettings, adamw_reference, clip_factor, learning_rate
-from gpt2_engine.core.trainer import eval_batches, split_validation, window_order
-from gpt2_engine.core.training import Buffers, decayed, forward_loss, zero_, zeros_like
 from gpt2_engine.core.weights import named_tensors
-
-from test_training import TINY, hf_model, random_batch, tiny_weights
+from gpt2_engine.train.optim import AdamW, AdamWSettings, adamw_reference, clip_factor, learning_rate
+from gpt2_engine.train.step import Buffers, decayed, forward_loss, zero_, zeros_like
+from gpt2_engine.train.trainer import eval_batches, split_validation, window_order
 
 RUN_TIMEOUT = 300  # seconds for one CLI training run of a few updates
 
@@ -171,6 +170,7 @@ def test_finetune_lowers_validation_loss_and_writes_a_checkpoint_transformers_lo
     assert min(evals, key=lambda e: e["val_loss"])["step"] == 8  # the top of out/ is the best: the last here
 
 
+@pytest.mark.slow
 def test_resume_after_kill_reproduces_the_uninterrupted_losses(trained_dir: Path, tmp_path: Path) -> None:
     data = corpus(tmp_path)
     args = ("--steps", "14", "--save-every", "3", "--eval-every", "7", "--dropout", "0.1", "--lr", "1e-3")
@@ -274,7 +274,7 @@ def test_accumulation_equals_the_larger_batch(trained_model: GPT2) -> None:
 
 
 def test_early_stopping_after_patience_evaluations(trained_model: GPT2, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpt2_engine.core.trainer import Trainer
+    from gpt2_engine.train.trainer import Trainer
 
     scripted = iter([5.0, 4.0, 4.5, 4.0, 3.0])  # evaluations at steps 0, 1, 2, 3, (4: never reached)
     monkeypatch.setattr(Trainer, "validation_loss", lambda self: next(scripted))

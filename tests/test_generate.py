@@ -7,18 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import edited_copy, run_pass
+from reference_sampling import process_logits, top_k_filter, top_p_filter
 
 from gpt2_engine import GPT2, GenerationError
-from gpt2_engine.core.loop import EngineLoop
 from gpt2_engine.core.model import KVCache, forward
-from gpt2_engine.core.requests import Request
-from gpt2_engine.core.runner import ModelRunner, Pass, Segment, forward_segments
-from gpt2_engine.core.sampling import SamplingParams, apply_penalties, apply_repetition_penalty, choose
-from gpt2_engine.core.scheduler import Scheduler
 from gpt2_engine.core.tokenizer import Detokenizer, incomplete_utf8_tail
-
-from conftest import edited_copy
-from reference_sampling import process_logits, top_k_filter, top_p_filter
+from gpt2_engine.runtime.greedy import decode_one_token, greedy, prefill
+from gpt2_engine.runtime.loop import EngineLoop
+from gpt2_engine.runtime.plan import Segment
+from gpt2_engine.runtime.requests import Request
+from gpt2_engine.runtime.runner import ModelRunner, Pass
+from gpt2_engine.runtime.sampling import SamplingParams, apply_penalties, apply_repetition_penalty, choose
+from gpt2_engine.runtime.scheduler import Scheduler
 
 PROMPTS = ["Hello, my dog is", "def main():\n    print(", "Zoë's café — 東京 🤖"]
 
@@ -26,22 +27,52 @@ PROMPTS = ["Hello, my dog is", "def main():\n    print(", "Zoë's café — 東�
 # --- KV cache ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_cached_decoding_equals_full_recompute(model: GPT2, batch: int) -> None:
+def test_cached_decoding_equals_full_recompute(model: GPT2) -> None:
+    """runtime/greedy.py's prefill and decode_one_token (the reading path's KV-cache loop): 200 steps of cached
+    decoding give the logits of recomputing the whole sequence each time."""
     steps, prompt_len = 200, 12
-    g = torch.Generator().manual_seed(batch)
-    seq = torch.randint(0, 50257, (batch, prompt_len + steps), generator=g)
+    seq = torch.randint(0, 50257, (prompt_len + steps,), generator=torch.Generator().manual_seed(1)).tolist()
+    w, cfg = model.weights, model.config
+    cache = KVCache.allocate(cfg, 1, prompt_len + steps)
+    with torch.inference_mode():
+        step_logits = [prefill(w, cfg, cache, seq[:prompt_len])]
+        for t in range(prompt_len, prompt_len + steps):  # 200 decode steps
+            step_logits.append(decode_one_token(w, cfg, cache, seq[t], t))
+        full = forward(w, cfg, torch.tensor([seq]))[0, prompt_len - 1 :]  # [steps + 1, V]
+    cached = torch.stack(step_logits)
+    worst = (cached - full).abs().max().item()
+    assert worst <= 1e-4 * full.abs().max().item(), f"max |diff| {worst:.3g}"
+    assert torch.equal(cached.argmax(-1), full.argmax(-1))
+
+
+def test_cached_batch_decoding_equals_full_recompute(model: GPT2) -> None:
+    """The same for a batch of 3 sequences sharing the cache's batch dimension."""
+    batch, steps, prompt_len = 3, 50, 12
+    seq = torch.randint(0, 50257, (batch, prompt_len + steps), generator=torch.Generator().manual_seed(3))
     w, cfg = model.weights, model.config
     cache = KVCache.allocate(cfg, batch, prompt_len + steps)
     with torch.inference_mode():
         step_logits = [forward(w, cfg, seq[:, :prompt_len], cache=cache, start=0)[:, -1]]
-        for t in range(prompt_len, prompt_len + steps):  # 200 decode steps
+        for t in range(prompt_len, prompt_len + steps):
             step_logits.append(forward(w, cfg, seq[:, t : t + 1], cache=cache, start=t)[:, -1])
         full = forward(w, cfg, seq)[:, prompt_len - 1 :]  # [B, steps + 1, V]
     cached = torch.stack(step_logits, dim=1)
-    worst = (cached - full).abs().max().item()
-    assert worst <= 1e-4 * full.abs().max().item(), f"max |diff| {worst:.3g}"
+    assert (cached - full).abs().max().item() <= 1e-4 * full.abs().max().item()
     assert torch.equal(cached.argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.parametrize("which", ["model", "trained_model"])
+def test_the_reading_paths_greedy_equals_the_engine(which: str, request: pytest.FixtureRequest) -> None:
+    """runtime/greedy.py's 40-line loop gives the token ids of GPT2.generate at temperature 0, <|endoftext|> included."""
+    m = request.getfixturevalue(which)
+    for prompt in PROMPTS:
+        ids = m.tokenizer.encode(prompt)
+        mine = greedy(m.weights, m.config, ids, 40, eot=m.tokenizer.eot_id)
+        assert mine == m.generate_ids(ids, max_new_tokens=40, temperature=0), prompt
+    assert greedy(m.weights, m.config, ids, 0) == []
+    n = m.config.n_positions
+    with pytest.raises(ValueError, match=f"- 1 <= {n} positions, got 3 tokens and max_new_tokens {n - 1}"):
+        greedy(m.weights, m.config, [1, 2, 3], n - 1)
 
 
 def test_cache_is_preallocated_and_bounded(model: GPT2) -> None:
@@ -355,7 +386,7 @@ def test_segments_that_join_a_pass_midway_get_the_same_bits(model: GPT2) -> None
     running = [Segment(0, 0, enc("Hello, my dog is")), Segment(2, 0, enc("Once"))]
     late = [Segment(1, 0, enc("def main():\n    print(")), Segment(3, 0, enc("Zoë"))]
     ref_cache = KVCache.allocate(cfg, 4, 32)
-    ref = forward_segments(model.weights, cfg, running + late, ref_cache)
+    ref = run_pass(model.weights, cfg, running + late, ref_cache)
     for layer in (0, 1, cfg.n_layer // 2, cfg.n_layer - 1):
         cache = KVCache.allocate(cfg, 4, 32)
         p = Pass(model.weights, cfg, cache, running)

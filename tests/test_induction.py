@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
+import train_induction as recipe  # scripts/, on the path through conftest
 from conftest import engine
+
 from gpt2_engine import GPT2
 from gpt2_engine.inspect import head_scores
-
-import train_induction as recipe  # scripts/, on the path through conftest
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +62,7 @@ def test_the_model_copies_the_second_run(copier: GPT2, held_out) -> None:
     assert float(recipe.second_run_loss(copier(ids), ids, filler)) > 4.0
 
 
+@pytest.mark.slow
 def test_ablation_finds_the_heads_the_copying_depends_on(copier: GPT2, held_out) -> None:
     ids, scored = held_out
     rises = ablation_rises(copier, ids, scored)

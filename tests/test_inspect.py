@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import engine, reference
+
 from gpt2_engine import GPT2
 from gpt2_engine.core.errors import GPT2EngineError
 from gpt2_engine.core.hooks import hook_names

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import ARTIFACTS, needs_chromium
+
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
 

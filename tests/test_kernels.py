@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2
+from gpt2_engine.core.config import DECODE_ROWS
 from gpt2_engine.core.kernels import cpu, decode_kernels
 from gpt2_engine.core.model import linear, lm_head
-from gpt2_engine.core.projection import DECODE_ROWS
 
 ISAS = [isa for isa, have in (("avx2", cpu().avx2), ("avx512", cpu().avx512)) if have]
 

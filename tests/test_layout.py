@@ -1,4 +1,17 @@
-"""The package's layers import downward only: no import cycle between its files, and nothing imports cli.py."""
+"""The house's layers, as a contract: each folder (or top-level module) of the package is a room on a layer, and
+every import runs down to a lower layer or stays inside its room. Counted from the code's own import statements
+(function bodies included), so a new arrow that runs back up fails here first.
+
+    layer 1  core/                   the model: nothing outside core/
+    layer 2  runtime/  train/        generation and serving; training (neither imports the other)
+             documents.py download.py
+    layer 3  api.py  serve/          the GPT2 facade; the server's library (routes, protocol, async engine)
+    layer 4  options.py harness.py inspect/
+    layer 5  distributed/            Ray (imports serve/ and options, never the commands)
+    layer 6  commands/               one module per subcommand
+    layer 7  cli.py                  the parser; nothing imports it
+    layer 8  __main__.py
+"""
 
 from __future__ import annotations
 
@@ -63,3 +76,82 @@ def test_no_import_cycles_in_the_package() -> None:
 
 def test_nothing_imports_the_command_line() -> None:
     assert [name for name, deps in graph().items() if "gpt2_engine.cli" in deps and name != "gpt2_engine.__main__"] == []
+
+
+LAYERS = {
+    "core": 1, "runtime": 2, "train": 2, "documents": 2, "download": 2, "api": 3, "serve": 3,
+    "options": 4, "harness": 4, "inspect": 4, "distributed": 5, "commands": 6, "cli": 7, "__main__": 8,
+}
+
+
+def room(module: str) -> str:
+    """The room a module stands in: its folder under gpt2_engine/, or itself at the top level."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def room_edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for name, deps in graph().items():
+        if name == "gpt2_engine":  # the package's face hands names on from below; it is no room
+            continue
+        edges.setdefault(room(name), set()).update(room(d) for d in deps if room(d) not in (room(name), "__init__"))
+    return edges
+
+
+def floors(edges: dict[str, set[str]]) -> int:
+    """The length of the longest chain of imports (a room with no import of another stands on floor 1)."""
+    depth: dict[str, int] = {}
+
+    def floor(node: str) -> int:
+        if node not in depth:
+            depth[node] = 1 + max((floor(d) for d in edges.get(node, ())), default=0)
+        return depth[node]
+
+    return max(floor(n) for n in edges)
+
+
+def closure(start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    edges, seen, todo = graph(), set(), [start]
+    while todo:
+        for dep in edges[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_every_room_has_a_layer() -> None:
+    assert set(room_edges()) <= set(LAYERS), set(room_edges()) - set(LAYERS)
+
+
+def test_every_import_runs_down_a_layer() -> None:
+    up = [f"{a} -> {b}" for a, deps in graph().items() for b in deps
+          if a != "gpt2_engine" and room(a) != room(b) and room(b) != "__init__" and LAYERS[room(b)] >= LAYERS[room(a)]]
+    assert up == []
+
+
+def test_the_house_stands_on_at_most_ten_floors() -> None:
+    assert floors({"a": {"b"}, "b": {"c"}, "c": set(), "d": set()}) == 3
+    edges = room_edges()
+    edges["scripts"] = set(LAYERS)  # the scripts stand on top of whatever they import
+    assert find_cycle(edges) is None
+    assert floors(edges) <= 10
+
+
+def test_core_imports_nothing_outside_core() -> None:
+    assert {d for name, deps in graph().items() if room(name) == "core" for d in deps if room(d) != "core"} == set()
+
+
+def test_runtime_and_train_do_not_import_each_other() -> None:
+    edges = room_edges()
+    assert "train" not in edges["runtime"] and "runtime" not in edges["train"]
+
+
+def test_the_scheduler_imports_data_only() -> None:
+    """The planner never loads the model, the runner or the native kernels, not even through another module."""
+    banned = {"gpt2_engine.runtime.runner", "gpt2_engine.core.model", "gpt2_engine.core.rows",
+              "gpt2_engine.core.projection", "gpt2_engine.core.kernels", "gpt2_engine.runtime.drafters"}
+    assert closure("gpt2_engine.runtime.scheduler") & banned == set()
+    assert "gpt2_engine.core.kernels" in closure("gpt2_engine.runtime.runner")  # the check has teeth

@@ -8,12 +8,14 @@ import json
 import math
 from pathlib import Path
 
+import eval_tasks
 import pytest
 from test_serve import live
 
-import eval_tasks
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is part of the test extra")
 

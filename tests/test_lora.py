@@ -9,16 +9,25 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from gpt2_engine.core.backward import causal_blocks
-from gpt2_engine.core.config import GPT2Config
-from gpt2_engine.core.lora import (LoraAdapter, LoraError, LoraSettings, attach, load_adapter, merge, new_adapter,
-                                   parse_targets, save_adapter, trainable)
-from gpt2_engine.core.model import forward
-from gpt2_engine.core.training import Buffers, adapter_gradients, forward_loss
-from gpt2_engine.core.weights import GPT2Weights
-
+from conftest import run_pass
 from test_training import TINY, fed_dropout, hf_model, random_batch, tiny_weights
+
+from gpt2_engine.core.config import GPT2Config
+from gpt2_engine.core.lora import (
+    LoraAdapter,
+    LoraError,
+    LoraSettings,
+    attach,
+    load_adapter,
+    merge,
+    new_adapter,
+    parse_targets,
+    save_adapter,
+    trainable,
+)
+from gpt2_engine.core.model import forward, query_blocks
+from gpt2_engine.core.weights import GPT2Weights
+from gpt2_engine.train.step import Buffers, adapter_gradients, forward_loss
 
 
 def peft_model(w: GPT2Weights, config: GPT2Config, adapter: LoraAdapter, dtype: torch.dtype, dropout: float):
@@ -51,7 +60,7 @@ def lora_masks(buf: Buffers, settings: LoraSettings) -> list[torch.Tensor]:
         att = []
         if a.att_keep is not None:
             full = torch.zeros(B, a.att_keep[0].shape[1], T, T, dtype=a.att_keep[0].dtype)
-            for (i, j), keep in zip(causal_blocks(T), a.att_keep):
+            for (i, j, _), keep in zip(query_blocks(T, T), a.att_keep):
                 full[:, :, i:j, :j] = keep
             att = [full]
         masks += adapter(a, "c_attn") + att + adapter(a, "attn_c_proj") + ([a.attn_keep] if a.attn_keep is not None else [])
@@ -126,9 +135,9 @@ PROMPT = torch.tensor([[464, 2746, 318, 257, 1332, 286, 262, 7071, 11, 290, 340,
 
 
 def test_an_engine_adapter_loads_in_peft_with_the_same_logits(trained_dir: Path, tmp_path: Path) -> None:
+    from conftest import reference
     from peft import PeftModel
 
-    from conftest import reference
     from gpt2_engine import GPT2
 
     config = GPT2Config.from_json(trained_dir / "config.json")
@@ -149,9 +158,9 @@ def test_an_engine_adapter_loads_in_peft_with_the_same_logits(trained_dir: Path,
 
 
 def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_path: Path) -> None:
+    from conftest import reference
     from peft import LoraConfig, get_peft_model
 
-    from conftest import reference
     from gpt2_engine import GPT2
 
     torch.manual_seed(0)
@@ -198,7 +207,7 @@ def test_several_adapters_on_one_base_give_each_row_its_own(trained_model) -> No
     """attach() stacks adapters of different ranks and targets; a pass whose rows use different ones (and the base)
     gives each sequence exactly what its adapter alone gives: the row-invariant kernels' and lora_rows' bits."""
     from gpt2_engine.core.model import KVCache
-    from gpt2_engine.core.runner import Segment, forward_segments
+    from gpt2_engine.runtime.plan import Segment
 
     config, w = trained_model.config, trained_model.weights
     ads = [random_adapter(config, LoraSettings(r=r, targets=t), r, torch.float32)
@@ -206,10 +215,10 @@ def test_several_adapters_on_one_base_give_each_row_its_own(trained_model) -> No
     prompts = [[464, 2746, 318, 257], [1332, 286], [262, 7071, 11], [290, 340, 373, 257, 11]]
     which = [1, -1, 0, 2]
     cache = KVCache.allocate(config, 4, 16)
-    got = forward_segments(attach(w, ads), config, [Segment(i, 0, p, k) for i, (p, k) in enumerate(zip(prompts, which))],
+    got = run_pass(attach(w, ads), config, [Segment(i, 0, p, k) for i, (p, k) in enumerate(zip(prompts, which))],
                            cache)
     for i, (p, k) in enumerate(zip(prompts, which)):
-        alone = forward_segments(attach(w, [ads[k]]) if k >= 0 else w, config, [Segment(0, 0, p)],
+        alone = run_pass(attach(w, [ads[k]]) if k >= 0 else w, config, [Segment(0, 0, p)],
                                  KVCache.allocate(config, 1, 16))
         assert torch.equal(got[i], alone[0]), i
     whole = forward(attach(w, [ads[2]]), config, torch.tensor([prompts[3]]))[0, -1]
@@ -242,10 +251,10 @@ def test_dequantized_columns_are_the_quantized_weights(bits: int) -> None:
 
 
 def test_frozen_quantized_layers_pass_gradients_through_the_dequantized_weights() -> None:
-    from gpt2_engine.core.backward import head_cross_entropy, linear_backward
     from gpt2_engine.core.projection import dequantize_columns
     from gpt2_engine.core.quantize import dequantize, quantize_matrix
     from gpt2_engine.core.weights import Linear
+    from gpt2_engine.train.backward import head_cross_entropy, linear_backward
 
     g = torch.Generator().manual_seed(3)
     m = quantize_matrix(torch.randn(64, 48, generator=g), 4)
@@ -253,7 +262,7 @@ def test_frozen_quantized_layers_pass_gradients_through_the_dequantized_weights(
     linear_backward(d_out, torch.randn(10, 64), Linear(m, torch.zeros(48)), None, d_x, torch.empty(64 * 48))
     assert torch.equal(d_x, d_out @ dequantize(m).t())
 
-    V, C = 5000, 64  # a head of more than one HEAD_COLUMNS chunk
+    V, C = 5000, 64  # a head of more than one HEAD_BLOCK chunk
     head = quantize_matrix(torch.randn(C, V, generator=g) * 0.1, 8)  # (C, V), as quantize_weights packs wte^T
     x, targets = torch.randn(12, C, generator=g), torch.randint(0, V, (12,), generator=g)
     d_q, d_f = torch.empty(12, C), torch.empty(12, C)
@@ -286,12 +295,13 @@ def test_a_qlora_evaluation_is_the_quantized_model_with_its_adapter(trained_dir:
 
 # --- gpt2 finetune --lora ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_finetune_lora_trains_an_adapter_peft_loads_and_merges(trained_dir: Path, tmp_path: Path) -> None:
-    from peft import PeftModel
-
     from conftest import reference
-    from gpt2_engine import GPT2
+    from peft import PeftModel
     from test_finetune import corpus, finetune, logged, small_run
+
+    from gpt2_engine import GPT2
 
     out, log = tmp_path / "out", tmp_path / "log.jsonl"
     done = finetune(*small_run(trained_dir, corpus(tmp_path), out, "--steps", "8", "--eval-every", "4", "--lr",
@@ -311,13 +321,15 @@ def test_finetune_lora_trains_an_adapter_peft_loads_and_merges(trained_dir: Path
     assert max_rel(GPT2.from_pretrained(out / "merged")(ids), ref) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_qlora_resumes_exactly(trained_dir: Path, tmp_path: Path, fmt: str) -> None:
     """A QLoRA run stopped after its save at update 3 and resumed logs the uninterrupted run's losses and ends with
     the same adapter file."""
-    from gpt2_engine.finetune import build_trainer
-    from gpt2_engine.cli import build_parser
     from test_finetune import corpus, small_run
+
+    from gpt2_engine.cli import build_parser
+    from gpt2_engine.commands.finetune import build_trainer
 
     data = corpus(tmp_path)
 
@@ -376,7 +388,6 @@ def test_many_adapters_served_together_equal_each_served_alone(trained_model, tm
     import concurrent.futures
 
     import httpx
-
     from test_serve import live
 
     config = trained_model.config
@@ -436,8 +447,8 @@ def test_serve_lora_flags_are_checked(trained_dir: Path, tmp_path: Path) -> None
 def test_recompute_gives_the_same_gradients_bit_for_bit(lora: LoraSettings | None) -> None:
     """Activation recomputation keeps one block's activations and runs each block's forward again in the backward,
     with the same dropout masks: the gradients, the loss and the generator's state afterwards are the same bits."""
-    from gpt2_engine.core.training import zeros_like
     from gpt2_engine.core.weights import named_tensors
+    from gpt2_engine.train.step import zeros_like
 
     w = tiny_weights(4, torch.float32)
     ids, targets = random_batch(TINY, 2, 40, seed=1)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import OFFICIAL_WEIGHTS
 
 from gpt2_engine import GPT2
 from gpt2_engine.download import PINNED_SHA256, file_digests
-
-from conftest import OFFICIAL_WEIGHTS
 
 pytestmark = pytest.mark.official
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2
+from gpt2_engine.commands.compare import reference_outputs
 from gpt2_engine.core import numpy_ref
-from gpt2_engine.compare import reference_outputs
 
 # Relative tolerances, as a fraction of max |reference|: float32 rounding over 12 blocks measures ~1e-6.
 TORCH_RTOL = 1e-4

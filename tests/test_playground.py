@@ -7,14 +7,13 @@ import time
 
 import httpx
 import pytest
+from conftest import ARTIFACTS, needs_chromium
+from test_serve import live, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.serve.metrics import parse
 
-from conftest import ARTIFACTS, needs_chromium
-from test_serve import live, wait_for
-
-pytestmark = needs_chromium
+pytestmark = [needs_chromium, pytest.mark.slow]  # make test-fast leaves it out
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The prefix cache (core/prefix.py): hits, eviction under a bound, sharing across slots and concurrent requests,
+"""The prefix cache (runtime/prefix.py): hits, eviction under a bound, sharing across slots and concurrent requests,
 echo scoring on a cached prefix, and results equal to those without the cache (1e-5 relative, greedy ids equal)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from test_serve import live
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
 from gpt2_engine.core.errors import GPT2EngineError
-from gpt2_engine.core.loop import EngineLoop
 from gpt2_engine.core.model import KVCache
-from gpt2_engine.core.prefix import BLOCK_TOKENS, PrefixCache, prefill
-from gpt2_engine.core.requests import Request
-from gpt2_engine.core.runner import ModelRunner
-from gpt2_engine.core.sampling import SamplingParams
+from gpt2_engine.runtime.loop import EngineLoop
+from gpt2_engine.runtime.prefix import BLOCK_TOKENS, PrefixCache, prefill
+from gpt2_engine.runtime.requests import Request
+from gpt2_engine.runtime.runner import ModelRunner
+from gpt2_engine.runtime.sampling import SamplingParams
 from gpt2_engine.serve.metrics import parse
 
 TOL = 1e-5
@@ -119,7 +119,7 @@ def run_loop(loop: EngineLoop, requests: list[Request], tag: str) -> dict:
 
 
 def test_a_prefix_is_shared_across_slots_with_greedy_ids_unchanged(trained_model: GPT2) -> None:
-    from gpt2_engine.core.scheduler import Scheduler
+    from gpt2_engine.runtime.scheduler import Scheduler
 
     cfg = trained_model.config
     prompt = ids(trained_model, PREAMBLE)

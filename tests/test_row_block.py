@@ -13,9 +13,12 @@ import torch
 
 from gpt2_engine import GPT2
 from gpt2_engine.core.kernels import decode_kernels
-from gpt2_engine.core.model import KVCache, RowLayout, embed, logits
-from gpt2_engine.core.runner import NO_ADAPTERS, Pass, Segment, native_rows, rows_block
-from gpt2_engine.core.sampling import argmax, logsumexp_rows
+from gpt2_engine.core.model import KVCache, embed, logits
+from gpt2_engine.core.projection import logsumexp_rows
+from gpt2_engine.core.rows import RowLayout
+from gpt2_engine.runtime.plan import Segment
+from gpt2_engine.runtime.runner import NO_ADAPTERS, Pass, native_rows, rows_block
+from gpt2_engine.runtime.sampling import argmax
 
 VARIANTS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
 

@@ -14,7 +14,7 @@ import torch
 
 from gpt2_engine import GPT2, GPT2EngineError
 from gpt2_engine.cli import main
-from gpt2_engine.core.scoring import ScoreSettings, Window, score_documents, windows
+from gpt2_engine.runtime.scoring import ScoreSettings, Window, score_documents, windows
 
 EOT = 50256
 # Docstring prose of the kind the trained checkpoint learned from (argparse's is in its corpus, json's is not), and code.

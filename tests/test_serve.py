@@ -22,7 +22,7 @@ import uvicorn
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
 from gpt2_engine.serve.app import ServerSettings, ServerState, build_app
-from gpt2_engine.serve.engine import AsyncEngine, EngineSettings, start_engine
+from gpt2_engine.serve.async_engine import AsyncEngine, EngineSettings, start_engine
 from gpt2_engine.serve.metrics import parse
 
 openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
@@ -419,7 +419,7 @@ def test_a_failed_prefill_fails_only_its_request(trained_model: GPT2) -> None:
 
 
 def test_a_sampler_that_raises_fails_only_its_sequence(trained_model: GPT2, monkeypatch) -> None:
-    from gpt2_engine.core import scheduler
+    from gpt2_engine.runtime import scheduler
 
     calls = fail_once(scheduler, "choose", ValueError("bad distribution"))
     monkeypatch.setattr(scheduler, "choose", scheduler.choose)  # undone after the test
@@ -445,7 +445,7 @@ def test_a_fatal_failure_answers_everyone_and_health_turns_503(trained_model: GP
 FATAL_SERVER = """
 import sys
 from gpt2_engine.cli import main
-from gpt2_engine.core.scheduler import Scheduler
+from gpt2_engine.runtime.scheduler import Scheduler
 
 plain = Scheduler.schedule
 def schedule(self):

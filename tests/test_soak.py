@@ -15,12 +15,14 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
+from conftest import ARTIFACTS
+from test_serve import START_TIMEOUT, free_port, healthy, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.serve.metrics import parse
 
-from conftest import ARTIFACTS
-from test_serve import START_TIMEOUT, free_port, healthy, wait_for
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 SECONDS = 30
 SLOTS = 4

@@ -1,4 +1,4 @@
-"""Speculative decoding (core/speculate.py): greedy ids identical to plain decoding for every drafter and K, drafts
+"""Speculative decoding (runtime/speculation.py): greedy ids identical to plain decoding for every drafter and K, drafts
 that fail at chosen positions, the KV cache after rejections, batches, the server, errors, and speculative sampling's
 output distribution against the exact one (a chi-square test at a stated level)."""
 
@@ -12,21 +12,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_pass
 
 from gpt2_engine import GPT2
 from gpt2_engine.core.config import GPT2Config
 from gpt2_engine.core.errors import GenerationError, WeightsError
-from gpt2_engine.core.generate import Generation
-from gpt2_engine.core.loop import EngineLoop
 from gpt2_engine.core.model import KVCache
-from gpt2_engine.core.requests import GenerationSettings, Request
-from gpt2_engine.core.runner import ModelRunner, Segment, forward_segments
-from gpt2_engine.core.sampling import SamplingParams, apply_penalties, probabilities
-from gpt2_engine.core.scheduler import Scheduler
-from gpt2_engine.core.speculate import Draft, DraftAsk, Speculation, lookup, next_k
 from gpt2_engine.core.tokenizer import load_tokenizer
-from gpt2_engine.core.training import initial_weights
 from gpt2_engine.core.weights import GPT2Weights, assemble, named_tensors
+from gpt2_engine.runtime.drafters import Speculation, lookup
+from gpt2_engine.runtime.generate import Generation
+from gpt2_engine.runtime.loop import EngineLoop
+from gpt2_engine.runtime.plan import Draft, DraftAsk, Segment
+from gpt2_engine.runtime.requests import GenerationSettings, Request
+from gpt2_engine.runtime.runner import ModelRunner
+from gpt2_engine.runtime.sampling import SamplingParams, apply_penalties, probabilities
+from gpt2_engine.runtime.scheduler import Scheduler
+from gpt2_engine.runtime.speculation import SpeculationPolicy, next_k
+from gpt2_engine.train.step import initial_weights
 
 PROMPTS = ["Return the number of", "import os\n", "The default value of the"]
 
@@ -87,7 +90,7 @@ def run_loop(model: GPT2, prompt: list[int], n: int, spec: Speculation | None) -
     """One greedy sequence through an EngineLoop of its own: (its tokens, the runner, the sequence)."""
     config, max_len = model.config, len(prompt) + n
     runner = ModelRunner(model.weights, config, slots=2, max_len=max_len)
-    loop = EngineLoop(Scheduler(config, model.tokenizer, slots=2, max_len=max_len, speculation=spec), runner,
+    loop = EngineLoop(Scheduler(config, model.tokenizer, slots=2, max_len=max_len, speculation=None if spec is None else spec.policy), runner,
                       None if spec is None else spec.drafter(2, max_len))
     request = Request(prompt, n, SamplingParams(temperature=0), ignore_eos=True)
     loop.submit([request], tag="t")
@@ -105,7 +108,7 @@ def test_rejected_drafts_leave_the_cache_as_plain_decoding_writes_it(trained_mod
     n = 30
     plain, plain_runner, plain_seq = run_loop(trained_model, prompt, n, None)
     truth = tuple(prompt + plain)
-    spec = Oracle("oracle", None, None, draft_tokens=5, truth=truth, wrong=wrong)
+    spec = Oracle("oracle", None, None, SpeculationPolicy(draft_tokens=5), truth=truth, wrong=wrong)
     out, runner, seq = run_loop(trained_model, prompt, n, spec)
     assert out == plain
     assert seq.verified > 0
@@ -229,7 +232,7 @@ def exact_pairs(w: GPT2Weights, prompt: list[int], sampling: SamplingParams) -> 
         # the context as rows of one pass: the bits generation's rows get (row-invariant kernels), so that no token
         # sits on the other side of the top-p boundary by a rounding difference
         cache = KVCache.allocate(TINY, 1, len(ids))
-        logits = forward_segments(w, TINY, [Segment(0, 0, ids)], cache)[0]
+        logits = run_pass(w, TINY, [Segment(0, 0, ids)], cache)[0]
         return probabilities(apply_penalties(logits, sampling, seen, None), sampling).double()
 
     out = torch.zeros(V, V, dtype=torch.float64)
@@ -265,7 +268,7 @@ def test_speculative_sampling_has_the_targets_distribution(drafter: str) -> None
     prompt = [0, 1, 2, 3, 4, 5, 6, 7]  # every token once: prompt lookup always finds a draft
     sampling = SamplingParams(temperature=1.0, top_k=6, top_p=0.9, repetition_penalty=1.3)
     spec = Speculation(drafter, draft if drafter == "model" else None, TINY if drafter == "model" else None,
-                       draft_tokens=1)
+                       SpeculationPolicy(draft_tokens=1))
     settings = GenerationSettings(max_new_tokens=3, sampling=sampling, seed=0, num_samples=SAMPLES)
     run = Generation(target, TINY, tokenizer, [prompt], settings, spec)
     samples = [c.token_ids for c in run.run()]
@@ -288,9 +291,9 @@ def test_server_speculates_alone_and_batches_under_load(trained_model: GPT2) -> 
     import concurrent.futures
 
     import httpx
+    from test_serve import live
 
     from gpt2_engine.serve.metrics import parse
-    from test_serve import live
 
     prompts = PROMPTS + ["Raise an error if", "If the list is empty", "Return a new"]
     expected = {p: trained_model.complete([p], max_new_tokens=20, temperature=0)[0] for p in prompts}

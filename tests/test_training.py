@@ -1,4 +1,4 @@
-"""The hand-written training step (core/training.py) against transformers' GPT2LMHeadModel under torch.autograd:
+"""The hand-written training step (train/step.py) against transformers' GPT2LMHeadModel under torch.autograd:
 the same weights, batch and dropout masks; every parameter's gradient compared, as llm.c's test_gpt2.c does, with
 the tensor and the worst element named on failure."""
 
@@ -11,17 +11,18 @@ from unittest import mock
 import pytest
 import torch
 
-from gpt2_engine.core.backward import causal_blocks
 from gpt2_engine.core.config import GPT2Config
-from gpt2_engine.core.training import Buffers, forward_loss, initial_weights, trainable_copy, zeros_like
+from gpt2_engine.core.model import query_blocks
 from gpt2_engine.core.weights import GPT2Weights, assemble, named_tensors
+from gpt2_engine.train.step import Buffers, forward_loss, initial_weights, trainable_copy, zeros_like
 
 TINY = GPT2Config(vocab_size=101, n_positions=320, n_embd=16, n_layer=2, n_head=4)
 
 
 def hf_model(w: GPT2Weights, config: GPT2Config, dtype: torch.dtype, dropout: float):
     """transformers' GPT2LMHeadModel holding copies of `w` (eager attention, so that every dropout is F.dropout)."""
-    from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
 
     hf = HFConfig(vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd,
                   n_layer=config.n_layer, n_head=config.n_head, attn_pdrop=dropout, embd_pdrop=dropout,
@@ -60,7 +61,7 @@ def engine_masks(buf: Buffers) -> list[torch.Tensor]:
     for a in buf.layers:
         B, nh, _, T = a.att_keep[-1].shape
         full = torch.zeros(B, nh, T, T, dtype=a.att_keep[0].dtype)
-        for (i, j), keep in zip(causal_blocks(T), a.att_keep):
+        for (i, j, _), keep in zip(query_blocks(T, T), a.att_keep):
             full[:, :, i:j, :j] = keep
         masks += [full, a.attn_keep, a.mlp_keep]
     return [m.clone() for m in masks]

@@ -11,7 +11,7 @@ import torch
 
 from gpt2_engine import GPT2, GPT2EngineError
 from gpt2_engine.cli import main
-from gpt2_engine.compare import long_prompt
+from gpt2_engine.commands.compare import long_prompt
 from gpt2_engine.core.model import linear
 from gpt2_engine.core.quantize import dequantize, pack, quantize_groups, quantize_matrix, unpack
 from gpt2_engine.core.weights import Linear, QuantizedMatrix
@@ -134,7 +134,7 @@ def held_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_quality_targets_on_the_trained_checkpoint(capsys, trained_dir: Path, held_out: Path, variant: str) -> None:
     """The issue's quality targets, as `gpt2 compare` checks them by default: top-1 agreement with float32 over all
     positions >= 99% (int8), 95% (int4), 99.5% (bf16); perplexity within +0.5%, +2%, +0.5%."""
-    from gpt2_engine.compare import DEFAULT_MAX_PPL_CHANGE, DEFAULT_MIN_TOP1
+    from gpt2_engine.commands.compare import DEFAULT_MAX_PPL_CHANGE, DEFAULT_MIN_TOP1
 
     option = ["--dtype", "bfloat16"] if variant == "bfloat16" else ["--quantize", variant]
     code = main(["compare", "--weights", str(trained_dir), "--prompts-file", str(held_out), "--json", *option])
@@ -165,8 +165,9 @@ def test_bad_variant_options(tiny_dir: Path, kwargs: dict, message: str) -> None
 def test_bfloat16_prefill_takes_the_cpus_fast_path() -> None:
     """Longer than decode-sized inputs: on a CPU with AMX or AVX512-BF16, oneDNN's bf16 GEMM (bf16 in and out,
     float32 accumulation); elsewhere the widened float32 weight in MKL. Decode-sized inputs keep float32 arithmetic."""
+    from gpt2_engine.core.config import DECODE_ROWS
     from gpt2_engine.core.kernels import cpu
-    from gpt2_engine.core.projection import DECODE_ROWS, project
+    from gpt2_engine.core.projection import project
 
     g = torch.Generator().manual_seed(5)
     w, b = (torch.randn(768, 2304, generator=g) * 0.05).bfloat16(), torch.randn(2304, generator=g)

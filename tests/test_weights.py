@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_weights, edited_copy
 
 from gpt2_engine import GPT2, GPT2Config, WeightsError
 from gpt2_engine.core.config import preset
 from gpt2_engine.core.model import linear, merge_heads, split_heads
 from gpt2_engine.core.weights import expected_shapes, load_weights, parameter_count, split_qkv
-
-from conftest import assert_same_weights, edited_copy
 
 
 def variant(tiny_dir: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:

@@ -8,6 +8,10 @@ from pathlib import Path
 
 from .errors import WeightsError
 
+# Up to this many rows a pass over the weights (one decode step of many sequences, a verify pass, short prompts riding
+# along) runs on the native row-invariant kernels: each output element is reduced in a fixed order whatever the row
+# count, so a sequence's logits never depend on what shares its pass. The scheduler plans passes within it.
+DECODE_ROWS = 32
 
 @dataclass(frozen=True)
 class GPT2Config:

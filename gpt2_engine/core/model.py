@@ -1,4 +1,5 @@
-"""GPT-2's forward pass in PyTorch, as small functions over explicit tensors.
+"""GPT-2's forward pass in PyTorch, as small functions over explicit tensors. The second file of the reading path,
+after numpy_ref.py: the same math, with a KV cache, batches, padding masks and TransformerLens's hook points.
 
 Notation: B batch, T tokens in this call, S key positions attended (cached + new), C channels (n_embd),
 nh heads, hs head size (C // nh), V vocabulary. GPT-2 is pre-LN: each block is
@@ -10,14 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .config import GPT2Config
 from .kernels import cpu, decode_kernels
-from .projection import head_logits, lora_rows, native_projection, project
+from .projection import head_logits, lora_rows, project
 from .weights import Block, GPT2Weights, LayerNorm, Linear, QuantizedMatrix, split_qkv
 
 
@@ -44,7 +45,7 @@ class KVCache:
 
 class Tap(Protocol):
     """Hook points on the forward pass, named as TransformerLens names them for GPT-2 (core/hooks.py records and
-    patches through one). Every function below takes `tap=None`, which costs one `is None` test per hook point."""
+    patches through one). Without one (None) a hook point costs one `is None` test."""
 
     def wants(self, name: str) -> bool:
         """Whether hook point `name` is cached or hooked: the points that cost work to produce ask first."""
@@ -74,6 +75,29 @@ class ScopedTap:
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.tap(self.prefix + name, x)
+
+
+def hooked(tap: Tap | None, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x at hook point `name`: x itself without a tap, else what the tap returns (x, or its replacement)."""
+    return x if tap is None else tap(name, x)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What one call layers on a block's math, worked out once per call: where its T new tokens sit (positions
+    [start, start + T), with this layer's KV cache view (k, v) [B, nh, max_len, hs] to write them into), which keys
+    each query sees (`mask` [B|1, 1, T, S]; `causal` when that is only the causal mask of whole sequences), the hook
+    points (`tap`, scoped to the block) and each row's LoRA adapter (`adapters` [B*T], linear()'s)."""
+
+    start: int = 0
+    mask: torch.Tensor | None = None
+    causal: bool = False
+    cache: tuple[torch.Tensor, torch.Tensor] | None = None
+    tap: Tap | None = None
+    adapters: torch.Tensor | None = None
+
+    def hook(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return hooked(self.tap, name, x)
 
 
 def layer_norm(x: torch.Tensor, p: LayerNorm, eps: float, tap: Tap | None = None, name: str = "") -> torch.Tensor:
@@ -184,8 +208,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
     The T new queries are the last T of the S positions. `causal` says that mask is nothing but the causal mask of
     a whole sequence (S = T, no padding): that case, a prompt or a scoring window, runs in causal_attention, which
-    never writes the [T, S] scores and skips the blocks above the diagonal (at 1,024 tokens torch's fused kernel
-    takes a third of the time of the explicit form below; rows agree with it to ~1e-7). Every other case,
+    never writes the [T, S] scores and skips the blocks above the diagonal (several times faster than the explicit
+    form below on long prompts; rows agree with it to ~1e-7). Every other case,
     and any hook on the scores or the pattern, is the explicit form. A long prompt there goes in blocks of queries
     (query_blocks): half the work of a causal prefill, and each block's scores fit in cache.
     """
@@ -232,137 +256,49 @@ def tapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out
 
 
-def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, mask: torch.Tensor | None,
-                          cache: tuple[torch.Tensor, torch.Tensor] | None, start: int, tap: Tap | None = None,
-                          causal: bool = False, adapters: torch.Tensor | None = None) -> torch.Tensor:
+def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, at: Layer) -> torch.Tensor:
     """[B, T, C] -> [B, T, C]. With a cache, this call's keys/values are written at [start, start+T) first.
-    `causal`: mask is only the causal mask of whole sequences (see attention()). `adapters`: linear()'s, per row.
 
     Hook points (TransformerLens's layout, heads before head size): attn.hook_q|hook_k|hook_v|hook_z [B, T, nh, hs],
     attn.hook_attn_scores|hook_pattern [B, nh, T, S].
     """
-    q, k, v = split_qkv(linear(x, blk.c_attn, adapters))  # 3 x [B, T, C]: one matmul over the fused Q/K/V weights
-    if tap is None:
-        q, k, v = split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head)  # 3 x [B, nh, T, hs]
-    else:
-        B, T, C = x.shape
-        q, k, v = (tap(f"attn.hook_{n}", t.view(B, T, n_head, C // n_head)).transpose(1, 2) for n, t in zip("qkv", (q, k, v)))
-    if cache is not None:
-        k_cache, v_cache = cache  # [B, nh, max_len, hs] each
-        end = start + x.shape[1]
-        k_cache[:, :, start:end] = k
-        v_cache[:, :, start:end] = v
+    q, k, v = split_qkv(linear(x, blk.c_attn, at.adapters))  # 3 x [B, T, C]: one matmul over the fused Q/K/V weights
+    B, T, C = x.shape
+    # hooked as [B, T, nh, hs] (TransformerLens's layout), then [B, nh, T, hs] as split_heads gives them
+    q, k, v = (at.hook(f"attn.hook_{n}", t.view(B, T, n_head, C // n_head)).transpose(1, 2)
+               for n, t in zip("qkv", (q, k, v)))
+    if at.cache is not None:
+        k_cache, v_cache = at.cache  # [B, nh, max_len, hs] each
+        end = at.start + T
+        k_cache[:, :, at.start : end] = k
+        v_cache[:, :, at.start : end] = v
         k, v = k_cache[:, :, :end], v_cache[:, :, :end]  # [B, nh, S, hs], S = start + T
-    y = attention(q, k, v, mask, tap, causal=causal)  # [B, nh, T, hs]
-    if tap is not None:
-        y = tap("attn.hook_z", y.transpose(1, 2)).transpose(1, 2)  # hooked as [B, T, nh, hs]
-    return linear(merge_heads(y), blk.attn_c_proj, adapters)  # [B, T, C]
+    y = attention(q, k, v, at.mask, at.tap, causal=at.causal)  # [B, nh, T, hs]
+    y = at.hook("attn.hook_z", y.transpose(1, 2)).transpose(1, 2)  # hooked as [B, T, nh, hs]
+    return linear(merge_heads(y), blk.attn_c_proj, at.adapters)  # [B, T, C]
 
 
-@dataclass(frozen=True)
-class RowLayout:
-    """Where the rows of a continuous-batching pass go, worked out once for all blocks: spans (slot, start, n) in row
-    order (n new tokens of the sequence in cache slot `slot`, at positions [start, start + n)), each span's first
-    row, and for every row its cache slot and position (what the native attention kernel reads)."""
-
-    spans: list[tuple[int, int, int]]
-    first_rows: list[int]  # each span's first row
-    slots: torch.Tensor  # [R] the slot of each row
-    positions: torch.Tensor  # [R] the position of each row in its sequence
-
-    @classmethod
-    def of(cls, spans: list[tuple[int, int, int]]) -> RowLayout:
-        firsts = [0]
-        for _, _, n in spans[:-1]:
-            firsts.append(firsts[-1] + n)
-        slots = torch.tensor([slot for slot, _, n in spans for _ in range(n)], dtype=torch.long)
-        positions = torch.tensor([p for _, start, n in spans for p in range(start, start + n)], dtype=torch.long)
-        return cls(spans, firsts, slots, positions)
-
-
-def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            layout: RowLayout, adapters: torch.Tensor | None = None) -> torch.Tensor:
-    """[1, R, C] -> [1, R, C] for the rows of several sequences back to back; span (slot, start, n) holds n new
-    tokens of the sequence in cache slot `slot` at positions [start, start + n): a running sequence's next token
-    (n = 1) or a new prompt (start = 0). One projection over all R rows; each span writes its keys and values
-    into its slot and attends causally to its own slot's keys only, so nothing depends on the other spans.
-
-    With the native kernels all R rows are one call (kernels/attention.cpp): it writes every row's key and value
-    first, then each row attends to its slot's positions up to its own, in a fixed order, so a prompt's tokens are
-    rows like any other (a Python loop of ~15 torch ops per prompt and layer made a step that admitted 6 prompts
-    half again as long as a decode step). Without them, span by span in torch."""
-    R, C = x.shape[1], x.shape[2]
-    hs = C // n_head
-    q, k, v = split_qkv(linear(x, blk.c_attn, adapters))  # 3 x [1, R, C]
-    native = decode_kernels() if k_cache.is_contiguous() else None
-    if native is not None:
-        out = native.decode_attention(q[0].view(R, n_head, hs), k[0].view(R, n_head, hs), v[0].view(R, n_head, hs),
-                                      k_cache, v_cache, layout.slots, layout.positions, cpu().avx512)
-        return linear(out.view(1, R, C), blk.attn_c_proj, adapters)  # [1, R, C]
-    out = torch.empty(1, R, C)  # [1, R, C]
-    for (slot, start, n), row in zip(layout.spans, layout.first_rows):
-        qi, ki, vi = (split_heads(t[:, row : row + n], n_head) for t in (q, k, v))  # 3 x [1, nh, n, hs]
-        k_cache[slot, :, start : start + n], v_cache[slot, :, start : start + n] = ki[0], vi[0]
-        keys, values = k_cache[slot : slot + 1, :, : start + n], v_cache[slot : slot + 1, :, : start + n]  # [1, nh, S, hs]
-        out[:, row : row + n] = merge_heads(attention(qi, keys, values, attention_mask(n, start, None, x.device),
-                                                      causal=start == 0))
-    return linear(out, blk.attn_c_proj, adapters)  # [1, R, C]
-
-
-def native_block(blk: Block, config: GPT2Config, layer: int) -> Any | None:
-    """Block `blk` (number `layer`) as one native call for the rows of a decode-sized pass: kernels/block.cpp's
-    RowBlock, which does block() around self_attention_segments() on the same row-invariant kernels, with its own
-    layer norm and GELU (see its header). None without the native kernels, or where a weight's format has none."""
-    native = decode_kernels()
-    parts = [native_projection(p) for p in (blk.c_attn, blk.attn_c_proj, blk.c_fc, blk.mlp_c_proj)]
-    norms = [blk.ln_1.weight, blk.ln_1.bias, blk.ln_2.weight, blk.ln_2.bias]
-    if native is None or None in parts or any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
-        return None
-    tensors = [*norms, *(t for part, _ in parts for t in part)]
-    return native.RowBlock(tensors, [bits for _, bits in parts], layer, config.n_head, config.layer_norm_epsilon,
-                           cpu().avx512, cpu().avx512_vnni)
-
-
-def native_head(w: GPT2Weights, config: GPT2Config) -> Any | None:
-    """logits() as one native call for the rows of a decode-sized pass: kernels/block.cpp's RowHead (its own layer
-    norm, then the head's row-invariant kernel). None without the native kernels, or where the head's format or the
-    layer norm's dtype has none."""
-    native, head = decode_kernels(), w.head
-    if native is None or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (w.ln_f.weight, w.ln_f.bias)):
-        return None
-    if isinstance(head, QuantizedMatrix):
-        tensors, bits, vocab = (head.packed, head.scales), head.bits, head.out_features
-    elif head.dtype in (torch.float32, torch.bfloat16) and head.is_contiguous():
-        tensors, bits, vocab = (head, torch.empty(0)), 0, head.shape[0]
-    else:
-        return None
-    return native.RowHead(w.ln_f.weight, w.ln_f.bias, *tensors, bits, vocab, config.layer_norm_epsilon, cpu().avx512,
-                          cpu().avx512_vnni)
-
-
-def mlp(x: torch.Tensor, blk: Block, tap: Tap | None = None, adapters: torch.Tensor | None = None) -> torch.Tensor:
+def mlp(x: torch.Tensor, blk: Block, at: Layer) -> torch.Tensor:
     """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer; hook points mlp.hook_pre|hook_post [B, T, 4C]."""
-    if tap is None:
-        return linear(gelu(linear(x, blk.c_fc, adapters)), blk.mlp_c_proj, adapters)
-    h = tap("mlp.hook_post", gelu(tap("mlp.hook_pre", linear(x, blk.c_fc, adapters))))  # [B, T, 4C]
-    return linear(h, blk.mlp_c_proj, adapters)
+    h = at.hook("mlp.hook_pre", linear(x, blk.c_fc, at.adapters))  # [B, T, 4C]
+    h = at.hook("mlp.hook_post", gelu(h))  # [B, T, 4C]
+    return linear(h, blk.mlp_c_proj, at.adapters)  # [B, T, C]
 
 
 def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[torch.Tensor], torch.Tensor],
-          tap: Tap | None = None, adapters: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T, C] -> [B, T, C]: one pre-LN transformer block; `attend` is its self-attention on ln_1(x), `adapters`
-    the LoRA adapter of each of the B*T rows in the MLP (linear()'s argument).
+          at: Layer) -> torch.Tensor:
+    """[B, T, C] -> [B, T, C]: one pre-LN transformer block, x + attn(ln_1(x)), then + mlp(ln_2(x)); `attend` is its
+    self-attention on ln_1(x) (causal_self_attention, or the rows of a batched pass: core/rows.py).
 
     Hook points, in TransformerLens's names within the block: hook_resid_pre, ln1.*, hook_attn_out, hook_resid_mid,
     ln2.*, mlp.*, hook_mlp_out, hook_resid_post (all [B, T, C] but the mlp's).
     """
     eps = config.layer_norm_epsilon
-    if tap is None:
-        x = x + attend(layer_norm(x, blk.ln_1, eps))
-        return x + mlp(layer_norm(x, blk.ln_2, eps), blk, None, adapters)
-    x = tap("hook_resid_pre", x)
-    x = tap("hook_resid_mid", x + tap("hook_attn_out", attend(layer_norm(x, blk.ln_1, eps, tap, "ln1."))))
-    return tap("hook_resid_post", x + tap("hook_mlp_out", mlp(layer_norm(x, blk.ln_2, eps, tap, "ln2."), blk, tap, adapters)))
+    x = at.hook("hook_resid_pre", x)
+    a = at.hook("hook_attn_out", attend(layer_norm(x, blk.ln_1, eps, at.tap, "ln1.")))  # [B, T, C]
+    x = at.hook("hook_resid_mid", x + a)
+    m = at.hook("hook_mlp_out", mlp(layer_norm(x, blk.ln_2, eps, at.tap, "ln2."), blk, at))  # [B, T, C]
+    return at.hook("hook_resid_post", x + m)
 
 
 def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -417,18 +353,16 @@ def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, po
     B, T = ids.shape
     if positions is None:
         positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-    tokens, pos = embed(w, ids), w.wpe[positions]  # [B, T, C] each: the residual stream is float32 whatever the weights
-    if tap is not None:
-        tokens, pos = tap("hook_embed", tokens), tap("hook_pos_embed", pos)
+    tokens = hooked(tap, "hook_embed", embed(w, ids))  # [B, T, C]: the residual stream is float32 whatever the weights
+    pos = hooked(tap, "hook_pos_embed", w.wpe[positions])  # [B, T, C]
     x = tokens + pos  # [B, T, C]
     mask = attention_mask(T, start, key_mask, ids.device)
     causal = start == 0 and key_mask is None
     rows = None if adapters is None else adapters.repeat_interleave(T)  # [B*T]
     for i, blk in enumerate(w.blocks):
-        layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-        t = None if tap is None else ScopedTap(tap, f"blocks.{i}.")
-        x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, mask, layer_cache, start, t,
-                                                                  causal, rows), t, rows)
+        at = Layer(start, mask, causal, None if cache is None else (cache.k[i], cache.v[i]),
+                   None if tap is None else ScopedTap(tap, f"blocks.{i}."), rows)
+        x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, at), at)
         if hidden_states is not None:
             hidden_states.append(x)  # [B, T, C]
     return x
@@ -441,11 +375,12 @@ def logits(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, tap: Tap | None 
 
 def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
             cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
-            last_only: bool = False, hidden_states: list[torch.Tensor] | None = None,
-            tap: Tap | None = None, adapters: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits for ids [B, T] -> [B, T, V] (or [B, 1, V] with last_only); the arguments are residual_stream's."""
+            hidden_states: list[torch.Tensor] | None = None, tap: Tap | None = None,
+            adapters: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits for ids [B, T] -> [B, T, V]; the arguments are residual_stream's."""
     x = residual_stream(w, config, ids, positions=positions, cache=cache, start=start, key_mask=key_mask,
                         hidden_states=hidden_states, tap=tap, adapters=adapters)  # [B, T, C]
-    if last_only:
-        x = x[:, -1:]  # [B, 1, C]: generation needs only the next-token distribution
     return logits(w, config, x, tap)  # [B, T, V]
+
+# Next: runtime/greedy.py runs this forward as a generator does, a prompt into the KV cache and then one token at a
+# time. (core/rows.py runs many sequences' rows in one pass; projection.py says how each weight format multiplies.)

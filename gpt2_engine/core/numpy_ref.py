@@ -1,4 +1,5 @@
-"""A NumPy reference of GPT-2's forward pass, for reading and cross-checking the PyTorch engine.
+"""A NumPy reference of GPT-2's forward pass, for reading and cross-checking the PyTorch engine. The first file of the
+reading path (README: "Reading the engine"): the whole model in one screen.
 
 Every formula is written out (layer norm, tanh GELU, softmax); there is no KV cache and no batching trick.
 Same notation as model.py: T tokens, C channels, nh heads, hs head size, V vocabulary; one sequence at a time.
@@ -63,3 +64,5 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: np.ndarray,
         if hidden_states is not None:
             hidden_states.append(x)
     return layer_norm(x, w.ln_f, eps) @ w.wte.numpy().T  # [T, V]: the head is wte (tied)
+
+# Next: core/model.py, the same forward in PyTorch, with the KV cache, batching and the hook points.

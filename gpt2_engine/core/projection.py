@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import torch
 
+from .config import DECODE_ROWS
 from .kernels import cpu, decode_kernels
 from .quantize import GROUP, PANEL, dequantize, unpack
 from .weights import Linear, LoraStack, QuantizedMatrix
 
 # Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
-# DECODE_ROWS rows, float32 projections and the head run on the native kernels: every output element is reduced in
-# a fixed order whatever the row count, so a sequence's logits do not depend on what else shares its decode step
-# (batch invariance), and the weight is read once for all rows. Without them (no compiler), the fallback below: MKL
+# config.DECODE_ROWS rows, float32 projections and the head run on the native row-invariant kernels, and the weight
+# is read once for all rows. Without them (no compiler), the fallback below: MKL
 # runs a GEMV on one core at about half the machine's read bandwidth, so the reduction is split over the cores with
 # one bmm on zero-copy views of the weight (not batch-invariant).
-DECODE_ROWS = 32
 FEW_ROWS = 8
-BF16_HEAD_BLOCK = 4096  # vocabulary rows of a bfloat16 head widened at a time: 12 MiB of float32, which stays in cache
+# vocabulary rows of the head widened to float32 at a time, a bfloat16 head's here and a quantized head's in training's
+# backward: (4096, C) float32 is 12 MiB at C = 768, which stays in cache
+HEAD_BLOCK = 4096
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what decode.cpp's kernels read
 
 
@@ -141,12 +142,12 @@ def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch
     if native is not None and head.dtype in NATIVE_DTYPES and head.is_contiguous():
         return native.dot_rows(x2, head, cpu().avx512)
     if head.dtype != torch.float32:  # bfloat16: widened a block of rows at a time
-        return torch.cat([x2 @ head_rows(head, slice(r, r + BF16_HEAD_BLOCK)).t() for r in range(0, V, BF16_HEAD_BLOCK)], dim=1)
+        return torch.cat([x2 @ head_rows(head, slice(r, r + HEAD_BLOCK)).t() for r in range(0, V, HEAD_BLOCK)], dim=1)
     chunks = torch.get_num_threads()
     if M > FEW_ROWS or chunks < 2 or grad:
-        # computed as wte @ x^T, [V, M], and returned as its transposed view: MKL runs this orientation at
-        # 150-160 GFLOP/s against 105-120 for x @ wte^T (M = 256..1024, Zen 4), and reductions over the
-        # vocabulary (logsumexp, topk) read the strided view as fast.
+        # computed as wte @ x^T, [V, M], and returned as its transposed view: MKL runs this orientation (a tall
+        # operand, not a transposed wide one) markedly faster than x @ wte^T (docs/benchmarks.md), and reductions
+        # over the vocabulary (logsumexp, topk) read the strided view as fast.
         return (head @ x2.t()).t()  # [M, V], strides (1, M)
     # the same split for decoding, over the vocabulary rows: chunks of h rows, plus the V % chunks left over
     h = V // chunks
@@ -189,3 +190,13 @@ def dequantize_columns(m: QuantizedMatrix, first: int, end: int, out: torch.Tens
     panels = out.view(-1)[: m.in_features * width].view(m.in_features, width)
     native.dequantize_panels(m.packed, m.scales, m.bits, m.in_features, p0, p1, panels)
     return panels[:, : end - first]
+
+
+def logsumexp_rows(logits: torch.Tensor) -> list[float]:
+    """[n, V] -> each row's logsumexp, each row reduced alone in a fixed order (kernels/block.cpp), so that a row's
+    value, and with it a token's logprob, never depends on what else shares the pass; torch's, row by row, where the
+    native kernels are missing."""
+    native = decode_kernels()
+    if native is not None and logits.dtype == torch.float32:
+        return native.logsumexp_rows(logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous())
+    return [float(torch.logsumexp(row, -1)) for row in logits]

@@ -64,7 +64,7 @@ class LoraStack:
 @dataclass(frozen=True)
 class Linear:
     """A Conv1D projection: weight (in, out), bias (out,), and the LoRA adapters on it, if any. In a gradient
-    GPT2Weights (core/training.py), weight and bias are None where the projection is frozen."""
+    GPT2Weights (train/step.py), weight and bias are None where the projection is frozen."""
 
     weight: torch.Tensor | QuantizedMatrix
     bias: torch.Tensor

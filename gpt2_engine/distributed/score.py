@@ -2,7 +2,7 @@
 
 Reading: each input file is read by a Ray Data task with the local command's reader (the same documents, names and
 errors); every input is read and checked before any model loads. Scoring: `map_batches` with `Scorer`, a callable
-class, on `--workers` actors; each batch of documents goes through core/scoring.py exactly as `gpt2 score` runs it,
+class, on `--workers` actors; each batch of documents goes through runtime/scoring.py exactly as `gpt2 score` runs it,
 so every document's windows, and its NLL, are the local command's. Rows come back in input order.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import GPT2EngineError
-from ..core.scoring import Score, ScoreSettings
-from ..core.documents import InputError, read_documents
+from ..documents import InputError, read_documents
 from ..options import ModelOptions, load_model
+from ..runtime.scoring import Score, ScoreSettings
 
 DOCUMENTS_PER_BATCH = 16
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..core.errors import GPT2EngineError
 from ..options import ModelOptions, load_model
-from ..serve.app import ServerSettings, ServerState, ServeError, build_app
-from ..serve.engine import EngineSettings, start_engine
+from ..serve.app import ServeError, ServerSettings, ServerState, build_app
+from ..serve.async_engine import EngineSettings, start_engine
 
 APP_NAME = "gpt2"
 

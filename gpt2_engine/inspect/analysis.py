@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..core.engine import GPT2
+from ..api import GPT2
 from ..core.errors import GPT2EngineError
 from ..core.hooks import ActivationCache, Recorder
 from ..core.model import embed, logits, residual_stream

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..core.engine import GPT2
+from ..api import GPT2
 from ..core.errors import GPT2EngineError
 from .analysis import HEAD_KINDS, attribution, direct_logit_attribution, head_scores, logit_lens
 

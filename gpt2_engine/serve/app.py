@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.errors import GPT2EngineError
-from .engine import AsyncEngine
+from .async_engine import AsyncEngine
 from .metrics import CONTENT_TYPE
 from .protocol import APIError, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import CompletionRun, engine_requests

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from ..core.prefix import PrefixCache
+from ..runtime.prefix import PrefixCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

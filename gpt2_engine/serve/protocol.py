@@ -35,7 +35,7 @@ class StreamOptions(BaseModel):
 class CompletionRequest(BaseModel):
     """POST /v1/completions. OpenAI's defaults (max_tokens 16, temperature 1, top_p 1); extras top_k,
     repetition_penalty, ignore_eos as in vLLM. `model` may be left out: it is the served model, as vLLM and
-    llama-server take it. The sampling values' ranges are the engine's one set (core/sampling.py's
+    llama-server take it. The sampling values' ranges are the engine's one set (runtime/sampling.py's
     SamplingParams), checked when the request becomes engine work; these models check types and the API's limits."""
 
     model_config = ConfigDict(extra="forbid")
@@ -139,7 +139,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class Completion(BaseModel):
+class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int

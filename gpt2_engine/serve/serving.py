@@ -11,12 +11,12 @@ from dataclasses import dataclass, field, replace
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
-from ..core.requests import GenerationSettings, Request, build_requests, encode_prompts
-from ..core.sampling import SamplingParams
-from ..core.scheduler import Event
 from ..core.tokenizer import Tokenizer
-from .engine import AsyncEngine, EngineDown, Handle, QueueFull
-from .protocol import APIError, Choice, Completion, CompletionRequest, Logprobs, PromptTokensDetails, Usage
+from ..runtime.plan import Event
+from ..runtime.requests import GenerationSettings, Request, build_requests, encode_prompts
+from ..runtime.sampling import SamplingParams
+from .async_engine import AsyncEngine, EngineDown, Handle, QueueFull
+from .protocol import APIError, Choice, CompletionRequest, CompletionResponse, Logprobs, PromptTokensDetails, Usage
 
 # the engine's names for the settings OpenAI's API calls otherwise
 API_PARAM = {"max_new_tokens": "max_tokens", "num_samples": "n", "top_logprobs": "logprobs"}
@@ -171,7 +171,7 @@ class CompletionRun:
         if reason == "shutdown":
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutdown")
 
-    async def whole(self) -> Completion:
+    async def whole(self) -> CompletionResponse:
         """Wait for every choice and return the complete response."""
         try:
             while any(c.finish_reason is None for c in self.choices):
@@ -180,12 +180,12 @@ class CompletionRun:
                 self._check_failure(i)
         finally:
             self.cancel()
-        return Completion(id=self.id, created=self.created, model=self.model_name, usage=self.usage(),
+        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, usage=self.usage(),
                           choices=[Choice(index=c.index, text=c.text, logprobs=c.logprobs,
                                           finish_reason=c.finish_reason) for c in self.choices])
 
     def _chunk(self, choices: list[Choice], usage: Usage | None = None) -> str:
-        body = Completion(id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage)
+        body = CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage)
         return f"data: {body.model_dump_json()}\n\n"
 
     async def stream(self) -> AsyncIterator[str]:

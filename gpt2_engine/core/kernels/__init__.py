@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-
 HERE = Path(__file__).resolve().parent
 # what running without the native kernels means, said in the one warning line
 FALLBACK = "same results, but float32 decoding is not batch-invariant and int8/int4 are much slower"

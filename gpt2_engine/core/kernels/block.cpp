@@ -127,7 +127,7 @@ static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, const torc
                    C, eps);
 }
 
-// The tensors of one block, held once for all the passes (model.native_block builds it).
+// The tensors of one block, held once for all the passes (core/rows.py's native_block builds it).
 class RowBlock {
  public:
   // params: ln_1 weight and bias, ln_2 weight and bias, then for c_attn, attn_c_proj, c_fc, mlp_c_proj in turn:

@@ -25,19 +25,14 @@
 namespace {
 
 constexpr int MR = 4;   // rows of x sharing each load of the weight (register blocking)
-// Weight rows streamed per pass over a tile's accumulators. One or two rows are bound by memory: short passes keep
-// 8 contiguous streams in flight, which the prefetchers follow best. From 3 rows on the multiply-adds dominate, and
-// loading and storing the accumulators every 8 rows halved the throughput (in cache: 51 against 136 GFLOP/s at 4
-// rows, 72 against 193 at 16, Zen 4), so those passes are 128 rows long. Each element is still one chain of
-// multiply-adds in k order, so the pass length never changes a bit.
-// A long pass reads 128 short row segments, too many streams for the hardware prefetchers, and from memory it ran
-// at the sum of its load and compute times. So it prefetches the next tile's segment of each row as it goes (one
-// tile ahead; two or more measured slower), into L2: a tile is 32 KB, and asked into L1 the lines waited on L1's few
-// miss buffers and evicted the tile being computed, which left the pass near the sum of the two times again. Into
-// L2 the loads and the multiply-adds overlap: at 4 to 8 rows the projections run near the bandwidth of one row.
-// At one or two rows the loop does little work per byte, and the hardware prefetchers alone left the two threads
-// reading well below the machine's bandwidth: each pass also asks for its tile's segment of the next KB_FEW rows
-// into L2 (GPT-2 small's 48 projections at 1 row: 12.2 to 10.6 ms, Zen 4).
+// Weight rows streamed per pass over a tile's accumulators (each element stays one chain of multiply-adds in k
+// order, so the pass length never changes a bit). One or two rows are bound by memory: short passes of KB_FEW rows
+// keep 8 contiguous streams in flight, which the hardware prefetchers follow, and each pass also asks for its tile's
+// segment of the next KB_FEW rows. From 3 rows the multiply-adds dominate and reloading the accumulators every few
+// rows would cost more than the loads, so passes are KB_MANY rows long; that is too many streams for the hardware
+// prefetchers, so each pass prefetches the next tile's segments itself, one tile ahead, into L2 (asked into L1, the
+// lines queue on its few miss buffers and evict the tile being computed). The measurements behind these three
+// constants are in docs/benchmarks.md ("Why the decode kernels are shaped as they are").
 constexpr int KB_FEW = 8;
 constexpr int KB_MANY = 128;
 constexpr int VB = 8;   // vocabulary rows per pass of the head
@@ -294,9 +289,8 @@ template <typename W>
 constexpr int64_t LINE() { return 64 / sizeof(typename W::T); }
 
 // While a block reads column c of its NV vocabulary rows, the first row group prefetches that column's line in every
-// other row of the next block; the hardware prefetchers fetch the rest. Every row, or the next block's lines in
-// address order, measured slower. Against no prefetching, on GPT-2 small's head (Zen 4, 2 threads): float32 5.5 to
-// 4.9 ms at 1 row and 8.0 to 6.4 ms at 8 (AVX-512), 11.1 to 8.8 ms at 8 (AVX2); bfloat16 4.3 to 3.2 ms at 1 row.
+// other row of the next block; the hardware prefetchers fetch the rest (every row, or the next block's lines in
+// address order, measured slower: docs/benchmarks.md has the figures).
 // Each row of the block HEAD_AHEAD blocks on is also asked for into L2 (past the end of w, harmlessly): the head is
 // GPT-2's largest matrix (154 MB in float32), and its one stream ran below the machine's bandwidth without it.
 constexpr int64_t HEAD_AHEAD = 8;

@@ -4,7 +4,7 @@
 // 3.5 GB per step for GPT-2 small. torch's single-tensor AdamW (its CPU default) makes a pass per op, six or more,
 // with a temporary the size of the parameter for the denominator. Here each element is loaded once, updated in
 // registers, stored once; the loop is plain C++ that the compiler vectorises, split across torch's threads.
-// The arithmetic is core/optim.py's adamw_reference, line for line, in float32 (the reference computes the same
+// The arithmetic is train/optim.py's adamw_reference, line for line, in float32 (the reference computes the same
 // expressions as separate torch ops, so the two agree to rounding, not bit for bit).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -2,8 +2,8 @@
 
 Each prompt (and each sample of it) is a sequence of its own in the scheduler: prefilled into a slot of the KV cache
 (or run as rows of a shared pass), then decoded one token at a time in batched passes with the others
-(core/loop.py). The requests come from core/requests.py, the builder the server uses too. With a Speculation, the
-loop drafts and the passes verify (core/speculate.py): the same tokens with greedy decoding, the same distribution
+(runtime/loop.py). The requests come from runtime/requests.py, the builder the server uses too. With a Speculation, the
+loop drafts and the passes verify (runtime/speculation.py): the same tokens with greedy decoding, the same distribution
 with sampling.
 """
 
@@ -14,14 +14,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .config import GPT2Config
+from ..core.config import GPT2Config
+from ..core.tokenizer import Tokenizer
+from ..core.weights import GPT2Weights
+from .drafters import Speculation
 from .loop import EngineLoop
 from .requests import GenerationSettings, RequestSet, build_requests
 from .runner import ModelRunner
+from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .speculate import Speculation
-from .tokenizer import Tokenizer
-from .weights import GPT2Weights
 
 
 @dataclass
@@ -83,7 +84,8 @@ class Generation:
         reqs = self.batch.requests
         max_len = max(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in reqs)
         spec, slots = self.speculation, min(len(reqs), self.slots or len(reqs))
-        loop = EngineLoop(Scheduler(self.config, self.tokenizer, slots=slots, max_len=max_len, speculation=spec),
+        loop = EngineLoop(Scheduler(self.config, self.tokenizer, slots=slots, max_len=max_len,
+                                   speculation=None if spec is None else spec.policy),
                           ModelRunner(self.weights, self.config, slots=slots, max_len=max_len),
                           None if spec is None else spec.drafter(slots, max_len))
         loop.submit(reqs, tag=None)
@@ -121,3 +123,14 @@ class Generation:
         for _ in self:
             pass
         return self.completions
+
+
+def two_samples(weights: GPT2Weights, prompt: list[int], max_new_tokens: int, seed: int, *, config: GPT2Config,
+                tokenizer: Tokenizer) -> tuple[str, str]:
+    """Two continuations of a prompt: greedy, and drawn at temperature 1 with top-k 40 (the trainer's samples: its
+    Sampler, with config and tokenizer bound)."""
+    texts = []
+    for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=40)):
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, truncate="left")
+        texts.append(Generation(weights, config, tokenizer, [prompt], settings).run()[0].text)
+    return texts[0], texts[1]

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import GPT2Config
-from .errors import GPT2EngineError
-from .model import KVCache, residual_stream
+from ..core.config import GPT2Config
+from ..core.errors import GPT2EngineError
+from ..core.model import KVCache, residual_stream
+from ..core.weights import GPT2Weights
+from .plan import TokenStats
 from .prefix import PrefixCache, prefill
-from .stats import TokenStats, token_stats
-from .weights import GPT2Weights
+from .stats import token_stats
+
 
 @dataclass(frozen=True)
 class Window:
@@ -87,7 +89,7 @@ class ScoreSettings:
     batch_size: int = 8  # windows per forward pass
     top: int = 0  # alternatives kept per token (with details)
     details: bool = False  # rank, entropy and alternatives per token
-    prefix_cache_mb: float | None = None  # run windows one at a time, reusing shared prefixes (core/prefix.py)
+    prefix_cache_mb: float | None = None  # run windows one at a time, reusing shared prefixes (runtime/prefix.py)
 
     def check(self, config: GPT2Config) -> None:
         if not 2 <= self.context <= config.n_positions:
@@ -119,7 +121,7 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
     attends to the padding after it, so each row equals running that window alone (up to float32 rounding of the
     larger matmuls). Only the scored positions go through the head. With settings.prefix_cache_mb, windows run one at
     a time instead, and a window that starts with blocks an earlier one computed (a shared preamble) runs only the
-    rest; its stats equal the batched ones within float32 rounding (core/prefix.py says where bits differ).
+    rest; its stats equal the batched ones within float32 rounding (runtime/prefix.py says where bits differ).
     """
     settings.check(config)
     pending: list[_Pending] = []  # documents not yet yielded, in input order

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import training_kernels
+from ..core.kernels import training_kernels
 
 
 @dataclass(frozen=True)

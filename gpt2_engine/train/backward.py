@@ -1,7 +1,7 @@
 """GPT-2's layers in training mode: each a forward that keeps what its backward needs, and a hand-written backward.
 
 llm.c's layout (train_gpt2.c), in torch: every function works on 2-D row-major views of buffers that the caller
-allocated once for the run (core/training.py), writes its outputs with `out=`, and `+=`s into gradient buffers.
+allocated once for the run (train/step.py), writes its outputs with `out=`, and `+=`s into gradient buffers.
 Nothing here allocates a tensor the size of an activation but the temporaries a single torch expression makes.
 No autograd: the chain rule is written out, one line in each docstring. torch runs the matmuls and elementwise ops.
 
@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from .model import gelu, split_heads
-from .projection import dequantize_columns, project
-from .weights import LayerNorm, Linear, QuantizedMatrix
+from ..core.model import gelu, query_blocks, split_heads
+from ..core.projection import HEAD_BLOCK, dequantize_columns, project
+from ..core.weights import LayerNorm, Linear, QuantizedMatrix
 
 
 def draw_keep(keep: torch.Tensor | None, p: float, generator: torch.Generator) -> None:
@@ -154,19 +154,9 @@ def gelu_backward_reference(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Ten
 
 # --- causal self-attention (seed 002, llm.c's attention layer) -----------------------------------------------------
 
-ATTENTION_BLOCK = 128  # query rows a block
-
-
-def causal_blocks(T: int) -> list[tuple[int, int]]:
-    """Query blocks (i, j) of at most ATTENTION_BLOCK rows: rows [i, j) attend to keys [0, j) only, as the causal
-    mask hides every later key. Skipping the masked upper triangle this way does 5/8 of the full [T, T] work at
-    T = 512 (and needs 5/8 of the memory for the saved attention weights)."""
-    return [(i, min(i + ATTENTION_BLOCK, T)) for i in range(0, T, ATTENTION_BLOCK)]
-
-
 def attention_buffers(B: int, n_head: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """One [B, nh, j - i, j] tensor per causal block: where the attention weights of that block's rows live."""
-    return tuple(torch.zeros(B, n_head, j - i, j, dtype=dtype) for i, j in causal_blocks(T))
+    return tuple(torch.zeros(B, n_head, j - i, j, dtype=dtype) for i, j, _ in query_blocks(T, T))
 
 
 def _block_view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -178,7 +168,7 @@ def attention_forward(qkv: torch.Tensor, n_head: int, heads: torch.Tensor, att: 
                       keep: tuple[torch.Tensor, ...] | None, future: torch.Tensor, y: torch.Tensor,
                       dropped: torch.Tensor | None) -> None:
     """qkv [B, T, 3C] -> y [B, T, C], the heads merged; keeps q, k, v head-major in `heads` [3, B, nh, T, hs] and
-    the softmax before dropout in `att`, block by block (causal_blocks: rows [i, j) in att[b] [B, nh, j - i, j]).
+    the softmax before dropout in `att`, block by block (model.query_blocks: rows [i, j) in att[b] [B, nh, j - i, j]).
 
         S = q k^T / sqrt(hs), S_ij = -inf for j > i;  A = softmax(S);  A' = A * keep;  y = merge_heads(A' v)
 
@@ -191,7 +181,7 @@ def attention_forward(qkv: torch.Tensor, n_head: int, heads: torch.Tensor, att: 
     heads.copy_(qkv.view(B, T, 3, n_head, hs).permute(2, 0, 3, 1, 4))
     q, k, v = heads  # 3 x [B, nh, T, hs], contiguous
     y_heads = y.view(B, T, n_head, hs)  # [B, T, nh, hs]
-    for b, (i, j) in enumerate(causal_blocks(T)):
+    for b, (i, j, _) in enumerate(query_blocks(T, T)):
         s = att[b]  # [B, nh, r, j]
         torch.matmul(q[:, :, i:j], k[:, :, :j].transpose(-2, -1), out=s)
         s.mul_(1.0 / math.sqrt(hs))
@@ -226,7 +216,7 @@ def attention_backward(d_y: torch.Tensor, heads: torch.Tensor, att: tuple[torch.
     dk.zero_()
     dv.zero_()
     scale = 1.0 / math.sqrt(C // n_head)
-    for b, (i, j) in enumerate(causal_blocks(T)):
+    for b, (i, j, _) in enumerate(query_blocks(T, T)):
         a = att[b]  # [B, nh, r, j]
         a_used = a if keep is None else torch.mul(a, keep[b], out=_block_view(dropped, *a.shape))  # A'
         dv[:, :, :j].add_(a_used.transpose(-2, -1) @ d_yh[:, :, i:j])
@@ -260,7 +250,6 @@ def embedding_backward(d_out: torch.Tensor, ids: torch.Tensor, grad_wte: torch.T
 
 # --- the tied head with cross-entropy, fused -------------------------------------------------------------------------
 
-HEAD_COLUMNS = 4096  # vocabulary entries of a quantized head widened at a time: (C, 4096) float32, 12 MiB at C = 768
 
 def head_cross_entropy(x: torch.Tensor, wte: torch.Tensor | QuantizedMatrix, targets: torch.Tensor,
                        logits: torch.Tensor, grad_scale: float, grad_wte: torch.Tensor | None,
@@ -274,7 +263,7 @@ def head_cross_entropy(x: torch.Tensor, wte: torch.Tensor | QuantizedMatrix, tar
     The rows go through in chunks of R = logits.shape[1]: `logits` [V, R] is the one vocabulary-wide buffer there
     is. It holds z transposed, one column per row of x, because wte x^T runs a third faster in MKL's GEMM than
     x wte^T does at these shapes (a tall (V, C) operand, not a transposed wide one). A quantized head (QLoRA's
-    frozen int8 head, (C, V)) runs the inference kernel forward and widens HEAD_COLUMNS of the vocabulary at a time
+    frozen int8 head, (C, V)) runs the inference kernel forward and widens HEAD_BLOCK of the vocabulary at a time
     into `scratch` for d_x, so no float32 copy of the whole head ever exists.
     """
     R = logits.shape[1]
@@ -301,8 +290,8 @@ def head_cross_entropy(x: torch.Tensor, wte: torch.Tensor | QuantizedMatrix, tar
         rows = d_x[r0 : r0 + xc.shape[0]]  # [r, C]
         if isinstance(wte, QuantizedMatrix):
             rows.zero_()
-            for v0 in range(0, wte.out_features, HEAD_COLUMNS):
-                v1 = min(v0 + HEAD_COLUMNS, wte.out_features)
+            for v0 in range(0, wte.out_features, HEAD_BLOCK):
+                v1 = min(v0 + HEAD_BLOCK, wte.out_features)
                 rows.addmm_(z[v0:v1].t(), dequantize_columns(wte, v0, v1, scratch).t())  # [r, C]
         else:
             torch.mm(z.t(), wte, out=rows)

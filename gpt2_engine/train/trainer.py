@@ -1,8 +1,9 @@
 """Fine-tuning (and training from scratch): the data, the loop, evaluation, samples, checkpoints and exact resume.
 
 The loop is a generator of events (Step, Eval, Sample, Saved, Stopped) that `gpt2 finetune` renders as a progress
-bar and a JSONL log and that `GPT2.finetune` drains; nothing here prints. The step itself is core/training.py's
-hand-written forward and backward and core/optim.py's AdamW.
+bar and a JSONL log and that `GPT2.finetune` drains; nothing here prints. The step itself is train/step.py's
+hand-written forward and backward and train/optim.py's AdamW. Samples come from the caller's
+Sampler (the runtime's generator): training imports nothing of the serving runtime.
 
 Data: the documents are joined with <|endoftext|> after each (gpt-2-simple's convention) into one token stream,
 cut into windows of context + 1 tokens that overlap by one (inputs and next-token targets). Window k of the run is
@@ -26,23 +27,29 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .config import GPT2Config
-from .errors import GPT2EngineError
-from .generate import Generation
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraAdapter, LoraError, LoraSettings, load_adapter, new_adapter, \
-    save_adapter, trainable
+from ..core.config import GPT2Config
+from ..core.errors import GPT2EngineError
+from ..core.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraAdapter,
+    LoraError,
+    LoraSettings,
+    load_adapter,
+    new_adapter,
+    save_adapter,
+    trainable,
+)
+from ..core.tokenizer import Tokenizer
+from ..core.weights import SAFETENSORS, GPT2Weights, QuantizedMatrix, WeightsError, named_tensors, save_checkpoint
 from .optim import AdamW, AdamWSettings, clip_factor, learning_rate
-from .requests import GenerationSettings
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
-from .training import Buffers, adapter_gradients, decayed, forward_loss, zeros_like
-from .weights import SAFETENSORS, GPT2Weights, QuantizedMatrix, WeightsError, named_tensors, save_checkpoint
+from .step import Buffers, adapter_gradients, decayed, forward_loss, zeros_like
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -142,6 +149,10 @@ class Sample:
     step: int
     greedy: str
     sampled: str
+
+
+# (weights, prompt ids, new tokens, seed) -> (greedy text, sampled text): two continuations of the sample prompt
+Sampler = Callable[[GPT2Weights, list[int], int, int], tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -248,7 +259,12 @@ class Trainer:
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, texts: list[str],
                  settings: TrainSettings, *, val_texts: list[str] | None = None, out: Path | None = None,
                  bpe_source: Path | None = None, base: str = "", resume: bool = False,
-                 overwrite: bool = False, lora: LoraSettings | None = None, base_name: str = "") -> None:
+                 overwrite: bool = False, lora: LoraSettings | None = None, base_name: str = "",
+                 sampler: Sampler | None = None) -> None:
+        """`sampler`: what draws the samples of `sample_every` (required with it)."""
+        if settings.sample_every and sampler is None:
+            raise TrainError("sample_every needs a sampler to draw the samples with")
+        self.sampler = sampler
         context = settings.context or min(512, config.n_positions)
         if context > config.n_positions:
             raise TrainError(f"context: {context} tokens exceed the model's n_positions {config.n_positions}")
@@ -391,12 +407,7 @@ class Trainer:
 
     def _sample(self) -> Sample:
         prompt = self.tokenizer.encode(self.settings.sample_prompt) or [self.tokenizer.eot_id]
-        texts = []
-        for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=40)):
-            settings = GenerationSettings(max_new_tokens=self.settings.sample_tokens, sampling=sampling,
-                                          seed=self.settings.seed, truncate="left")
-            texts.append(Generation(self.weights, self.config, self.tokenizer, [prompt], settings).run()[0].text)
-        return Sample(self.step, *texts)
+        return Sample(self.step, *self.sampler(self.weights, prompt, self.settings.sample_tokens, self.settings.seed))
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -466,7 +477,7 @@ class Trainer:
     def _load_last(self) -> None:
         from safetensors.torch import load_file
 
-        from .weights import load_weights
+        from ..core.weights import load_weights
 
         last = self.out / LAST
         try:

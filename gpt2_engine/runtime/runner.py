@@ -2,7 +2,7 @@
 nothing of requests, sampling or threads.
 
 Two kinds of work: `prefill` runs one prompt alone through the whole-sequence forward into its cache slot,
-reusing the prefix cache's blocks where it has them (core/prefix.py); a `Pass` runs many sequences' rows together
+reusing the prefix cache's blocks where it has them (runtime/prefix.py); a `Pass` runs many sequences' rows together
 (running sequences' next tokens, new short prompts), block by block, and whoever drives it may hand it more rows
 between blocks (`Pass.add`). With at most projection.DECODE_ROWS rows, each block and the head are one native call
 (kernels/block.cpp: NativeRows), every matmul runs on the row-invariant kernels and attention stays within each
@@ -16,23 +16,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .config import GPT2Config
-from .model import KVCache, RowLayout, block, embed, logits, native_block, native_head, self_attention_segments
-from .prefix import Prefilled, PrefixCache, prefill
-from .projection import DECODE_ROWS
-from .weights import GPT2Weights
-
-
-class Segment(NamedTuple):
-    """A sequence's rows in a pass: `ids` are fed at positions [start, start + len(ids)) of cache slot `slot`, with
-    LoRA adapter `adapter` of the weights (-1: the base; None: adapter 0, a model with one). The pass returns the
-    logits after its last `outputs` rows (a speculative verify pass needs every row's: core/speculate.py)."""
-
-    slot: int
-    start: int
-    ids: list[int]
-    adapter: int | None = None
-    outputs: int = 1
+from ..core.config import DECODE_ROWS, GPT2Config
+from ..core.model import KVCache, Layer, block, embed, logits
+from ..core.projection import logsumexp_rows
+from ..core.rows import RowLayout, native_block, native_head, self_attention_segments
+from ..core.weights import GPT2Weights
+from .plan import Outputs, Prefilled, Segment
+from .prefix import PrefixCache, prefill
 
 
 def embed_rows(w: GPT2Weights, segments: list[Segment]) -> tuple[torch.Tensor, RowLayout]:
@@ -53,7 +43,7 @@ NO_ADAPTERS = torch.empty(0, dtype=torch.long)  # RowBlock's `adapters` where no
 
 
 class NativeRows(NamedTuple):
-    """The weights' blocks and head as one native call each (model.native_block, model.native_head): how a pass of
+    """The weights' blocks and head as one native call each (rows.native_block, rows.native_head): how a pass of
     up to DECODE_ROWS rows runs. Every such pass runs there, so a row's bits never depend on which path its
     neighbours took."""
 
@@ -72,8 +62,8 @@ def rows_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, layo
                cache: KVCache, adapters: torch.Tensor | None = None) -> torch.Tensor:
     """[1, R, C] -> [1, R, C] through block i in torch, each segment attending within its cache slot."""
     blk = w.blocks[i]
-    return block(x, blk, config, lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout,
-                                                                   adapters), adapters=adapters)
+    attend = lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout, adapters)  # noqa: E731
+    return block(x, blk, config, attend, Layer(adapters=adapters))
 
 
 class Pass:
@@ -140,6 +130,11 @@ class Pass:
         with torch.inference_mode():
             return logits(self.w, self.config, x)  # [n, V]
 
+    def outputs(self) -> Outputs:
+        """logits() and each row's logsumexp (what the scheduler reads to choose and score tokens)."""
+        lg = self.logits()  # [n, V]
+        return Outputs(lg, logsumexp_rows(lg))
+
     def _block(self, i: int, x: torch.Tensor, layout: RowLayout, adapters: torch.Tensor | None) -> torch.Tensor:
         """[1, R, C] -> [1, R, C] through block i: natively up to DECODE_ROWS rows (no autograd state there, so no
         inference-mode switch either), else in torch."""
@@ -150,17 +145,9 @@ class Pass:
             return rows_block(self.w, self.config, i, x, layout, self.cache, adapters)
 
 
-def forward_segments(w: GPT2Weights, config: GPT2Config, segments: list[Segment], cache: KVCache) -> torch.Tensor:
-    """One whole pass: segments -> the logits after each one's last `outputs` tokens [n, V]."""
-    p = Pass(w, config, cache, segments)
-    while not p.done:
-        p.run_block()
-    return p.logits()
-
-
 class ModelRunner:
     """The weights, a KV cache of `slots` sequences of up to `max_len` positions and, optionally, a prefix cache
-    (core/prefix.py) that prefills reuse and extend: executes prefills and passes."""
+    (runtime/prefix.py) that prefills reuse and extend: executes prefills and passes."""
 
     def __init__(self, weights: GPT2Weights, config: GPT2Config, slots: int, max_len: int | None = None,
                  prefix: PrefixCache | None = None) -> None:
@@ -180,3 +167,10 @@ class ModelRunner:
     def open(self, segments: list[Segment]) -> Pass:
         """A pass over these segments, before its first block."""
         return Pass(self.weights, self.config, self.cache, segments, self.native)
+
+    def run(self, segments: list[Segment]) -> torch.Tensor:
+        """One whole pass: segments -> the logits after each one's last `outputs` tokens [n, V]."""
+        p = self.open(segments)
+        while not p.done:
+            p.run_block()
+        return p.logits()

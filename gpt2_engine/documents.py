@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import IO
 
-from .errors import GPT2EngineError
+from .core.errors import GPT2EngineError
 
 
 class InputError(GPT2EngineError):

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
+import functools
 import sys
-from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .config import GPT2Config
+from .core.config import GPT2Config
+from .core.errors import GenerationError, GPT2EngineError, WeightsError
+from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
+from .core.lora import LoraAdapter, LoraSettings, attach, load_adapter
+from .core.model import forward
+from .core.quantize import FORMATS, quantize_weights
+from .core.tokenizer import Tokenizer, load_tokenizer
+from .core.weights import CONFIG, GPT2Weights, find_weights_file, load_weights
 from .documents import expand_paths, read_documents
-from .errors import GenerationError, GPT2EngineError, WeightsError
-from .generate import Completion, Generation
-from .hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
-from .lora import LoraAdapter, LoraSettings, attach, load_adapter
-from .model import forward
-from .quantize import FORMATS, quantize_weights
-from .requests import GenerationSettings, Prompt, encode_prompts
-from .sampling import SamplingParams
-from .scoring import Score, ScoreSettings, score_documents, token_logprobs
-from .speculate import Speculation, check_draft_tokens, load_speculation
-from .tokenizer import Tokenizer, load_tokenizer
-from .trainer import Trainer, TrainResult, TrainSettings, record
-from .training import trainable_copy
-from .weights import CONFIG, GPT2Weights, find_weights_file, load_weights
+from .runtime.drafters import Speculation, load_speculation
+from .runtime.generate import Completion, Generation, two_samples
+from .runtime.requests import GenerationSettings, Prompt, encode_prompts
+from .runtime.sampling import SamplingParams
+from .runtime.scoring import Score, ScoreSettings, score_documents, token_logprobs
+from .runtime.speculation import SpeculationPolicy, check_draft_tokens
+from .train.step import trainable_copy
+from .train.trainer import Trainer, TrainResult, TrainSettings, record
 
 
 class GPT2:
@@ -130,8 +132,8 @@ class GPT2:
 
     def score(self, texts: Sequence[str], *, context: int | None = None, stride: int | None = None,
               bos: bool = True, batch_size: int = 8, prefix_cache_mb: float | None = None) -> list[Score]:
-        """Score each text on its own (tokens, nll, ppl, bpb), in sliding windows; see core/scoring.py.
-        `prefix_cache_mb`: texts that start alike (a shared preamble) reuse its keys and values (core/prefix.py)."""
+        """Score each text on its own (tokens, nll, ppl, bpb), in sliding windows; see runtime/scoring.py.
+        `prefix_cache_mb`: texts that start alike (a shared preamble) reuse its keys and values (runtime/prefix.py)."""
         if isinstance(texts, str):
             raise GPT2EngineError("texts: expected a list of strings, got one string (wrap it in a list)")
         context = context if context is not None else self.config.n_positions
@@ -175,7 +177,7 @@ class GPT2:
         speculate: speculative decoding with a drafter: 'int4' or 'int8' (this model quantized), 'ngram' (prompt
         lookup) or a GPT-2 checkpoint directory with this tokenizer; draft_tokens: K, drafted tokens per verify
         pass (default: adaptive). Greedy output is the same token ids as without; sampled output has the same
-        distribution (core/speculate.py). Loaded once per source and kept."""
+        distribution (runtime/speculation.py). Loaded once per source and kept."""
         if settings is not None and kwargs:
             raise GenerationError("give settings= or keyword settings, not both")
         ids = encode_prompts(prompt, self.tokenizer, allow_special=allow_special)
@@ -195,7 +197,7 @@ class GPT2:
         key = str(source)
         if key not in self.drafts:
             self.drafts[key] = load_speculation(key, self.weights, self.config, self.tokenizer)
-        return replace(self.drafts[key], draft_tokens=draft_tokens, max_running=max_running, settle=settle)
+        return replace(self.drafts[key], policy=SpeculationPolicy(draft_tokens, max_running, settle))
 
     def complete(self, prompts: Prompt, *, allow_special: bool = False, **kwargs: Any) -> list[Completion]:
         """Completions (text, ids, logprobs, finish reason) for a batch of prompts; num_samples per prompt."""
@@ -257,7 +259,8 @@ class GPT2:
         weights = self.weights if lora is not None else trainable_copy(self.weights, self.config)
         trainer = Trainer(weights, self.config, self.tokenizer, texts(texts_or_paths), TrainSettings(**settings),
                           val_texts=None if val is None else texts(val), out=None if out is None else Path(out),
-                          resume=resume, overwrite=overwrite, lora=lora)
+                          resume=resume, overwrite=overwrite, lora=lora,
+                          sampler=functools.partial(two_samples, config=self.config, tokenizer=self.tokenizer))
         history = [record(event) for event in trainer.run()]
         self.weights = trainer.weights
         if lora is not None:

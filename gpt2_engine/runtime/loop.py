@@ -1,9 +1,9 @@
 """The engine loop: it owns a Scheduler (which plans), a ModelRunner (which executes) and, when it speculates, a
-Drafter (core/speculate.py), and an inbox through which other threads hand it requests and cancellations. Control
+Drafter (runtime/drafters.py), and an inbox through which other threads hand it requests and cancellations. Control
 flows one way: the loop asks the scheduler for a plan, has the drafter and the runner execute it, and hands the
 results back to the scheduler; none of them calls another, nor the loop.
 
-`step()` is a generator over one step. It yields the Events of each piece of work (a non-empty list of (Sequence,
+`step()` is a generator over one step. It yields the Events of each piece of work (a non-empty list of (SequenceState,
 Event)) as soon as they exist, and an empty list before each block of the step's last pass. Before each of those blocks the
 loop takes its inbox, and the scheduler's `join` may hand the open pass new short prompts, which catch up the earlier
 blocks alone and ride along for the rest: a request that arrives mid-pass gets its first token from that pass. Its
@@ -22,10 +22,10 @@ import queue
 from collections.abc import Iterator
 from typing import Any
 
+from .drafters import Drafter
 from .requests import Request
 from .runner import ModelRunner
-from .scheduler import Output, Scheduler, Sequence, describe
-from .speculate import Drafter
+from .scheduler import Output, Scheduler, SequenceState, describe
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, drafter: Drafter | None = None) -> None:
         self.scheduler, self.runner, self.drafter = scheduler, runner, drafter
         self.inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
-        self.tagged: dict[Any, list[Sequence]] = {}  # the sequences of each tag still running (owner's thread only)
+        self.tagged: dict[Any, list[SequenceState]] = {}  # the sequences of each tag still running (owner's thread only)
 
     # --- any thread ---------------------------------------------------------------------------------------------
 
@@ -87,7 +87,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - contained: this prefill's sequence fails, the loop goes on
                 yield self._forget(self._failed([seq], e))
                 continue
-            yield self._forget([sched.after_prefill(seq, done.logits, done.stats, done.cached)])
+            yield self._forget([sched.after_prefill(seq, done)])
         if plan.asks:  # every draft of the step in one call: the draft model's passes are shared too
             try:
                 sched.drafted(plan.asks, self.drafter.propose([ask for _, ask in plan.asks]))
@@ -109,11 +109,11 @@ class EngineLoop:
                             run.add([s.segment() for s in joined])
                             seqs = seqs + joined
                     run.run_block()
-                logits = run.logits()  # [n, V]
+                out = run.outputs()  # logits [n, V] and their logsumexps
             except Exception as e:  # noqa: BLE001 - contained: this pass's sequences fail, the loop goes on
                 yield self._forget(self._failed(seqs, e))
                 continue
-            yield self._forget(sched.update(seqs, logits))
+            yield self._forget(sched.update(seqs, out))
 
     # --- internals ------------------------------------------------------------------------------------------------
 
@@ -125,7 +125,7 @@ class EngineLoop:
             for seq in self.tagged.get(what, ()):
                 self.scheduler.cancel(seq, detail)
 
-    def _failed(self, seqs: list[Sequence], error: Exception) -> list[Output]:
+    def _failed(self, seqs: list[SequenceState], error: Exception) -> list[Output]:
         log.error("a step of the engine failed; its %d sequence(s) end with an error", len(seqs), exc_info=error)
         return self.scheduler.fail(seqs, describe(error))
 

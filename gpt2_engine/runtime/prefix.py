@@ -25,15 +25,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from .config import GPT2Config
-from .errors import GPT2EngineError
-from .model import KVCache, logits, residual_stream
-from .stats import TokenStats, prompt_stats
-from .weights import GPT2Weights
+from ..core.config import GPT2Config
+from ..core.errors import GPT2EngineError
+from ..core.model import KVCache, logits, residual_stream
+from ..core.projection import logsumexp_rows
+from ..core.weights import GPT2Weights
+from .plan import Prefilled, TokenStats
+from .stats import prompt_stats
 
 BLOCK_TOKENS = 16  # tokens a block: vLLM's default; smaller blocks match more of a prompt but cost more lookups
 DEFAULT_CAPACITY_MB = 512  # `gpt2 serve`'s default bound: about 6,900 tokens of GPT-2 small
@@ -181,15 +182,6 @@ def wider(new: TokenStats, old: TokenStats) -> bool:
         new.rank is not None and old.rank is None)
 
 
-class Prefilled(NamedTuple):
-    """A prompt run into a cache slot: the next token's logits [V], the prompt's stats when scored (targets 1..T-1),
-    and how many of its tokens' keys and values came from the prefix cache."""
-
-    logits: torch.Tensor
-    stats: TokenStats | None
-    cached: int
-
-
 def prefill(w: GPT2Weights, config: GPT2Config, view: KVCache, prompt: list[int], *, scored: bool = False,
             top: int = 0, details: bool = False, adapter: int | None = None,
             prefix: PrefixCache | None = None) -> Prefilled:
@@ -219,4 +211,4 @@ def prefill(w: GPT2Weights, config: GPT2Config, view: KVCache, prompt: list[int]
             prefix.store(prompt, adapter, chain, view, stats, s + 1)
     if memo is not None:
         stats = TokenStats.cat([memo, stats])
-    return Prefilled(next_logits, stats, s)
+    return Prefilled(next_logits, logsumexp_rows(next_logits[None])[0], stats, s)

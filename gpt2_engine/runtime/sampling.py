@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import GenerationError
-from .kernels import decode_kernels
-
+from ..core.errors import GenerationError
 
 MAX_TEMPERATURE = 2  # OpenAI's bound; GPT-2's text past it is noise
 
@@ -115,18 +113,8 @@ def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, to
 
 def argmax(logits: torch.Tensor) -> int:
     """[V] -> the index of the largest logit (the first of equals, a NaN counting as the largest, as torch's). numpy's:
-    torch's argmax over one row of GPT-2's 50,257 logits starts the thread pool and took ~45 us; this ~4 us."""
+    torch's argmax over one row of GPT-2's 50,257 logits starts the thread pool, an order of magnitude slower."""
     return int(np.argmax(logits.detach().numpy()))
-
-
-def logsumexp_rows(logits: torch.Tensor) -> list[float]:
-    """[n, V] -> each row's logsumexp, each row reduced alone in a fixed order (kernels/block.cpp), so that a row's
-    value, and with it a token's logprob, never depends on what else shares the pass; torch's, row by row, where the
-    native kernels are missing."""
-    native = decode_kernels()
-    if native is not None and logits.dtype == torch.float32:
-        return native.logsumexp_rows(logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous())
-    return [float(torch.logsumexp(row, -1)) for row in logits]
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -139,7 +127,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[V] penalised logits -> [V]: the distribution `choose` draws from as a whole-vocabulary vector (greedy: a point
-    mass on the argmax). Speculative sampling compares these (core/speculate.py)."""
+    mass on the argmax). Speculative sampling compares these (runtime/speculation.py)."""
     p = torch.zeros_like(logits)
     if params.greedy:
         p[argmax(logits)] = 1.0

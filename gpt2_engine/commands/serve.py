@@ -7,10 +7,10 @@ import signal
 import sys
 from pathlib import Path
 
-from ..core.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
 from ..options import ModelOptions, add_model_options, load_model
-from .app import ServerSettings, ServerState, ServeError, build_app
-from .engine import EngineSettings, start_engine
+from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
+from ..serve.app import ServeError, ServerSettings, ServerState, build_app
+from ..serve.async_engine import EngineSettings, start_engine
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
@@ -67,9 +67,10 @@ def check_speculation(args: argparse.Namespace) -> None:
     read when the model loads)."""
     from ..core.config import GPT2Config
     from ..core.errors import GPT2EngineError
-    from ..core.speculate import check_draft_checkpoint, check_draft_tokens
     from ..core.tokenizer import load_tokenizer
     from ..core.weights import CONFIG
+    from ..runtime.drafters import check_draft_checkpoint
+    from ..runtime.speculation import check_draft_tokens
 
     if args.speculate is None:
         if args.draft_tokens is not None:

@@ -8,11 +8,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .core.config import GPT2Config
-from .core.lora import load_adapter, merge
-from .core.tokenizer import load_tokenizer
-from .core.weights import CONFIG, find_weights_file, load_weights, save_checkpoint
-from .options import UsageError
+from ..core.config import GPT2Config
+from ..core.lora import load_adapter, merge
+from ..core.tokenizer import load_tokenizer
+from ..core.weights import CONFIG, find_weights_file, load_weights, save_checkpoint
+from ..options import UsageError
 
 
 def merge_lora(base: Path, adapter: Path, out: Path) -> None:

@@ -1,14 +1,23 @@
 """Continuous batching, the planning half: slots, a waiting queue, and what each step runs. It never calls the model.
 
+It imports data only (plan.py's types, requests, the pure sampling functions and the speculation policy): nothing
+here loads the model, the runner or the native kernels.
+
 `schedule()` admits waiting sequences into free slots and returns a Plan: the prompts to prefill alone (long ones,
 and scored ones) and the passes to run, each a list of sequences whose rows share one pass over the weights (every
 running sequence's next token at its own position, and the whole text of each new short prompt; at most
 DECODE_ROWS rows a pass). `join(layer, rows)` says which waiting prompts may still join a pass that is open before
-block `layer`. The runner (runner.py) executes; `update` and `after_prefill` consume its logits: they choose each
-sequence's next token and return the Events, as data, to whoever drives the loop (loop.py). A finished or cancelled
-sequence frees its slot at once.
+block `layer`. The runner (runner.py) executes; `update` and `after_prefill` consume its outputs (logits and their
+logsumexps): they choose each sequence's next token and return the Events, as data, to whoever drives the loop
+(loop.py). A finished or cancelled sequence frees its slot at once.
 
-Speculative decoding (core/speculate.py): with a Speculation, the plan also asks a drafter for K tokens for each
+Choosing tokens stays here, unlike vLLM's scheduler, whose sampler runs in the model runner on the GPU: a choice
+decides what the plan does next (an accepted draft moves the sequence's position; a stop string or <|endoftext|>
+frees its slot before the next admission), it reads per-sequence state the scheduler owns (penalty counts, the
+seeded generator), and on the CPU it costs no device round trip. The detokenizer rides along for the same reason:
+stop strings end sequences. What the model computes (the head and the row logsumexps) comes from the runner.
+
+Speculative decoding (speculation.py): with a SpeculationPolicy, the plan also asks a drafter for K tokens for each
 running sequence (`Plan.asks`, K adaptive per sequence unless fixed); the loop hands the drafts back (`drafted`),
 and the sequence's next pass feeds its next token and the drafts as K + 1 rows; `update` accepts what the target
 agrees with and emits every accepted token as an Event of its own, in order.
@@ -25,37 +34,18 @@ from typing import Any
 
 import torch
 
-from .config import GPT2Config
-from .errors import GenerationError
-from .projection import DECODE_ROWS
+from ..core.config import DECODE_ROWS, GPT2Config
+from ..core.errors import GenerationError
+from ..core.tokenizer import Detokenizer, Tokenizer
+from .plan import Draft, DraftAsk, Event, Outputs, Prefilled, Segment, TokenStats
 from .requests import Request, check_request
-from .runner import Segment
-from .sampling import apply_penalties, choose, logsumexp_rows
-from .stats import TokenStats
-from .speculate import PAUSE_TOKENS, Draft, DraftAsk, Speculation, accept, next_k
-from .tokenizer import Detokenizer, Tokenizer
+from .sampling import apply_penalties, choose
+from .speculation import PAUSE_TOKENS, SpeculationPolicy, accept, next_k
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Event:
-    """What one step produced for one sequence: its new token (None for the prompt-scoring event), the text that
-    became final, and, on its last event, why it finished ('eos', 'stop', 'length', 'cancelled', 'queue_timeout',
-    'shutdown', or 'error' with `error` saying what failed)."""
-
-    token: int | None
-    text: str
-    logprob: float | None = None  # log p(token) under the raw distribution
-    top: list[tuple[int, float]] | None = None  # the most likely alternatives (token id, logprob)
-    rank: int | None = None  # with top_logprobs: how many tokens were likelier (0 = the argmax, as GLTR counts)
-    finish_reason: str | None = None
-    prompt_stats: TokenStats | None = None  # with prompt_logprobs, on the first event: one row per prompt token after the first
-    error: str | None = None  # with finish_reason 'error': what failed, in one line
-    cached_tokens: int = 0  # on a prefilled sequence's first event: its prompt tokens the prefix cache held
-
-
-class Sequence:
+class SequenceState:
     """A request's state while it runs: its slot, position, generator, penalties' counts and detokenizer. `tag` and
     `index` are the caller's: whose request it is, and which of its sequences."""
 
@@ -99,7 +89,7 @@ class Sequence:
         return self.request.prompt + self.tokens
 
 
-Output = tuple[Sequence, Event]
+Output = tuple[SequenceState, Event]
 
 
 @dataclass
@@ -108,22 +98,22 @@ class Plan:
     for (then `Scheduler.drafted`), then passes."""
 
     finished: list[Output] = field(default_factory=list)
-    prefill: list[Sequence] = field(default_factory=list)
-    asks: list[tuple[Sequence, DraftAsk]] = field(default_factory=list)
-    passes: list[list[Sequence]] = field(default_factory=list)
+    prefill: list[SequenceState] = field(default_factory=list)
+    asks: list[tuple[SequenceState, DraftAsk]] = field(default_factory=list)
+    passes: list[list[SequenceState]] = field(default_factory=list)
 
 
 class Scheduler:
     """Slots and a waiting queue over a cache of `slots` sequences of up to `max_len` positions."""
 
     def __init__(self, config: GPT2Config, tokenizer: Tokenizer, slots: int, max_len: int | None = None,
-                 queue_timeout: float | None = None, speculation: Speculation | None = None) -> None:
+                 queue_timeout: float | None = None, speculation: SpeculationPolicy | None = None) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.speculation = speculation
         self.max_len = max_len or config.n_positions
         self.queue_timeout = queue_timeout  # seconds a sequence may wait for a slot (None: forever)
-        self.slots: list[Sequence | None] = [None] * slots
-        self.waiting: deque[Sequence] = deque()
+        self.slots: list[SequenceState | None] = [None] * slots
+        self.waiting: deque[SequenceState] = deque()
 
     @property
     def running(self) -> int:
@@ -140,15 +130,15 @@ class Scheduler:
             raise GenerationError(f"request needs more than this scheduler's {self.max_len} cache positions",
                                   param="max_new_tokens")
 
-    def add(self, request: Request, tag: Any = None, index: int = 0) -> Sequence:
+    def add(self, request: Request, tag: Any = None, index: int = 0) -> SequenceState:
         """Queue a request (check() it first); its events come out of the steps that run it."""
-        seq = Sequence(request, self.tokenizer, self.config.vocab_size, tag, index)
+        seq = SequenceState(request, self.tokenizer, self.config.vocab_size, tag, index)
         if self.speculation is not None:
             seq.k = self.speculation.first_k()
         self.waiting.append(seq)
         return seq
 
-    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+    def cancel(self, seq: SequenceState, reason: str = "cancelled") -> None:
         """Stop a sequence: it leaves its slot (or the queue) at the next schedule() with a final event of this reason."""
         if not seq.finished:
             seq.cancelled = reason
@@ -185,13 +175,13 @@ class Scheduler:
             rows += n
         return plan
 
-    def drafted(self, asks: list[tuple[Sequence, DraftAsk]], drafts: list[Draft]) -> None:
+    def drafted(self, asks: list[tuple[SequenceState, DraftAsk]], drafts: list[Draft]) -> None:
         """The drafter's answers to a plan's asks: each rides in its sequence's pass of this step."""
         for (seq, ask), draft in zip(asks, drafts, strict=True):
             n = min(len(draft.tokens), ask.k)
             seq.draft = Draft(draft.tokens[:n], None if draft.q is None else draft.q[:n]) if n else None
 
-    def join(self, layer: int, rows: int) -> list[Sequence]:
+    def join(self, layer: int, rows: int) -> list[SequenceState]:
         """Waiting prompts that join a pass of `rows` rows before its block `layer`, placed in free slots.
 
         Only in the first half of the blocks: at 8 clients a request that arrives mid-pass would otherwise wait for
@@ -206,53 +196,51 @@ class Scheduler:
             rows += len(joined[-1].request.prompt)
         return joined
 
-    def update(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
-        """Consume a pass's logits [n, V], row i for seqs[i]: choose each next token. A sequence whose sampling fails
-        ends with an 'error' event; the others go on."""
-        lses = logsumexp_rows(logits)  # row by row, as after_prefill computes it
-        out, first = [], 0
+    def update(self, seqs: list[SequenceState], out: Outputs) -> list[Output]:
+        """Consume a pass's outputs (logits [n, V], row i for seqs[i], and their logsumexps): choose each next
+        token. A sequence whose sampling fails ends with an 'error' event; the others go on."""
+        result, first = [], 0
         for seq in seqs:
             seg = seq.segment()
-            rows, row_lses = logits[first : first + seg.outputs], lses[first : first + seg.outputs]
+            rows, row_lses = out.logits[first : first + seg.outputs], out.lse[first : first + seg.outputs]
             first += seg.outputs
             if seq.draft is not None:
-                out += self._verify(seq, seg, rows, row_lses)
+                result += self._verify(seq, seg, rows, row_lses)
                 continue
             seq.started, seq.position = True, seg.start + len(seg.ids)
-            out.append(self._advance_or_fail(seq, rows[-1], row_lses[-1]))
-        return out
+            result.append(self._advance_or_fail(seq, rows[-1], row_lses[-1]))
+        return result
 
-    def after_prefill(self, seq: Sequence, next_logits: torch.Tensor, prompt_stats: TokenStats | None,
-                      cached: int = 0) -> Output:
-        """Consume a prefill's next-token logits [V] (and the prompt's stats, when it was scored; `cached`: its
-        prompt tokens the prefix cache held)."""
+    def after_prefill(self, seq: SequenceState, done: Prefilled) -> Output:
+        """Consume a prefill: the next token's logits [V] and their logsumexp, the prompt's stats when it was scored,
+        and how many of its prompt tokens the prefix cache held."""
         seq.started, seq.position = True, len(seq.request.prompt)
         if seq.request.max_new_tokens == 0:
-            out = self._finish(seq, "length", Event(None, "", prompt_stats=prompt_stats))
+            out = self._finish(seq, "length", Event(None, "", prompt_stats=done.stats))
         else:
-            out = self._advance_or_fail(seq, next_logits, logsumexp_rows(next_logits[None])[0], prompt_stats)
-        out[1].cached_tokens = cached
+            out = self._advance_or_fail(seq, done.logits, done.lse, done.stats)
+        out[1].cached_tokens = done.cached
         return out
 
-    def fail(self, seqs: list[Sequence], error: str) -> list[Output]:
+    def fail(self, seqs: list[SequenceState], error: str) -> list[Output]:
         """End these sequences with finish reason 'error' (their step failed); their slots are free again."""
         return [self._finish(seq, "error", Event(None, "", error=error)) for seq in seqs if not seq.finished]
 
     # --- internals ------------------------------------------------------------------------------------------------
 
-    def _place(self, seq: Sequence) -> Sequence:
+    def _place(self, seq: SequenceState) -> SequenceState:
         seq.slot = self.slots.index(None)
         self.slots[seq.slot] = seq
         return seq
 
     @staticmethod
-    def _shares_pass(seq: Sequence) -> bool:
+    def _shares_pass(seq: SequenceState) -> bool:
         """Whether a new sequence's prompt can run as rows of a shared pass (short, not scored, not cancelled)."""
         r = seq.request
         return (not seq.cancelled and len(r.prompt) <= DECODE_ROWS and not r.prompt_logprobs
                 and r.max_new_tokens > 0)
 
-    def _finish(self, seq: Sequence, reason: str, event: Event | None = None) -> Output:
+    def _finish(self, seq: SequenceState, reason: str, event: Event | None = None) -> Output:
         seq.finished = True
         if 0 <= seq.slot and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None  # the slot is free for the next admissions
@@ -261,7 +249,7 @@ class Scheduler:
         event.finish_reason = reason
         return seq, event
 
-    def _advance_or_fail(self, seq: Sequence, raw: torch.Tensor, lse: float,
+    def _advance_or_fail(self, seq: SequenceState, raw: torch.Tensor, lse: float,
                          prompt_stats: TokenStats | None = None) -> Output:
         try:
             return self._advance(seq, raw, lse, prompt_stats)
@@ -269,12 +257,12 @@ class Scheduler:
             log.exception("choosing the next token of a sequence failed")
             return self._finish(seq, "error", Event(None, "", error=describe(e)))
 
-    def _advance(self, seq: Sequence, raw: torch.Tensor, lse: float, prompt_stats: TokenStats | None) -> Output:
+    def _advance(self, seq: SequenceState, raw: torch.Tensor, lse: float, prompt_stats: TokenStats | None) -> Output:
         """Choose the next token from raw logits [V] (lse: their logsumexp), and finish the sequence if it is done."""
         return self._emit(seq, choose(self._processed(seq, raw), seq.request.sampling, seq.generator), raw, lse,
                           prompt_stats)
 
-    def _processed(self, seq: Sequence, raw: torch.Tensor) -> torch.Tensor:
+    def _processed(self, seq: SequenceState, raw: torch.Tensor) -> torch.Tensor:
         """Raw logits [V] -> what the sampler reads: the penalties, and <|endoftext|> ruled out with ignore_eos."""
         r = seq.request
         processed = apply_penalties(raw, r.sampling, seq.seen, seq.counts)
@@ -283,7 +271,7 @@ class Scheduler:
             processed[self.tokenizer.eot_id] = -math.inf
         return processed
 
-    def _verify(self, seq: Sequence, seg: Segment, rows: torch.Tensor, lses: list[float]) -> list[Output]:
+    def _verify(self, seq: SequenceState, seg: Segment, rows: torch.Tensor, lses: list[float]) -> list[Output]:
         """A verify pass's logits [K + 1, V] for the next token and K drafts: the accepted drafts and one token of
         the target's own, each an Output (speculate.accept's rule; fewer where the sequence finishes first)."""
         draft, seq.draft = seq.draft, None
@@ -314,7 +302,7 @@ class Scheduler:
                 seq.resume_at = len(seq.tokens) + PAUSE_TOKENS
         return out
 
-    def _draft_length(self, seq: Sequence) -> int:
+    def _draft_length(self, seq: SequenceState) -> int:
         """How many tokens to draft for a running sequence this step (0: none): its K, within the tokens it still
         needs (a verify pass emits up to K + 1), while few enough sequences run."""
         spec = self.speculation
@@ -325,7 +313,7 @@ class Scheduler:
             seq.k = 1
         return min(seq.k, seq.request.max_new_tokens - len(seq.tokens) - 1)
 
-    def _emit(self, seq: Sequence, token: int, raw: torch.Tensor, lse: float,
+    def _emit(self, seq: SequenceState, token: int, raw: torch.Tensor, lse: float,
               prompt_stats: TokenStats | None) -> Output:
         """Record the chosen token (raw logits [V] and their lse for its logprobs) and finish the sequence if done."""
         r, eot = seq.request, self.tokenizer.eot_id

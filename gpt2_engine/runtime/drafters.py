@@ -1,74 +1,28 @@
-"""Speculative decoding: drafters that propose a sequence's next tokens, and the rule that accepts them.
-
-A verify pass feeds a running sequence's next token and its K drafted tokens as K + 1 rows of one pass
-(runner.Segment with `outputs` = K + 1), and the scheduler accepts the longest agreeing prefix plus one token of the
-target's own (scheduler.Scheduler._verify). Why a verified token is the very token plain decoding would produce:
-up to projection.DECODE_ROWS rows, every projection and the head run on the row-invariant native kernels (each
-output element is reduced in a fixed order whatever the number of rows), layer norm, GELU and the residual adds act
-row by row, and the attention kernel writes every row's key and value first, then lets each row attend to its
-slot's positions up to its own, in a fixed order. So row i's logits are the bits of a one-row decode step at its
-position, after the tokens before it.
-
-Greedy: a drafted token is accepted iff it is the argmax the target's row gives; the first one that is not is
-replaced by that argmax. The ids equal plain greedy decoding's. Sampling: speculative sampling (Leviathan et al.
-2023, Chen et al. 2023): drafted x (drawn from q) is accepted with probability min(1, p(x) / q(x)), else the token
-is drawn from max(0, p - q) normalised; when all K are accepted, one more is drawn from p. p is exactly what plain
-sampling draws from (penalties, temperature, top-k, top-p: sampling.probabilities), so the tokens are distributed
-exactly as the target's; the randomness is the sequence's generator, so a seed reproduces the run (with other draws
-than plain sampling's).
-
-The KV cache: the rows of rejected drafts are written at positions the sequence has not reached yet. Its position
-stays right after the last accepted token, so those entries are overwritten before anything reads them (a row
-attends to positions up to its own only): the cache up to the position holds what plain decoding writes.
+"""Drafters: what proposes a sequence's next tokens for speculative decoding (speculation.py holds the policy that
+accepts them). Prompt lookup needs no model; a draft model (the target quantized, or a smaller GPT-2) runs on a
+ModelRunner of its own, slot for slot the target's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from .config import GPT2Config
-from .errors import GenerationError, WeightsError
-from .quantize import FORMATS, quantize_weights
-from .runner import ModelRunner, Segment
-from .sampling import SamplingParams, argmax, probabilities
-from .tokenizer import Tokenizer, load_tokenizer
-from .weights import CONFIG, GPT2Weights, load_weights
+from ..core.config import GPT2Config
+from ..core.errors import GenerationError, WeightsError
+from ..core.quantize import FORMATS, quantize_weights
+from ..core.tokenizer import Tokenizer, load_tokenizer
+from ..core.weights import CONFIG, GPT2Weights, load_weights
+from .plan import Draft, DraftAsk, Segment
+from .runner import ModelRunner
+from .sampling import argmax, probabilities
+from .speculation import SpeculationPolicy, check_draft_tokens
 
-MAX_DRAFT_TOKENS = 16  # K at most: K + 1 rows must stay within the row-invariant kernels' DECODE_ROWS
-ADAPTIVE_START = 4  # adaptive K's first draft length
-ADAPTIVE_MAX = 8  # and its longest: past that, a miss wastes more than a hit gains
-PAUSE_TOKENS = 16  # adaptive K at 0: plain decoding for this many tokens, then a draft of 1 again
 NGRAM_MAX, NGRAM_MIN = 4, 1  # prompt lookup matches the last 4 tokens, else 3, 2, 1
-SERVE_MAX_RUNNING = 2  # the server drafts only while at most this many sequences run: beyond, batching pays better
-# and only from a sequence's 4th generated token: clients that send their next requests together would otherwise see
-# the first arrival draft alone for a step while the others' prompts wait for its draft passes
-SERVE_SETTLE_TOKENS = 4
-
-
-class DraftAsk(NamedTuple):
-    """What a drafter is asked for one sequence: `k` tokens to follow `context`, the sequence's tokens at positions
-    0 .. len(context) - 1 of cache slot `slot` (prompt, generated text, and the next token, not yet fed); `excluded`:
-    tokens the sequence may not produce (<|endoftext|> with ignore_eos), which a draft of them would only waste."""
-
-    slot: int
-    context: list[int]
-    k: int
-    sampling: SamplingParams
-    generator: torch.Generator
-    excluded: tuple[int, ...] = ()
-
-
-class Draft(NamedTuple):
-    """Drafted tokens (at most the k asked; maybe none) and, for each, the distribution it was drawn from (q [n, V]);
-    q None: chosen deterministically (a point mass)."""
-
-    tokens: list[int]
-    q: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -143,25 +97,19 @@ class ModelDrafter:
                     segments.append(Segment(ask.slot, start, ask.context[start:]))
                     rows.append(i)
             if segments:
-                for i, row in zip(rows, self._run(segments)):
+                for i, row in zip(rows, self.runner.run(segments)):
                     self._draw(asks[i], row, tokens[i], qs[i])
             while live := [i for i, ask in enumerate(asks) if len(tokens[i]) < ask.k]:
                 segments = [Segment(asks[i].slot, len(self.fed[asks[i].slot]), [tokens[i][-1]]) for i in live]
                 for i in live:
                     self.fed[asks[i].slot].append(tokens[i][-1])
-                for i, row in zip(live, self._run(segments)):
+                for i, row in zip(live, self.runner.run(segments)):
                     self._draw(asks[i], row, tokens[i], qs[i])
         except BaseException:
             for ask in asks:  # what these slots hold is unknown now: feed them from the start next time
                 self.fed[ask.slot] = []
             raise
         return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
-
-    def _run(self, segments: list[Segment]) -> torch.Tensor:
-        run = self.runner.open(segments)
-        while not run.done:
-            run.run_block()
-        return run.logits()  # [n, V]
 
     @staticmethod
     def _draw(ask: DraftAsk, logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor]) -> None:
@@ -187,67 +135,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(np.flatnonzero(x != y)[0])
 
 
-def accept(processed: torch.Tensor, params: SamplingParams, drafted: int, q: torch.Tensor | None,
-           generator: torch.Generator) -> int:
-    """The token at a drafted position, from the target's penalised logits [V] there: `drafted` if accepted, else
-    its replacement (see the module docstring). q [V]: the distribution `drafted` was drawn from (None: a point
-    mass on it)."""
-    if params.greedy:
-        return argmax(processed)
-    p = probabilities(processed, params)  # [V]
-    q_x = 1.0 if q is None else float(q[drafted])
-    if float(torch.rand((), generator=generator)) * q_x < float(p[drafted]):  # u < p(x) / q(x)
-        return drafted
-    if q is None:
-        residual = p.clone()
-        residual[drafted] = 0.0  # max(0, p - onehot(x))
-    else:
-        residual = (p - q).clamp(min=0)  # [V]
-    if not float(residual.sum()) > 0:  # only rounding can leave nothing (a rejection needs q(x) > p(x))
-        residual = p
-    return int(torch.multinomial(residual, 1, generator=generator))
-
-
-def next_k(k: int, drafted: int, accepted: int, limit: int) -> int:
-    """Adaptive K after a verify pass: one longer while every draft is accepted, else as long as what was accepted
-    (at most half the last), down to 0 (no speculation, for PAUSE_TOKENS tokens)."""
-    if drafted and accepted == drafted:
-        return min(k + 1, limit)
-    return min(accepted, k // 2)
-
-
 @dataclass(frozen=True)
 class Speculation:
-    """How a run speculates: `source` as the user named it ('int4', 'int8', 'ngram' or a checkpoint directory), the
-    draft model's weights and config (None for ngram), K (`draft_tokens`; None: adaptive) and `max_running`: draft
-    only while at most this many sequences run (None: always), since a pass that already has many rows gains more
-    from batching than from drafting; `settle`: tokens a sequence generates before its first draft."""
+    """What drafts and how: `source` as the user named it ('int4', 'int8', 'ngram' or a checkpoint directory), the
+    draft model's weights and config (None for ngram), and the policy the scheduler follows."""
 
     source: str
     weights: GPT2Weights | None
     config: GPT2Config | None
-    draft_tokens: int | None = None
-    max_running: int | None = None
-    settle: int = 0
+    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
 
     def drafter(self, slots: int, max_len: int) -> Drafter:
         """A drafter for a cache of `slots` sequences of up to `max_len` positions."""
         if self.weights is None:
             return NgramDrafter()
         return ModelDrafter(self.weights, self.config, slots, max_len)
-
-    def first_k(self) -> int:
-        return self.draft_tokens or ADAPTIVE_START
-
-    def limit(self) -> int:
-        return self.draft_tokens or ADAPTIVE_MAX
-
-
-def check_draft_tokens(k: int | None, name: str = "draft_tokens") -> None:
-    """K's bounds, for the API and both commands (`name`: the argument or flag, as the user wrote it)."""
-    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS):
-        raise GenerationError(f"{name} must be an integer in [1, {MAX_DRAFT_TOKENS}] (or none: adaptive), got {k!r}",
-                              param="draft_tokens")
 
 
 def load_speculation(source: str | Path, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, *,
@@ -256,17 +158,18 @@ def load_speculation(source: str | Path, weights: GPT2Weights, config: GPT2Confi
     quantized: self-speculation), 'ngram' (prompt lookup), or a GPT-2 checkpoint directory with the target's
     tokenizer and vocabulary (e.g. gpt2 drafting for gpt2-medium)."""
     check_draft_tokens(draft_tokens)
+    policy = SpeculationPolicy(draft_tokens, max_running)
     source = str(source)
     if source == "ngram":
-        return Speculation(source, None, None, draft_tokens, max_running)
+        return Speculation(source, None, None, policy)
     if source in FORMATS:
         if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 for t in (weights.wte, weights.blocks[0].c_fc.weight)):
             raise GenerationError(f"speculate={source!r} quantizes the target's float32 weights; this model is already "
                                   "quantized or bfloat16 (use 'ngram' or a draft checkpoint)", param="speculate")
-        return Speculation(source, quantize_weights(weights, source), config, draft_tokens, max_running)
+        return Speculation(source, quantize_weights(weights, source), config, policy)
     directory = Path(source)
     draft_config = check_draft_checkpoint(directory, config, tokenizer)
-    return Speculation(source, load_weights(directory, draft_config), draft_config, draft_tokens, max_running)
+    return Speculation(source, load_weights(directory, draft_config), draft_config, policy)
 
 
 def check_draft_checkpoint(directory: Path, config: GPT2Config, tokenizer: Tokenizer) -> GPT2Config:

@@ -1,6 +1,6 @@
 """One training step of the whole GPT-2, forward and backward, written by hand over buffers allocated once.
 
-The layers' forward and backward functions are core/backward.py's; this module allocates the run's buffers for a
+The layers' forward and backward functions are train/backward.py's; this module allocates the run's buffers for a
 (batch, context) shape, as llm.c does, and runs the layers in order. Parameters and gradients are both GPT2Weights:
 the gradient of each parameter sits in the same place of a second GPT2Weights, under the same names, and the tied
 head's gradient lands in the gradient of wte together with the embedding's.
@@ -24,14 +24,28 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .backward import (HEAD_COLUMNS, attention_backward, attention_buffers, attention_forward, causal_blocks,
-                       draw_keep, embedding_backward, embedding_forward, gelu_backward, gelu_forward,
-                       head_cross_entropy, layer_norm_backward, layer_norm_forward, linear_backward, linear_forward,
-                       lora_backward, lora_forward)
-from .config import GPT2Config
-from .lora import TARGETS, LoraSettings, module_name
-from .model import embed
-from .weights import Block, GPT2Weights, Linear, LoraStack, assemble, expected_shapes, named_tensors
+from ..core.config import GPT2Config
+from ..core.lora import TARGETS, LoraSettings, module_name
+from ..core.model import embed, query_blocks
+from ..core.projection import HEAD_BLOCK
+from ..core.weights import Block, GPT2Weights, Linear, LoraStack, assemble, expected_shapes, named_tensors
+from .backward import (
+    attention_backward,
+    attention_buffers,
+    attention_forward,
+    draw_keep,
+    embedding_backward,
+    embedding_forward,
+    gelu_backward,
+    gelu_forward,
+    head_cross_entropy,
+    layer_norm_backward,
+    layer_norm_forward,
+    linear_backward,
+    linear_forward,
+    lora_backward,
+    lora_forward,
+)
 
 HEAD_ROWS = 1024  # rows the fused head + cross-entropy takes at a time: its logits buffer is [V, HEAD_ROWS]
 # ... with a quantized base (QLoRA, where memory is the point): [V, 128] is 26 MB rather than 206 MB, and so is the
@@ -113,7 +127,7 @@ class LayerActivations:
     ln1_mean: torch.Tensor  # [N]
     ln1_rstd: torch.Tensor  # [N]
     heads: torch.Tensor  # [3, B, nh, T, hs] q, k, v head-major (c_attn's output, rearranged)
-    att: tuple[torch.Tensor, ...]  # softmax before dropout, by causal block: [B, nh, j - i, j] (backward.causal_blocks)
+    att: tuple[torch.Tensor, ...]  # softmax before dropout, by causal block: [B, nh, j - i, j] (model.query_blocks)
     att_keep: tuple[torch.Tensor, ...] | None  # shaped as att
     y: torch.Tensor  # [B, T, C] heads merged, c_proj's input
     attn_keep: torch.Tensor | None  # [B, T, C] residual dropout of the attention's output
@@ -188,7 +202,7 @@ class Buffers:
         def mask(*shape: int) -> torch.Tensor | None:
             return new(*shape) if dropout > 0 else None
 
-        block = max((j - i) * j for i, j in causal_blocks(T)) * B * nh  # the largest causal block's entries
+        block = max((j - i) * j for i, j, _ in query_blocks(T, T)) * B * nh  # the largest causal block's entries
         fan_in = {"c_attn": C, "attn.c_proj": C, "c_fc": C, "mlp.c_proj": F}
 
         def adapters() -> dict[str, AdapterActivations]:
@@ -217,7 +231,7 @@ class Buffers:
                    future=torch.ones(T, T, dtype=torch.bool).triu(1), logits=new(config.vocab_size, min(N, head_rows)),
                    lora_dropout=lora.dropout if lora else 0.0, d_h=new(N, lora.r) if lora else None,
                    xd=new(N, F) if lora else None,
-                   dequant=new(max(C * 4 * C, C * (HEAD_COLUMNS + 16))) if quantized else None,
+                   dequant=new(max(C * 4 * C, C * (HEAD_BLOCK + 16))) if quantized else None,
                    recompute_out=new(B, T, C) if recompute else None)
 
 

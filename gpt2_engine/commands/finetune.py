@@ -1,4 +1,4 @@
-"""`gpt2 finetune`: train GPT-2 on your own text with the engine's hand-written backward (core/trainer.py), the whole
+"""`gpt2 finetune`: train GPT-2 on your own text with the engine's hand-written backward (train/trainer.py), the whole
 model or (--lora) a LoRA adapter on a frozen base, float32 or quantized (--quantize: QLoRA).
 
 This module reads the command line and the data, and renders the trainer's events: a tqdm bar on stderr (step, loss,
@@ -9,6 +9,7 @@ summary line at the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -18,17 +19,18 @@ from typing import IO
 
 import torch
 
-from .core.config import PRESETS, GPT2Config
-from .core.documents import expand_paths, read_documents
-from .core.errors import WeightsError
-from .core.lora import ALL_TARGETS, LoraSettings, parse_targets
-from .core.quantize import FORMATS, quantize_weights
-from .core.tokenizer import load_tokenizer
-from .core.trainer import Eval, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings, record
-from .core.training import initial_weights, trainable_copy
-from .core.weights import CONFIG, find_weights_file, load_weights
+from ..core.config import PRESETS, GPT2Config
+from ..core.errors import WeightsError
+from ..core.lora import ALL_TARGETS, LoraSettings, parse_targets
+from ..core.quantize import FORMATS, quantize_weights
+from ..core.tokenizer import load_tokenizer
+from ..core.weights import CONFIG, find_weights_file, load_weights
+from ..documents import expand_paths, read_documents
+from ..options import UsageError, positive_int
+from ..runtime.generate import two_samples
+from ..train.step import initial_weights, trainable_copy
+from ..train.trainer import Eval, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings, record
 from .merge import merge_lora
-from .options import UsageError, positive_int
 
 INIT_NAMES = {"small": "gpt2", "medium": "gpt2-medium", "large": "gpt2-large", "xl": "gpt2-xl"}
 
@@ -212,7 +214,8 @@ def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
         raise UsageError(f"the tokenizer has {tokenizer.n_vocab} tokens, more than the model's vocab_size {config.vocab_size}")
     return Trainer(weights, config, tokenizer, [text for _, text in docs], settings, val_texts=val, out=args.out,
                    base=base, resume=args.resume, overwrite=args.overwrite, lora=lora,
-                   base_name=str(args.weights.resolve()) if lora else "")
+                   base_name=str(args.weights.resolve()) if lora else "",
+                   sampler=functools.partial(two_samples, config=config, tokenizer=tokenizer))
 
 
 def run_finetune(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The engine thread: it alone drives the EngineLoop (core/loop.py); HTTP handlers hand it work and read per-request
+"""The engine thread: it alone drives the EngineLoop (runtime/loop.py); HTTP handlers hand it work and read per-request
 queues.
 
 Handlers never run the model. `submit` hands a request's sequences to the loop's inbox and returns a Handle whose
@@ -9,7 +9,7 @@ queue_timeout seconds ends with finish reason 'queue_timeout'. The loop takes it
 the blocks of a pass, so a cancelled sequence leaves its slot within one step.
 
 Faults: an exception inside a step's work ends that work's sequences with an 'error' event and the thread goes on
-(core/loop.py). Anything else that escapes the loop is fatal: every waiting client gets an error event, `failure`
+(runtime/loop.py). Anything else that escapes the loop is fatal: every waiting client gets an error event, `failure`
 says why (/health answers 503 with it) and `gpt2 serve` exits non-zero, so that a supervisor restarts it.
 """
 
@@ -26,12 +26,13 @@ from typing import Any
 
 from ..core.kernels import decode_kernels
 from ..core.lora import attach, load_adapter
-from ..core.loop import EngineLoop
-from ..core.requests import Request
-from ..core.prefix import DEFAULT_CAPACITY_MB, PrefixCache
-from ..core.runner import ModelRunner
-from ..core.scheduler import Event, Output, Scheduler, describe
-from ..core.speculate import SERVE_MAX_RUNNING, SERVE_SETTLE_TOKENS
+from ..runtime.loop import EngineLoop
+from ..runtime.plan import Event
+from ..runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache
+from ..runtime.requests import Request
+from ..runtime.runner import ModelRunner
+from ..runtime.scheduler import Output, Scheduler, describe
+from ..runtime.speculation import SERVE_MAX_RUNNING, SERVE_SETTLE_TOKENS
 from .metrics import Metrics
 
 IDLE_WAIT = 0.05  # seconds the thread blocks on an empty inbox when there is nothing to run
@@ -45,7 +46,7 @@ class EngineSettings:
     parallel: int = 8  # KV-cache slots
     max_queue: int = 64  # sequences that may wait for a slot
     queue_timeout: float = 60.0  # seconds a sequence may wait
-    speculate: str | None = None  # a drafter (core/speculate.py), used while at most SERVE_MAX_RUNNING sequences run
+    speculate: str | None = None  # a drafter (runtime/speculation.py), used while at most SERVE_MAX_RUNNING sequences run
     draft_tokens: int | None = None  # its K (None: adaptive)
     prefix_cache_mb: float | None = DEFAULT_CAPACITY_MB  # the prefix cache's bound (None: no prefix cache)
 
@@ -69,7 +70,7 @@ def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] 
     prefix = None if settings.prefix_cache_mb is None else PrefixCache(model.config, settings.prefix_cache_mb)
     weights = attach(model.weights, [load_adapter(path, model.config) for path in adapters])
     loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout,
-                                speculation=spec),
+                                speculation=None if spec is None else spec.policy),
                       ModelRunner(weights, model.config, slots=slots, prefix=prefix), drafter)
     engine = AsyncEngine(loop, max_queue=settings.max_queue)
     engine.start()

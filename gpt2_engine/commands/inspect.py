@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..inspect.report import ReportSettings, build_report, parse_layers, write_report
 from ..options import ModelOptions, UsageError, add_model_options, load_model
-from .report import ReportSettings, build_report, parse_layers, write_report
 
 
 def run_inspect(args: argparse.Namespace) -> int:

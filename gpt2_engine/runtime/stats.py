@@ -3,39 +3,14 @@ residual rows through the head (scoring, echoed prompt logprobs, the prefix cach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .config import GPT2Config
-from .model import logits
-from .weights import GPT2Weights
+from ..core.config import GPT2Config
+from ..core.model import logits
+from ..core.weights import GPT2Weights
+from .plan import TokenStats
 
 HEAD_POSITIONS = 256  # positions sent through the head at once: [256, 50257] float32 logits are 51 MB
-
-
-@dataclass
-class TokenStats:
-    """What the model thought of N actual next tokens: each a row of the next-token distribution and its target."""
-
-    logprob: torch.Tensor  # [N] float32, natural log
-    rank: torch.Tensor | None = None  # [N] long: how many tokens scored strictly higher (0 = the argmax, as GLTR)
-    entropy: torch.Tensor | None = None  # [N] nats, of the full distribution
-    top_ids: torch.Tensor | None = None  # [N, k] the k most likely tokens
-    top_logprobs: torch.Tensor | None = None  # [N, k]
-
-    def rows(self, lo: int, hi: int) -> TokenStats:
-        """Rows [lo, hi) of every field."""
-        return TokenStats(*(None if t is None else t[lo:hi] for t in
-                            (self.logprob, self.rank, self.entropy, self.top_ids, self.top_logprobs)))
-
-    @staticmethod
-    def cat(parts: list[TokenStats]) -> TokenStats:
-        def join(name: str) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in parts]
-            return None if not values or values[0] is None else torch.cat(values)
-
-        return TokenStats(*(join(n) for n in ("logprob", "rank", "entropy", "top_ids", "top_logprobs")))
 
 
 def token_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: torch.Tensor, *, top: int = 0,

@@ -1,7 +1,7 @@
 """`gpt2 score`: perplexity, bits per byte and per-token surprisal of files, on the engine's scoring core.
 
 Input: each FILE is one UTF-8 document, a `.jsonl` file holds one document per line in its "text" field, `-` is
-stdin (documents.py reads them). The windows, the batching and the numbers are core/scoring.py's; this module
+stdin (documents.py reads them). The windows, the batching and the numbers are runtime/scoring.py's; this module
 reports and writes.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .core.scoring import Score, ScoreSettings
-from .core.documents import InputError, read_documents
-from .options import ModelOptions, add_model_options, load_model
+from ..documents import InputError, read_documents
+from ..options import ModelOptions, add_model_options, load_model
+from ..runtime.scoring import Score, ScoreSettings
 
 TOP_ALTERNATIVES = 5  # per token in --per-token output
 
@@ -109,9 +109,9 @@ def local_scores(args: argparse.Namespace, progress: Any) -> tuple[Any, ScoreSet
 
 def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[Score]]:
     """(None, settings, scores in input order) from Ray Data actors (distributed/score.py)."""
-    from .core.config import GPT2Config
-    from .core.weights import CONFIG, find_weights_file
-    from .distributed.score import score_on_ray
+    from ..core.config import GPT2Config
+    from ..core.weights import CONFIG, find_weights_file
+    from ..distributed.score import score_on_ray
 
     stdin_docs = read_documents(["-"], sys.stdin.buffer) if "-" in args.files else []
     find_weights_file(args.weights)  # the loader's error for a missing or empty directory, before Ray starts

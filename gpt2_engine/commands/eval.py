@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .core.prefix import DEFAULT_CAPACITY_MB
-from .options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+from ..runtime.prefix import DEFAULT_CAPACITY_MB
 
 HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (README)"
 
@@ -67,7 +67,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
-    from .harness import EngineLM
+    from ..harness import EngineLM
 
     model = load_model(ModelOptions.from_args(args))
     mb = None if args.no_prefix_cache else args.prefix_cache_mb or DEFAULT_CAPACITY_MB

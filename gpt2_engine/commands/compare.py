@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .core.errors import GPT2EngineError, WeightsError
-from .core.requests import prompt_or_endoftext
-from .core.weights import DEFAULT_WEIGHTS
+from ..core.errors import GPT2EngineError, WeightsError
+from ..core.weights import DEFAULT_WEIGHTS
+from ..runtime.requests import prompt_or_endoftext
 
 # Default tolerances, relative to max |reference|: measured errors are ~1e-6 (torch fp32) and ~1e-6 (NumPy).
 DEFAULT_RTOL = {"torch": 1e-4, "numpy": 1e-3}
@@ -86,7 +86,7 @@ def engine_outputs(model, ids: torch.Tensor, engine: str) -> tuple[torch.Tensor,
     if engine == "torch":
         logits = model.forward(ids, hidden_states=blocks)
         return logits.float(), [b.float() for b in blocks]
-    from .core import numpy_ref
+    from ..core import numpy_ref
 
     logits = numpy_ref.forward(model.weights, model.config, ids[0].numpy(), hidden_states=blocks)
     return torch.from_numpy(logits)[None].float(), [torch.from_numpy(b)[None].float() for b in blocks]
@@ -177,7 +177,7 @@ def collect_prompts(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from .core.engine import GPT2
+    from ..api import GPT2
 
     engines = ["torch", "numpy"] if args.engine == "all" else [args.engine]
     variant = args.quantize or (args.dtype if args.dtype != "float32" else None)

@@ -13,10 +13,10 @@ import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from .config import GPT2Config
-from .errors import GenerationError
+from ..core.config import GPT2Config
+from ..core.errors import GenerationError
+from ..core.tokenizer import Tokenizer
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
