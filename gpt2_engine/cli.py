@@ -20,8 +20,22 @@ from .commands.serve import add_serve
 from .core.errors import GPT2EngineError
 
 
+def version() -> str:
+    """The installed distribution's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("gpt2-engine")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2", description="A from-scratch GPT-2 engine: generate, score, fine-tune, serve, inspect.")
+    parser.add_argument("--version", action="version", version=f"gpt2-engine {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_generate(sub)
     add_score(sub)
@@ -38,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `gpt2` command."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a misspelt flag: the subcommand's usage, not the top level's
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except GPT2EngineError as e:

@@ -151,13 +151,27 @@ def list_remote(repo_id: str, revision: str, fmt: str | None, dest: Path) -> lis
 
 def download(repo_id: str = OFFICIAL_REPO, *, revision: str = "main", dest: Path = DEFAULT_WEIGHTS,
              fmt: str | None = None, log=print) -> list[str]:
-    """Fetch and verify the checkpoint files into `dest`; return the names of the files actually downloaded."""
-    from huggingface_hub import constants, hf_hub_download
+    """Fetch and verify the checkpoint files into `dest`; return the names of the files actually downloaded. A
+    destination this call created is removed again when it fails before any file arrived."""
+    from huggingface_hub import constants
 
     repo_id = SHORTHANDS.get(repo_id, repo_id)
+    created = not dest.exists()
     check_destination(dest)
-    if constants.HF_HUB_OFFLINE:
-        return _offline(repo_id, dest, fmt, log)
+    try:
+        if constants.HF_HUB_OFFLINE:
+            return _offline(repo_id, dest, fmt, log)
+        return _fetch(repo_id, revision, dest, fmt, log)
+    except BaseException:
+        if created and not any(f.is_file() for f in dest.rglob("*")):  # nothing to resume from: leave no trace
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def _fetch(repo_id: str, revision: str, dest: Path, fmt: str | None, log) -> list[str]:
+    """download()'s transfers: list, skip what is verified in place, fetch and verify the rest."""
+    from huggingface_hub import hf_hub_download
+
     files = list_remote(repo_id, revision, fmt, dest)
     todo = [f for f in files if verify(dest / f.name, f, repo_id) is not None]
     for f in files:

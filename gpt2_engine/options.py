@@ -50,7 +50,8 @@ def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
                    help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
     p.add_argument("--quantize", choices=["int8", "int4"],
-                   help="quantize the projections at load time to blockwise int8 or int4 (the head to int8): "
+                   help="quantize the projections at load time to blockwise int8 or int4 (the head to int8, or "
+                        "6 bits with int4): "
                         "faster decoding, a little less accurate (see README)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     if lora:

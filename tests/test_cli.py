@@ -24,6 +24,19 @@ def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
 # --- generate -----------------------------------------------------------------------------------------------------
 
 
+def test_version_and_a_misspelt_flag(capsys) -> None:
+    from gpt2_engine import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"gpt2-engine {__version__}\n"
+    with pytest.raises(SystemExit) as e:
+        main(["score", "x.txt", "--strdie", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: gpt2 score ")
+    assert err.rstrip().endswith("gpt2 score: error: unrecognized arguments: --strdie 3")
+
+
 def test_generate_streams_the_text_and_reports_stats(capsys, small_dir: Path, model: GPT2) -> None:
     code, out, err = run(capsys, "generate", "Hello, my dog is", "-n", "12", "--seed", "0", "--weights", str(small_dir))
     assert code == 0
@@ -32,7 +45,8 @@ def test_generate_streams_the_text_and_reports_stats(capsys, small_dir: Path, mo
 
 
 def test_generate_json(capsys, small_dir: Path, model: GPT2) -> None:
-    code, out, _ = run(capsys, "generate", "Hi", "-n", "4", "--temperature", "0", "--json", "--weights", str(small_dir))
+    code, out, err = run(capsys, "generate", "Hi", "-n", "4", "--temperature", "0", "--json", "--weights", str(small_dir))
+    assert err.rstrip().endswith("| greedy") and "seed" not in err  # no seed is printed where it changes nothing
     doc = json.loads(out)
     [c] = model.complete(["Hi"], max_new_tokens=4, temperature=0)
     assert code == 0 and set(doc) == {"text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "seed"}

@@ -132,6 +132,10 @@ def test_server_down(tmp_path: Path) -> None:
     line = one_line_error(download(endpoint, tmp_path, "--repo", REPO, "--dest", str(dest)))
     assert line.startswith(f"gpt2 download: error: cannot reach {endpoint}: ")
     assert line.endswith(f"; copy the files into {dest} or set HF_ENDPOINT")
+    assert not dest.exists()  # the folder it made for the download is gone again: nothing arrived
+    (tmp_path / "kept").mkdir()
+    one_line_error(download(endpoint, tmp_path, "--repo", REPO, "--dest", str(tmp_path / "kept")))
+    assert (tmp_path / "kept").is_dir()  # a folder the user made stays
 
 
 def test_unwritable_destination(hub: FakeHub, tmp_path: Path) -> None:
@@ -146,6 +150,7 @@ def test_offline_mode_uses_what_is_there_without_a_request(hub: FakeHub, tmp_pat
     dest = tmp_path / "w"
     line = one_line_error(download(hub.endpoint, tmp_path, "--repo", REPO, "--dest", str(dest), offline=True))
     assert "offline (HF_HUB_OFFLINE is set)" in line and "copy the files into" in line
+    assert not dest.exists()
     assert download(hub.endpoint, tmp_path, "--repo", REPO, "--dest", str(dest)).returncode == 0
     before = len(hub.behaviour.requests)
     proc = download(hub.endpoint, tmp_path, "--repo", REPO, "--dest", str(dest), offline=True)

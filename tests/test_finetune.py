@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from test_training import TINY, hf_model, random_batch, tiny_weights
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
+from gpt2_engine.core.files import umask as current_umask
 from gpt2_engine.core.kernels import training_kernels
 from gpt2_engine.core.weights import named_tensors
 from gpt2_engine.train.optim import AdamW, AdamWSettings, adamw_reference, clip_factor, learning_rate
@@ -157,8 +159,10 @@ def test_finetune_lowers_validation_loss_and_writes_a_checkpoint_transformers_lo
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
     assert "best validation loss" in done.stderr.splitlines()[-1] and str(out) in done.stderr.splitlines()[-1]
     assert len(logged(log, "sample")) == 1 and len(logged(log, "step")) == 8
+    plain = 0o666 & ~current_umask()  # what any file the user writes gets, not a temporary file's 0600
     for name in ("config.json", "model.safetensors", "vocab.json", "merges.txt", "generation_config.json"):
         assert (out / name).is_file() and (out / "last" / name).is_file()
+        assert stat.S_IMODE((out / name).stat().st_mode) == plain, name
 
     engine = GPT2.from_pretrained(out)
     reference = GPT2LMHeadModel.from_pretrained(out).eval()

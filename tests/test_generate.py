@@ -85,6 +85,7 @@ def test_cache_is_preallocated_and_bounded(model: GPT2) -> None:
 # --- parity of greedy decoding with transformers ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_generate(model: GPT2, hf_model) -> None:
     for prompt in PROMPTS:
         ids = model.tokenizer.encode(prompt)

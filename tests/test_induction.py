@@ -54,6 +54,7 @@ def ablation_rises(model: GPT2, ids: torch.Tensor, scored: torch.Tensor) -> dict
             for layer in range(model.config.n_layer) for h in range(model.config.n_head)}
 
 
+@pytest.mark.slow
 def test_the_model_copies_the_second_run(copier: GPT2, held_out) -> None:
     ids, scored = held_out
     assert second_run_loss(copier, ids, scored) < 1.0  # nats; uniform over the pool would be log(200) = 5.3

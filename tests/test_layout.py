@@ -155,3 +155,20 @@ def test_the_scheduler_imports_data_only() -> None:
               "gpt2_engine.core.projection", "gpt2_engine.core.kernels", "gpt2_engine.runtime.drafters"}
     assert closure("gpt2_engine.runtime.scheduler") & banned == set()
     assert "gpt2_engine.core.kernels" in closure("gpt2_engine.runtime.runner")  # the check has teeth
+
+
+READING_PATH = ["gpt2_engine/core/numpy_ref.py", "gpt2_engine/core/model.py", "gpt2_engine/runtime/greedy.py"]
+
+
+def test_the_reading_path_is_short_named_first_and_linked() -> None:
+    """The README's first screen names the reading path in order, with its true size; each file names the next."""
+    lines = [len((ROOT / f).read_text(encoding="utf-8").splitlines()) for f in READING_PATH]
+    assert sum(lines) < 700
+    first_screen = "\n".join((ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:30])
+    places = [first_screen.find(f"[`{f}`]") for f in READING_PATH]
+    assert -1 not in places and places == sorted(places)
+    assert f"Three files, {sum(lines)} lines in all" in first_screen
+    assert "one sitting" not in (ROOT / "README.md").read_text(encoding="utf-8")
+    for here, there in zip(READING_PATH, READING_PATH[1:]):
+        tail = (ROOT / here).read_text(encoding="utf-8").rstrip().splitlines()[-3:]
+        assert any(line.startswith("# Next:") and there.removeprefix("gpt2_engine/") in line for line in tail), here

@@ -189,6 +189,7 @@ def gpt2(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gpt2_engine", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_generate_speculate(trained_dir: Path, trained_model: GPT2) -> None:
     r = gpt2("generate", "Return the number of", "--weights", str(trained_dir), "--temperature", "0", "-n", "24",
              "--speculate", "ngram", "--json")

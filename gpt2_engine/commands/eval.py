@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..core.files import atomic_write
 from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
 
@@ -95,11 +94,4 @@ def run_eval(args: argparse.Namespace) -> int:
 def write_json(path: Path, results: dict[str, Any]) -> None:
     """lm-eval's results as JSON, written beside `path` and renamed over it (nothing half-written on failure)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(results, indent=2, default=str), encoding="utf-8"))

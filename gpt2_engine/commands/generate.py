@@ -110,13 +110,14 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"--- sample {i + 1} ({c.finish_reason}) ---")
             print(c.text)
     st = run.stats
+    seed = "greedy" if args.temperature == 0 else f"seed {st.seed}"  # a seed changes nothing at temperature 0
     speculation = ""
     if args.speculate is not None:
         speculation = (f" | drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
                        f"{st.tokens_per_verify:.2f} tokens per verify pass" if st.verify_passes else " | no drafts")
     print(f"load {load_seconds:.2f} s | prompt {run.completions[0].prompt_tokens} tokens | {st.new_tokens} new tokens | "
           f"prefill {st.prefill_tokens_per_second:.1f} tok/s | decode {st.decode_tokens_per_second:.1f} tok/s | "
-          f"seed {st.seed}{speculation}", file=sys.stderr)
+          f"{seed}{speculation}", file=sys.stderr)
     return 0
 
 

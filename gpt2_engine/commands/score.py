@@ -12,12 +12,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from ..core.files import temporary
 from ..documents import InputError, read_documents
 from ..options import ModelOptions, add_model_options, load_model
 from ..runtime.scoring import Score, ScoreSettings
@@ -68,9 +68,8 @@ class AtomicWriter:
     destination as it was (or absent), never half-written."""
 
     def __init__(self, dest: Path) -> None:
-        directory = dest.parent if str(dest.parent) else Path(".")
         try:
-            fd, self.tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=directory)
+            fd, self.tmp = temporary(dest)
         except OSError as e:
             raise InputError(f"{dest}: cannot write ({e.strerror or e})") from None
         self.dest, self.file = dest, os.fdopen(fd, "w", encoding="utf-8")

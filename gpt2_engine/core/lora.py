@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +27,7 @@ import torch
 
 from .config import GPT2Config
 from .errors import GPT2EngineError
+from .files import atomic_write
 from .weights import BLOCK_PARTS, Block, GPT2Weights, Linear, LoraStack, QuantizedMatrix, read_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -208,14 +207,7 @@ def save_adapter(directory: str | Path, adapter: LoraAdapter) -> None:
     for name, write in ((ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"})),
                         (ADAPTER_CONFIG, lambda p: Path(p).write_text(json.dumps(peft_config(adapter), indent=2) + "\n",
                                                                        encoding="utf-8"))):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + name)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, directory / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(directory / name, write)
 
 
 def is_adapter(directory: str | Path) -> bool:

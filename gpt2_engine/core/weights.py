@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from .config import GPT2Config
 from .errors import WeightsError
+from .files import atomic_write
 
 DEFAULT_WEIGHTS = Path("weights")  # the project's default checkpoint directory
 SAFETENSORS = "model.safetensors"
@@ -359,9 +360,7 @@ def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weig
     vocab.json and merges.txt copied from `bpe_source` (a checkpoint directory or the packaged files). Each file is
     written beside its destination and renamed over it, so a reader never sees half a file."""
     import json
-    import os
     import shutil
-    import tempfile
 
     from safetensors.torch import save_file
 
@@ -369,16 +368,7 @@ def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weig
     directory.mkdir(parents=True, exist_ok=True)
 
     def atomic(name: str, write) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=directory)
-        os.close(fd)
-        try:
-            write(tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, directory / name)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        atomic_write(directory / name, write)
 
     def text(content: str):
         return lambda tmp: Path(tmp).write_text(content, encoding="utf-8")

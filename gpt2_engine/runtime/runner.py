@@ -4,7 +4,7 @@ nothing of requests, sampling or threads.
 Two kinds of work: `prefill` runs one prompt alone through the whole-sequence forward into its cache slot,
 reusing the prefix cache's blocks where it has them (runtime/prefix.py); a `Pass` runs many sequences' rows together
 (running sequences' next tokens, new short prompts), block by block, and whoever drives it may hand it more rows
-between blocks (`Pass.add`). With at most projection.DECODE_ROWS rows, each block and the head are one native call
+between blocks (`Pass.add`). With at most config.DECODE_ROWS rows, each block and the head are one native call
 (kernels/block.cpp: NativeRows), every matmul runs on the row-invariant kernels and attention stays within each
 row's cache slot, so a sequence's logits are the same bits whatever else shares the pass, and whichever block it
 joined the pass at.

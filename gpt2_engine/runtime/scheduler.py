@@ -273,7 +273,7 @@ class Scheduler:
 
     def _verify(self, seq: SequenceState, seg: Segment, rows: torch.Tensor, lses: list[float]) -> list[Output]:
         """A verify pass's logits [K + 1, V] for the next token and K drafts: the accepted drafts and one token of
-        the target's own, each an Output (speculate.accept's rule; fewer where the sequence finishes first)."""
+        the target's own, each an Output (speculation.accept's rule; fewer where the sequence finishes first)."""
         draft, seq.draft = seq.draft, None
         out, accepted = [], 0
         seq.started = True

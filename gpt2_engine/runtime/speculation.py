@@ -23,7 +23,6 @@ stays right after the last accepted token, so those entries are overwritten befo
 attends to positions up to its own only): the cache up to the position holds what plain decoding writes.
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +40,6 @@ SERVE_MAX_RUNNING = 2  # the server drafts only while at most this many sequence
 # and only from a sequence's 4th generated token: clients that send their next requests together would otherwise see
 # the first arrival draft alone for a step while the others' prompts wait for its draft passes
 SERVE_SETTLE_TOKENS = 4
-
-
 
 
 @dataclass(frozen=True)

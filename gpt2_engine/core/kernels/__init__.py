@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,7 @@ def decode_kernels() -> ModuleType | None:
               f"({FALLBACK})", file=sys.stderr)
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
         sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp", "block.cpp", "training.cpp", "lora.cpp")]
         # -fno-math-errno: sqrt never sets errno here, and without the flag the compiler keeps training.cpp's loop scalar
@@ -88,6 +89,10 @@ def decode_kernels() -> ModuleType | None:
         # the name carries where these sources are: torch's extension cache is per user, and two checkouts under
         # one name would rebuild over each other's module at every switch (~40 s each)
         name = "gpt2_engine_decode_" + hashlib.sha1(str(HERE).encode()).hexdigest()[:10]
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())  # torch's own variable
+        if not any(root.glob(f"**/{name}/{name}.so")):  # torch keeps the module under root/[py311_cpu/]name/
+            print("gpt2-engine: building the native kernels, once for this checkout (a minute or two) ...",
+                  file=sys.stderr, flush=True)
         return load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
