@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +28,7 @@ from .runtime.sampling import SamplingParams
 from .runtime.scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .runtime.speculation import SpeculationPolicy, check_draft_tokens
 from .train.step import trainable_copy
-from .train.trainer import Trainer, TrainResult, TrainSettings, record
+from .train.trainer import Started, Trainer, TrainResult, TrainSettings, record
 
 
 class GPT2:
@@ -261,7 +262,11 @@ class GPT2:
                           val_texts=None if val is None else texts(val), out=None if out is None else Path(out),
                           resume=resume, overwrite=overwrite, lora=lora,
                           sampler=functools.partial(two_samples, config=self.config, tokenizer=self.tokenizer))
-        history = [record(event) for event in trainer.run()]
+        history = []
+        for event in trainer.run():
+            if isinstance(event, Started) and event.warning:
+                warnings.warn(event.warning, stacklevel=2)
+            history.append(record(event))
         self.weights = trainer.weights
         if lora is not None:
             self.lora = trainer.adapter()

@@ -232,7 +232,7 @@ def test_resume_refuses_other_settings_and_out_refuses_a_second_run(trained_dir:
     ("short", (), "the training text is 6 tokens, shorter than one window of 33; lower --context or add text"),
     ("ok", ("--context", "4096"), "context: 4096 tokens exceed the model's n_positions 512"),
     ("ok", ("--resume",), "nothing to resume (no last/trainer_state.json); run without --resume to start"),
-    ("ok", ("--lr", "1e30", "--steps", "3", "--clip", "0"), "at step 2; training stopped"),
+    ("ok", ("--lr", "1e30", "--steps", "3", "--clip", "0"), "the validation loss became nan at step 1; training stopped"),
     ("ok", ("--init", "huge"), "--init: 'huge' is neither small|medium|large|xl"),
     ("missing", (), "no such file"),
 ])
@@ -315,3 +315,35 @@ def test_a_folder_of_text_trains_from_scratch_with_init(tmp_path: Path) -> None:
     assert empty.stderr.strip().splitlines() == [
         f"gpt2 finetune: error: {tmp_path / 'empty'}: the folder holds no text files (expected .txt, .md, .rst, "
         ".jsonl, .text)"]
+
+
+def test_too_little_validation_text_is_warned_about(trained_dir: Path, tmp_path: Path) -> None:
+    done = finetune(*small_run(trained_dir, corpus(tmp_path), tmp_path / "out", "--steps", "1"))
+    assert done.returncode == 0, done.stderr
+    [line] = [l for l in done.stderr.splitlines() if "warning" in l]
+    assert line.startswith("gpt2 finetune: warning: only ") and "validation tokens: the best checkpoint would be " \
+        "chosen on noise; give --val FILE or a larger --val-fraction (at least 1,000 tokens)" in line
+    model = GPT2.from_pretrained(trained_dir)
+    with pytest.warns(UserWarning, match="validation tokens: the best checkpoint would be chosen on noise"):
+        model.finetune(["Return the value. " * 40, "Raise an error. " * 40], steps=1, val=["Return it."], context=16)
+
+
+def test_a_diverging_run_keeps_only_finite_checkpoints(trained_dir: Path, tmp_path: Path) -> None:
+    """--lr 1e6 blows the weights up: the run stops with one line, and neither the best checkpoint nor last/ holds
+    a model whose validation loss is not finite."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    done = finetune(*small_run(trained_dir, corpus(tmp_path), out, "--steps", "8", "--lr", "1e6", "--warmup", "0",
+                               "--eval-every", "1", "--save-every", "1"))
+    assert done.returncode == 2
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("gpt2 finetune: error: the ") and "training stopped" in last_line, last_line
+    assert "(try a lower --lr)" in last_line
+    kept = [d for d in (out, out / "last") if (d / "model.safetensors").is_file()]
+    assert kept  # the step-0 evaluation's best, at least
+    for directory in kept:  # each loads and gives finite logits (a NaN model generates token 0 forever)
+        assert all(torch.isfinite(t).all() for t in load_file(directory / "model.safetensors").values()), directory
+        model = GPT2.from_pretrained(directory)
+        assert torch.isfinite(model(torch.tensor([model.tokenizer.encode("Return the value")]))).all(), directory
+    assert ("the last good checkpoint is in" in last_line) == (out / "last" / "model.safetensors").is_file()

@@ -210,9 +210,31 @@ def test_score_table_stdin_and_per_token(capsys, monkeypatch, trained_dir: Path,
     assert not list(tmp_path.glob("*.part"))
 
 
+def test_score_reads_folders_and_writes_per_token_lines_to_stdout(capsys, trained_dir: Path, trained_model: GPT2,
+                                                                  tmp_path: Path) -> None:
+    """A folder is the text files under it (as gpt2 finetune reads it); `-` as an output file is stdout, and the
+    table then goes to stderr."""
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    (tmp_path / "docs" / "a.txt").write_text("Return the value.")
+    (tmp_path / "docs" / "sub" / "b.md").write_text("Raise an error.")
+    (tmp_path / "docs" / "skip.bin").write_bytes(b"\xff")
+    code, out, err = run(capsys, "score", str(tmp_path / "docs"), "--per-token", "-", "--json",
+                         "--weights", str(trained_dir))
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    a, b = str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "sub" / "b.md")
+    n = [len(trained_model.tokenizer.encode(text)) for text in ("Return the value.", "Raise an error.")]
+    assert [r["document"] for r in records] == [a] * n[0] + [b] * n[1]
+    report = json.loads(err.strip().splitlines()[-1])
+    assert [d["name"] for d in report["documents"]] == [a, b]
+    code, files_out, _ = run(capsys, "score", a, b, "--json", "--weights", str(trained_dir))
+    assert json.loads(files_out)["total"] == report["total"]  # the folder scores exactly as its files
+
+
 @pytest.mark.parametrize("args,message", [
     (["missing.txt"], "missing.txt: no such file"),
-    (["{d}"], "is a directory, expected a text or .jsonl file"),
+    (["{d}/nothing"], "nothing: the folder holds no text files (expected .txt, .md, .rst, .jsonl, .text)"),
+    (["{d}/ok.txt", "--per-token", "-", "--output", "-"], "--per-token and --output cannot both be - (stdout)"),
     (["{d}/bad.txt"], "bad.txt: invalid UTF-8 at byte offset 6 (expected UTF-8 text)"),
     (["{d}/bad.jsonl"], 'bad.jsonl:2: expected a JSON object with a string "text" field'),
     (["{d}/broken.jsonl"], "broken.jsonl:1: not valid JSON"),
@@ -230,6 +252,7 @@ def test_score_errors_are_one_line_and_exit_2(capsys, tmp_path: Path, trained_di
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text("\n\n")
     (tmp_path / "ok.txt").write_text("Fine text.")
+    (tmp_path / "nothing").mkdir()
     code, out, err = run(capsys, "score", *[a.format(d=tmp_path) for a in args], "--weights", str(trained_dir))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("gpt2 score: error: ") and message in err, err

@@ -244,6 +244,8 @@ def run_finetune(args: argparse.Namespace) -> int:
                       f"{event.windows:,} windows | {event.val_tokens:,} validation tokens | {event.steps:,} updates "
                       f"of {event.tokens_per_step:,} tokens" + (f" | resuming at update {event.first_step}"
                                                                   if event.first_step else ""), file=sys.stderr)
+                if event.warning:
+                    print(f"gpt2 finetune: warning: {event.warning}", file=sys.stderr)
                 bar = tqdm(total=event.steps, initial=event.first_step, desc="finetune", unit="step",
                            file=sys.stderr, dynamic_ncols=True)
             elif isinstance(event, Step):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..core.files import temporary
-from ..documents import InputError, read_documents
+from ..documents import InputError, expand_paths, read_documents
 from ..options import ModelOptions, add_model_options, load_model
 from ..runtime.scoring import Score, ScoreSettings
 
@@ -86,6 +86,23 @@ class AtomicWriter:
         Path(self.tmp).unlink(missing_ok=True)
 
 
+class StdoutWriter:
+    """`-` as an output file: the JSON lines go to stdout as they come (the report then goes to stderr)."""
+
+    def write_json(self, record: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def commit(self) -> None:
+        sys.stdout.flush()
+
+    def discard(self) -> None:
+        sys.stdout.flush()
+
+
+def open_writer(dest: Path) -> AtomicWriter | StdoutWriter:
+    return StdoutWriter() if str(dest) == "-" else AtomicWriter(dest)
+
+
 def checked_settings(args: argparse.Namespace, config: Any) -> ScoreSettings:
     context = args.context if args.context is not None else config.n_positions
     stride = args.stride if args.stride is not None else context // 2
@@ -127,8 +144,12 @@ def run_score(args: argparse.Namespace) -> int:
         raise InputError(f"--workers must be at least 1, got {args.workers}")
     if args.ray and args.per_token is not None:
         raise InputError("--per-token is not available with --ray; use --output for one line per document")
-    writers = {name: AtomicWriter(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
+    if str(args.per_token) == str(args.output) == "-":
+        raise InputError("--per-token and --output cannot both be - (stdout): give one of them a file")
+    args.files = expand_paths(args.files)  # a folder is the text files under it, as gpt2 finetune reads it
+    writers = {name: open_writer(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
                if dest is not None}
+    out = sys.stderr if any(isinstance(w, StdoutWriter) for w in writers.values()) else sys.stdout  # the report
     scores: list[Score] = []
     total, documents = Score("total", 0, 0, 0.0), 0
     t0 = time.perf_counter()
@@ -166,11 +187,11 @@ def run_score(args: argparse.Namespace) -> int:
         if args.output is not None:  # the documents are in the file, not repeated here
             del report["documents"]
             report["output"] = str(args.output)
-        print(json.dumps(report, ensure_ascii=False))
+        print(json.dumps(report, ensure_ascii=False), file=out)
     else:
-        print_table(scores, total, documents, seconds, sys.stdout)
-        if args.output is not None:
-            print(f"per-document figures: {args.output}", file=sys.stdout)
+        print_table(scores, total, documents, seconds, out)
+        if args.output is not None and str(args.output) != "-":
+            print(f"per-document figures: {args.output}", file=out)
     return 0
 
 
@@ -184,7 +205,8 @@ def add_score(sub: argparse._SubParsersAction) -> None:
                "--per-token tokens.jsonl\n  gpt2 score *.txt --context 512 --stride 256",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="FILE",
-                   help="a UTF-8 text file (one document), a .jsonl file (one document per line, in \"text\"), or - for stdin")
+                   help="a UTF-8 text file (one document), a .jsonl file (one document per line, in \"text\"), a folder "
+                        "of them, or - for stdin")
     p.add_argument("--context", type=int, metavar="N", help="window length in tokens (default: n_positions)")
     p.add_argument("--stride", type=int, metavar="N",
                    help="tokens each window advances; 1..context-1 (default context // 2)")
@@ -196,10 +218,10 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-bos", action="store_true",
                    help="do not prepend <|endoftext|>; the first token of each document is then not scored")
     p.add_argument("--per-token", type=Path, metavar="OUT.jsonl",
-                   help="write one line per scored token: logprob, rank, entropy, top 5 alternatives")
+                   help="write one line per scored token: logprob, rank, entropy, top 5 alternatives (- for stdout)")
     p.add_argument("--output", type=Path, metavar="FILE.jsonl",
                    help="write one line per document (name, tokens, bytes, nll, ppl, bpb) to FILE instead of "
-                        "listing them on stdout, for corpora too large to print")
+                        "listing them on stdout, for corpora too large to print (- for stdout)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     ray = p.add_argument_group("scaling out on Ray (pip install 'gpt2-engine[distributed]')")

@@ -57,6 +57,11 @@ LAST = "last"
 STATE_VERSION = 1
 
 
+# Below this many validation tokens, the validation loss moves with which few tokens happen to be held out more than
+# with the model (its standard error is several percent of the loss), so the "best" checkpoint is chosen on noise.
+MIN_VAL_TOKENS = 1000
+
+
 class TrainError(GPT2EngineError):
     """Training cannot start or go on: bad data or settings, a state that does not match, a non-finite loss."""
 
@@ -123,6 +128,7 @@ class Started:
     windows: int  # training windows of context + 1 tokens
     tokens_per_step: int
     parameters: int
+    warning: str | None = None  # what the user should know before trusting the run (too little validation text)
 
 
 @dataclass(frozen=True)
@@ -323,8 +329,12 @@ class Trainer:
         """Train to the end (or early stopping), yielding events; a non-finite loss raises TrainError."""
         s = self.settings
         T = s.context
+        warning = None
+        if 1 < len(self.val) < MIN_VAL_TOKENS:
+            warning = (f"only {len(self.val):,} validation tokens: the best checkpoint would be chosen on noise; give "
+                       f"--val FILE or a larger --val-fraction (at least {MIN_VAL_TOKENS:,} tokens)")
         yield Started(self.total, self.step, len(self.train), len(self.val), self.windows,
-                      s.batch_size * s.accumulate * T, sum(p.numel() for p in self.params.values()))
+                      s.batch_size * s.accumulate * T, sum(p.numel() for p in self.params.values()), warning)
         if self.step == 0 and len(self.val) > 1:
             yield self._evaluate()
         orders: dict[int, torch.Tensor] = {}
@@ -348,9 +358,7 @@ class Trainer:
                                              grad_scale=scale, generator=self.generator)
                 loss = loss_sum * scale
                 if not math.isfinite(loss):
-                    kept = f"; the last good checkpoint is in {self.out / LAST}" if self.out and (self.out / LAST).exists() else ""
-                    raise TrainError(f"the loss became {loss} at step {self.step + 1}; training stopped{kept} "
-                                     "(try a lower --lr)")
+                    raise self._diverged(f"the loss became {loss} at step {self.step + 1}")
                 norm, factor = clip_factor(self.grads, s.clip)
                 lr = learning_rate(self.step, self.total, s.lr, self.min_lr, self.warmup)
                 self.optimizer.step(self.grads, lr, factor)
@@ -396,6 +404,8 @@ class Trainer:
 
     def _evaluate(self) -> Eval:
         loss = self.validation_loss()
+        if not math.isfinite(loss):  # never a best checkpoint, and no last/ saved after it
+            raise self._diverged(f"the validation loss became {loss} at step {self.step}")
         best = self.best is None or loss < self.best[0]
         if best:
             self.best, self.evals_since_best = (loss, self.step), 0
@@ -404,6 +414,12 @@ class Trainer:
         else:
             self.evals_since_best += 1
         return Eval(self.step, loss, math.exp(min(loss, 700.0)), best)
+
+    def _diverged(self, what: str) -> TrainError:
+        """The error that ends a run whose loss is no longer finite, naming the checkpoint that is still good: every
+        save checks that the weights are finite and that no loss before it was not."""
+        kept = f"; the last good checkpoint is in {self.out / LAST}" if self.out and (self.out / LAST).exists() else ""
+        return TrainError(f"{what}; training stopped{kept} (try a lower --lr)")
 
     def _sample(self) -> Sample:
         prompt = self.tokenizer.encode(self.settings.sample_prompt) or [self.tokenizer.eot_id]
@@ -440,6 +456,8 @@ class Trainer:
         from safetensors.torch import save_file
 
         out = self.out
+        if not all(bool(torch.isfinite(p).all()) for p in self.params.values()):  # an update overflowed
+            raise self._diverged(f"the weights became non-finite at step {self.step}")
         new, last, old = out / (LAST + ".new"), out / LAST, out / (LAST + ".old")
         shutil.rmtree(new, ignore_errors=True)
         self._save_model(new)
