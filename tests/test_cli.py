@@ -79,8 +79,14 @@ def test_generate_stop_string_with_escape(capsys, small_dir: Path, model: GPT2) 
 
 def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> None:
     long_prompt = " word" * 125
-    code, _, err = run(capsys, "generate", long_prompt, "-n", "10", "--weights", str(tiny_dir))
-    assert code == 2 and "exceeds the context of 128 tokens" in err
+    code, out, err = run(capsys, "generate", long_prompt, "-n", "10", "--temperature", "0", "--ignore-eos", "--json",
+                         "--weights", str(tiny_dir))
+    assert code == 0 and json.loads(out)["finish_reason"] == "length" and len(json.loads(out)["token_ids"]) == 4
+    assert err.splitlines()[0] == ("gpt2: the context of 128 tokens leaves room for 4 new tokens, not 10: generation "
+                                   "stops there (--truncate left keeps room for all of them)")
+    code, _, err = run(capsys, "generate", " word" * 130, "-n", "10", "--weights", str(tiny_dir))
+    assert code == 2 and err.count("\n") == 1
+    assert "the prompt of 130 tokens exceeds the context of 128 tokens" in err and "--truncate left" in err
     code, _, err = run(capsys, "generate", long_prompt, "-n", "10", "--truncate", "left", "--weights", str(tiny_dir))
     assert code == 0 and "prompt truncated from the left: dropped 6 tokens" in err
 

@@ -198,8 +198,8 @@ def test_several_samples_per_prompt(model: GPT2) -> None:
         (dict(top_k=-1), "top_k must be an integer >= 0"),
         (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
-        (dict(max_new_tokens=1025), "prompt of 1 tokens + max_new_tokens 1025 exceeds the context of 1024 tokens"),
-        (dict(max_new_tokens=1025, truncate="left"), "max_new_tokens (1025) must be at most the context length 1024"),
+        (dict(max_new_tokens=1025), "asking for 1025 new tokens exceeds the context of 1024 tokens (at most 1024)"),
+        (dict(max_new_tokens=1025, truncate="left"), "asking for 1025 new tokens exceeds the context of 1024 tokens"),
         (dict(stop=[""]), "stop strings must be non-empty strings"),
         (dict(top_kk=3), "unknown generation option(s): top_kk"),
     ],
@@ -254,10 +254,19 @@ def test_generation_stops_at_endoftext_unless_ignore_eos(eos_dir: Path) -> None:
 # --- context limit and prompts ------------------------------------------------------------------------------------
 
 
-def test_prompt_beyond_the_context_is_an_error_or_truncated_left(tiny_model: GPT2) -> None:
+def test_generation_stops_at_the_context_unless_truncated_left(tiny_model: GPT2) -> None:
+    """As llama.cpp and transformers do: a prompt that leaves room for fewer new tokens than asked generates up to the
+    context and stops there ('length'); truncate left keeps room for all of them instead."""
     ids = list(range(1000, 1120))  # 120 tokens; tiny context is 128
-    with pytest.raises(GenerationError, match="prompt of 120 tokens \\+ max_new_tokens 10 exceeds the context of 128"):
-        tiny_model.generation([ids], max_new_tokens=10)
+    short = tiny_model.generation([ids], max_new_tokens=10, temperature=0, ignore_eos=True)
+    [c] = short.run()
+    # 120 + 9 - 1 = 128 positions: the 9th new token is the last that fits (it is never fed back)
+    assert (len(c.token_ids), c.finish_reason, short.stats.context_limited) == (9, "length", 9)
+    assert c.token_ids == tiny_model.generate_ids(ids, max_new_tokens=9, temperature=0, ignore_eos=True)
+    too_long = list(range(1000, 1129))  # 129 tokens: the prompt alone does not fit
+    with pytest.raises(GenerationError, match="the prompt of 129 tokens exceeds the context of 128 tokens; shorten it, "
+                                              "or keep its last tokens with truncate left"):
+        tiny_model.generation([too_long], max_new_tokens=1)
     run = tiny_model.generation([ids], max_new_tokens=10, truncate="left", temperature=0)
     [c] = run.run()
     # 119 + 10 fits: the 10th new token is never fed back, so positions 0..127 suffice

@@ -170,7 +170,8 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
     ({"prompt": [], "max_tokens": 1}, 400, "prompt", "must not be an empty list"),
     ({"prompt": [70000]}, 400, "prompt", "token ids must be in [0, 50257)"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "keys must be token ids"),
-    ({"prompt": "x " * 600, "max_tokens": 100}, 400, "max_tokens", "exceeds the context of 512 tokens"),
+    ({"prompt": "x " * 600, "max_tokens": 100}, 400, "prompt", "exceeds the context of 512 tokens"),
+    ({"prompt": "x", "max_tokens": 513}, 400, "max_tokens", "asking for 513 new tokens exceeds the context of 512"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: int, param: str, fragment: str) -> None:
@@ -180,6 +181,16 @@ def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: 
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and fragment in err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+def test_a_completion_stops_at_the_context_with_finish_reason_length(server: str) -> None:
+    r = httpx.post(f"{server}/v1/completions", json={"model": "gpt2", "prompt": "x " * 500, "max_tokens": 100,
+                                                      "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    usage = body["usage"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 512 - usage["prompt_tokens"] + 1 < 100  # up to the context's last position
 
 
 def test_unknown_route_and_invalid_json(server: str) -> None:

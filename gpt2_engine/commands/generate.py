@@ -86,6 +86,10 @@ def run_generate(args: argparse.Namespace) -> int:
     if run.stats.truncated_tokens:
         print(f"gpt2: prompt truncated from the left: dropped {run.stats.truncated_tokens} tokens to fit the context "
               f"of {model.config.n_positions}", file=sys.stderr)
+    if run.stats.context_limited:
+        print(f"gpt2: the context of {model.config.n_positions} tokens leaves room for {run.stats.context_limited} new "
+              f"tokens, not {args.max_new_tokens}: generation stops there (--truncate left keeps room for all of them)",
+              file=sys.stderr)
     stream = not (args.no_stream or args.json or settings.num_samples > 1)
     for _, piece in run:
         if stream:

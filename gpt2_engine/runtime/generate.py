@@ -44,6 +44,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     truncated_tokens: int = 0  # prompt tokens dropped by truncate="left"
+    context_limited: int = 0  # the fewest new tokens a prompt had room for, below max_new_tokens (0: every one fit)
     drafted: int = 0  # speculation: tokens drafted, those the target accepted, and the verify passes run
     accepted: int = 0
     verify_passes: int = 0
@@ -77,7 +78,8 @@ class Generation:
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
         self.settings, self.speculation, self.slots = settings, speculation, slots
         self.batch: RequestSet = build_requests(prompts, settings, config, tokenizer.eot_id)
-        self.stats = GenerationStats(seed=self.batch.seed, truncated_tokens=self.batch.truncated_tokens)
+        self.stats = GenerationStats(seed=self.batch.seed, truncated_tokens=self.batch.truncated_tokens,
+                                     context_limited=self.batch.context_limited)
         self.completions: list[Completion] = []
 
     def __iter__(self) -> Iterator[tuple[int, str]]:

@@ -4,7 +4,9 @@ and the server.
 It owns every decision about turning prompts and settings into sequences: the prompt forms (text, texts, token ids,
 lists of them), the empty prompt (it starts from <|endoftext|>, as GPT-2's training documents do), the seed (a random
 one when none is given, reported back), sample j of a prompt drawing with seed + j (so a prompt's samples are the same
-alone or in a batch), truncation from the left, and whether a sequence fits the context.
+alone or in a batch), truncation from the left, and the context: a prompt that leaves room for fewer new tokens than
+asked generates up to the context and stops there ('length'); a prompt longer than the context, or more new tokens
+than the whole context, is an error.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class RequestSet:
     requests: list[Request]
     seed: int  # the seed of sample 0 (the one given, or the random one drawn)
     truncated_tokens: int = 0  # the most prompt tokens truncate="left" dropped from one prompt
+    context_limited: int = 0  # the fewest new tokens a prompt has room for, where that is below max_new_tokens (0: none)
 
 
 def encode_prompts(prompt: Prompt, tokenizer: Tokenizer, *, allow_special: bool = False) -> list[list[int]]:
@@ -124,24 +127,33 @@ def build_requests(prompts: list[list[int]], settings: GenerationSettings, confi
     if not prompts:
         raise GenerationError("no prompt given", param="prompt")
     limit = config.n_positions
-    if settings.max_new_tokens > limit and settings.truncate == "left":  # no prompt could be cut short enough
-        raise GenerationError(f"max_new_tokens ({settings.max_new_tokens}) must be at most the context length {limit}",
-                              param="max_new_tokens")
+    if settings.max_new_tokens > limit:  # impossible whatever the prompt: say so rather than stop short
+        raise GenerationError(f"asking for {settings.max_new_tokens} new tokens exceeds the context of {limit} tokens "
+                              f"(at most {limit})", param="max_new_tokens")
     for token, _ in settings.sampling.logit_bias:
         if token >= config.vocab_size:
             raise GenerationError(f"logit_bias token id {token} is outside the vocabulary [0, {config.vocab_size})",
                                   param="logit_bias")
     seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(7), "little")
     room = limit - max(settings.max_new_tokens - 1, 0)  # the last new token is never fed back: it needs no position
-    requests, truncated = [], 0
+    requests, truncated, limited = [], 0, 0
     for prompt in prompts:
         prompt = prompt_or_endoftext(prompt, eot_id)
         if len(prompt) > room and settings.truncate == "left":
             truncated = max(truncated, len(prompt) - room)
             prompt = prompt[-room:]
+        if len(prompt) > limit:
+            raise GenerationError(f"the prompt of {len(prompt)} tokens exceeds the context of {limit} tokens; shorten "
+                                  "it, or keep its last tokens with truncate left (gpt2 generate --truncate left)",
+                                  param="prompt")
+        # as llama.cpp and transformers do, generation stops at the context (finish reason 'length') rather than
+        # refusing a prompt that leaves room for fewer new tokens than asked
+        new = min(settings.max_new_tokens, limit - len(prompt) + 1)  # the last new token is never fed back
+        if new < settings.max_new_tokens:
+            limited = new if not limited else min(limited, new)
         for j in range(settings.num_samples):
-            request = Request(prompt, settings.max_new_tokens, settings.sampling, settings.stop, settings.ignore_eos,
+            request = Request(prompt, new, settings.sampling, settings.stop, settings.ignore_eos,
                               (seed + j) % 2**63, settings.top_logprobs, settings.prompt_logprobs)
             check_request(request, config)
             requests.append(request)
-    return RequestSet(requests, seed, truncated)
+    return RequestSet(requests, seed, truncated, limited)
