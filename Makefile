@@ -6,7 +6,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-WEIGHTS ?= weights
+WEIGHTS ?=
+# --weights only when WEIGHTS is given: gpt2's default is weights/, or the demo model while weights/ holds none
+WEIGHTS_FLAG := $(if $(WEIGHTS),--weights $(WEIGHTS))
 PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
@@ -33,12 +35,12 @@ test-fast: install fixtures
 	$(PY) -m pytest -m "not slow"
 
 weights: install
-	$(PY) scripts/download_weights.py --dest $(WEIGHTS) $(ARGS)
+	$(PY) scripts/download_weights.py --dest $(or $(WEIGHTS),weights) $(ARGS)
 
 # Downloads the official weights only when $(WEIGHTS)/ holds none yet; where they cannot be downloaded (offline), it
 # says so in one line and uses the demo model (trained once, a few minutes, see `make demo`).
 generate: install
-	@dir=$$($(PY) scripts/demo.py --weights $(WEIGHTS)) && $(VENV)/bin/gpt2 generate "$$PROMPT" --weights "$$dir" $(ARGS)
+	@dir=$$($(PY) scripts/demo.py --weights $(or $(WEIGHTS),weights)) && $(VENV)/bin/gpt2 generate "$$PROMPT" --weights "$$dir" $(ARGS)
 
 # The demo model on purpose: a small GPT-2 trained from scratch by `gpt2 finetune --init` on the standard library's
 # docstrings (built once into .cache/demo/), then a generation from it.
@@ -46,7 +48,7 @@ demo: install
 	@dir=$$($(PY) scripts/demo.py) && $(VENV)/bin/gpt2 generate "$$PROMPT" --weights "$$dir" $(ARGS)
 
 compare: install
-	$(VENV)/bin/gpt2 compare --weights $(WEIGHTS) $(ARGS)
+	$(VENV)/bin/gpt2 compare $(WEIGHTS_FLAG) $(ARGS)
 
 bench: install
 	$(PY) scripts/bench.py $(ARGS)
@@ -83,7 +85,7 @@ bench-llamacpp: install
 
 # An OpenAI-compatible server on 127.0.0.1:8000 (gpt2 serve --help for the options).
 serve: install
-	$(VENV)/bin/gpt2 serve --weights $(WEIGHTS) $(ARGS)
+	$(VENV)/bin/gpt2 serve $(WEIGHTS_FLAG) $(ARGS)
 
 # The test checkpoints (random full-size, the small trained one, the 2-layer copier), built once into .cache/fixtures/
 # (several minutes on a fresh clone, with progress on stderr); afterwards a check of a few milliseconds.

@@ -19,7 +19,7 @@ from .core.lora import LoraAdapter, LoraSettings, attach, load_adapter
 from .core.model import forward
 from .core.quantize import FORMATS, quantize_weights
 from .core.tokenizer import Tokenizer, load_tokenizer
-from .core.weights import CONFIG, GPT2Weights, find_weights_file, load_weights
+from .core.weights import CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory
 from .documents import expand_paths, read_documents
 from .runtime.drafters import Speculation, load_speculation
 from .runtime.generate import Completion, Generation, two_samples
@@ -49,7 +49,7 @@ class GPT2:
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
                         device: torch.device | str = "cpu", quantize: str | None = None,
                         lora: str | Path | None = None) -> GPT2:
-        """Load the official-format checkpoint in `directory` (config.json, weights, BPE files).
+        """Load the official-format checkpoint in `directory` (config.json, weights, BPE files); "demo": the demo model.
 
         dtype: float32 (default) or bfloat16 weight matrices (bfloat16 is widened to float32 right before each
         matmul). quantize="int8" or "int4": the projections in blockwise int8 or int4 and the output head in int8,
@@ -57,7 +57,7 @@ class GPT2:
         PEFT's format (from `gpt2 finetune --lora` or peft's save_pretrained), applied on top of these weights in
         whatever format they are (core/lora.py).
         """
-        directory = Path(directory)
+        directory, _ = weights_directory(Path(directory))
         dtype = parse_dtype(dtype)
         if quantize not in (None, *FORMATS):
             raise GPT2EngineError(f"quantize: expected None, 'int8' or 'int4', got {quantize!r}")

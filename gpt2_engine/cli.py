@@ -18,6 +18,7 @@ from .commands.merge import add_merge_lora
 from .commands.score import add_score
 from .commands.serve import add_serve
 from .core.errors import GPT2EngineError
+from .core.weights import weights_directory
 
 
 def version() -> str:
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if hasattr(args, "weights"):  # every command that loads a checkpoint
+            args.weights, note = weights_directory(args.weights)
+            if note:
+                print(f"gpt2 {args.command}: {note}", file=sys.stderr)
         return args.run(args)
     except GPT2EngineError as e:
         print(f"gpt2 {args.command}: error: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .core.errors import GPT2EngineError
-from .core.weights import DEFAULT_WEIGHTS
+from .core.weights import DEFAULT_WEIGHTS, DEMO_NAME
 
 
 class UsageError(GPT2EngineError):
@@ -44,10 +44,16 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse names the type in its error: "invalid positive integer value"
 
 
+def add_weights_option(p: argparse.ArgumentParser) -> None:
+    """--weights DIR; the CLI resolves its default (weights/, else the demo model) with `core.weights.weights_directory`."""
+    p.add_argument("--weights", type=Path, metavar="DIR",
+                   help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/, or the demo model "
+                        f"when {DEFAULT_WEIGHTS}/ holds none and `make demo` built it; `{DEMO_NAME}` names the demo model)")
+
+
 def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
     """The model flags; `lora`: with --lora DIR (gpt2 serve has its own, NAME=DIR, repeatable)."""
-    p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS, metavar="DIR",
-                   help=f"checkpoint directory in the official layout (default {DEFAULT_WEIGHTS}/)")
+    add_weights_option(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="quantize the projections at load time to blockwise int8 or int4 (the head to int8, or "

@@ -8,7 +8,9 @@
 `make generate` runs the second form, `make demo` the first. The demo model has 4 layers, 4 heads and 256 channels
 (GPT-2's full vocabulary) and is trained for a few minutes on the docstrings of Python's standard library (the
 text is on every machine, offline). It writes docstring-like English, not GPT-2's text. It is built once into the
-git-ignored .cache/demo/ (the directory name carries a hash of this script); an interrupted build resumes.
+git-ignored .cache/demo/ of the working directory (the directory name carries a hash of this script; an interrupted
+build resumes), and .cache/demo/latest points to it: every `gpt2` command then finds it, as `--weights demo` or as
+the default when weights/ holds no checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
-CACHE = ROOT / ".cache" / "demo"
+sys.path.insert(0, str(ROOT))  # the package, also where it is not installed
+
+from gpt2_engine.core.weights import DEMO_NAME, DEMO_WEIGHTS  # noqa: E402
+
 CONFIG = {"n_layer": 4, "n_head": 4, "n_embd": 256, "n_positions": 256, "vocab_size": 50257, "model_type": "gpt2"}
 TRAIN = ["--steps", "300", "--context", "128", "--batch-size", "8", "--lr", "2e-3", "--warmup", "20",
          "--weight-decay", "0.01", "--eval-every", "100", "--sample-every", "100", "--sample-prompt", "Return the",
@@ -35,31 +40,52 @@ def has_weights(directory: Path) -> bool:
     return (directory / "model.safetensors").is_file() or (directory / "pytorch_model.bin").is_file()
 
 
+def demo_key() -> str:
+    """The build's name: a hash of this script, so that a changed recipe builds a new model."""
+    return hashlib.sha256((SCRIPTS / "demo.py").read_bytes()).hexdigest()[:12]
+
+
+def point_latest(dest: Path) -> None:
+    """Point .cache/demo/latest at `dest`, atomically (a new link renamed over the old one)."""
+    latest = dest.parent / DEMO_WEIGHTS.name
+    if latest.is_symlink() and os.readlink(latest) == dest.name:
+        return
+    tmp = latest.with_name(f".{latest.name}-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(dest.name, target_is_directory=True)
+    os.replace(tmp, latest)
+
+
 def ensure_demo() -> Path:
     """The demo model's directory, trained first (with gpt2 finetune's progress bar on stderr) if it is not built."""
-    key = hashlib.sha256((SCRIPTS / "demo.py").read_bytes()).hexdigest()[:12]
-    dest = CACHE / f"model-{key}"
+    key = demo_key()
+    cache = DEMO_WEIGHTS.parent.resolve()
+    dest = cache / f"model-{key}"
     if has_weights(dest):
+        point_latest(dest)
         return dest
-    CACHE.mkdir(parents=True, exist_ok=True)
-    partial = CACHE / f"partial-{key}"
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = cache / f"partial-{key}"
     sys.path.insert(0, str(SCRIPTS))
     from train_fixture import docstrings
 
-    data = CACHE / f"docstrings-{key}.jsonl"
+    data = cache / f"docstrings-{key}.jsonl"
     if not data.is_file():
-        fd, tmp = tempfile.mkstemp(dir=CACHE, suffix=".part")
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".part")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for doc in docstrings():
                 f.write(json.dumps({"text": doc}) + "\n")
         os.replace(tmp, data)
-    config = CACHE / f"config-{key}.json"
+    config = cache / f"config-{key}.json"
     config.write_text(json.dumps(CONFIG) + "\n")
     resume = ["--resume"] if (partial / "last" / "trainer_state.json").is_file() else ["--overwrite"]
     print(f"demo: training the demo model once into {dest} (a few minutes; resumable) ...", file=sys.stderr, flush=True)
     gpt2 = [sys.executable, "-m", "gpt2_engine", "finetune", str(data), "--init", str(config), "--out", str(partial)]
     subprocess.run(gpt2 + TRAIN + resume, check=True, stdout=sys.stderr, cwd=ROOT)
     os.replace(partial, dest)
+    point_latest(dest)
+    print(f"demo: the demo model is ready in {DEMO_WEIGHTS} (-> {dest.name}); every gpt2 command finds it as "
+          f"--weights {DEMO_NAME}, and by default while weights/ holds no checkpoint", file=sys.stderr)
     return dest
 
 

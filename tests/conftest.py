@@ -3,6 +3,7 @@ or, for the variants only these tests use, into pytest's temporary directory."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -187,3 +188,52 @@ def browser(tmp_path_factory: pytest.TempPathFactory):
     driver.set_window_size(1100, 1000)
     yield driver
     driver.quit()
+
+
+SERVER_START = 180  # seconds for `gpt2 serve` to load (the native kernels are built once per machine)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], bool], what: str, seconds: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)  # polling a condition, not timing anything
+
+
+def healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextlib.contextmanager
+def gpt2_serve(*args: str, cwd: Path | None = None):
+    """A real `gpt2 serve ARGS --port P` process on 127.0.0.1, healthy: yields (url, process); SIGTERM at the end,
+    which must exit 0 without a traceback."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is not None or healthy(url), "the server to start", SERVER_START)
+        assert proc.poll() is None, proc.stderr.read()
+        yield url, proc
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0  # a graceful stop on SIGTERM is a success, for a supervisor
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()

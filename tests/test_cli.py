@@ -111,14 +111,14 @@ def test_generate_bad_input_is_one_line_and_exit_2(capsys, small_dir: Path, argv
 def test_generate_bad_weights_directory(capsys, tmp_path: Path) -> None:
     code, _, err = run(capsys, "generate", "Hi", "--weights", str(tmp_path))
     assert code == 2 and err.count("\n") == 1
-    assert "no model.safetensors or pytorch_model.bin found (run `make weights` or copy the official files there)" in err
+    assert "no model.safetensors or pytorch_model.bin found (run `make weights`, or `make demo` offline, or copy the official files there)" in err
 
 
 def test_installed_command_runs_without_traceback(tmp_path: Path) -> None:
     gpt2 = Path(sys.executable).with_name("gpt2")
     proc = subprocess.run([str(gpt2), "generate", "Hi", "--weights", str(tmp_path / "missing")], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().endswith("weights directory does not exist (run `make weights` or copy the official files there)")
+    assert proc.stderr.strip().endswith("weights directory does not exist (run `make weights`, or `make demo` offline, or copy the official files there)")
     help_text = subprocess.run([str(gpt2), "generate", "--help"], capture_output=True, text=True).stdout
     assert "(default 0.8)" in help_text and "(default 128)" in help_text and "--ignore-eos" in help_text
 

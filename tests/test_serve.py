@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from conftest import SERVER_START, free_port, gpt2_serve, healthy, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
@@ -27,40 +27,12 @@ from gpt2_engine.serve.metrics import parse
 
 openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
 
-START_TIMEOUT = 180  # seconds for the server to load (the native kernels are built once per machine)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(trained_dir: Path) -> Iterator[str]:
     """`gpt2 serve` on the trained checkpoint, 127.0.0.1 only; stopped (SIGTERM) at the end."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(trained_dir), "--port",
-                             str(port), "--parallel", "8", "--threads", "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT
-    with httpx.Client(timeout=5) as client:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)  # polling for start-up, not timing anything
-        else:
-            proc.kill()
-            pytest.fail("the server did not become healthy in time")
-    yield url
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0  # a graceful stop on SIGTERM is a success, for a supervisor
-    assert "Traceback" not in proc.stderr.read()
+    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", "2") as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -271,13 +243,6 @@ def live(model: GPT2, *, parallel: int = 1, max_queue: int = 1, queue_timeout: f
 LONG = {"model": "gpt2", "prompt": "The", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
 
-def wait_for(condition, what: str, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def test_an_idle_server_accepts_a_burst_of_slots_plus_queue(trained_model: GPT2) -> None:
     """parallel + max_queue streams at once are all accepted (free slots count), the next one is refused."""
     with live(trained_model, parallel=2, max_queue=2) as (url, engine), httpx.Client(base_url=url, timeout=60) as c, \
@@ -476,7 +441,7 @@ def test_gpt2_serve_exits_non_zero_after_a_fatal_failure(trained_dir: Path, tmp_
                              "--threads", "2"], stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: proc.poll() is not None or healthy(url), "the server to start", START_TIMEOUT)
+        wait_for(lambda: proc.poll() is not None or healthy(url), "the server to start", SERVER_START)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 8, "stream": True}, timeout=60)
         assert "injected fatal fault" in streamed_events(r)[-1]["error"]["message"]
         assert proc.wait(timeout=30) == 2
@@ -487,8 +452,3 @@ def test_gpt2_serve_exits_non_zero_after_a_fatal_failure(trained_dir: Path, tmp_
         proc.wait()
 
 
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False

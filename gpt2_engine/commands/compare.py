@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..core.errors import GPT2EngineError, WeightsError
-from ..core.weights import DEFAULT_WEIGHTS
+from ..options import add_weights_option
 from ..runtime.requests import prompt_or_endoftext
 
 # Default tolerances, relative to max |reference|: measured errors are ~1e-6 (torch fp32) and ~1e-6 (NumPy).
@@ -261,7 +261,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
                        description="Run the engine and transformers' GPT2LMHeadModel on the same token ids and report "
                                    "how far the logits and every block's output differ. Exit 0 within tolerance, 1 on a "
                                    "mismatch, 2 on a usage or load error.")
-    p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS, metavar="DIR", help=f"checkpoint directory (default {DEFAULT_WEIGHTS}/)")
+    add_weights_option(p)
     p.add_argument("--reference", type=Path, metavar="DIR", help="load the reference from another directory (default: --weights)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt to compare on (repeatable)")
     p.add_argument("--prompts-file", type=Path, metavar="FILE", help="prompts, one per line")

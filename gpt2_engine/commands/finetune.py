@@ -74,8 +74,9 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
                     "--out/last with the state that --resume continues from exactly.",
         epilog="example: gpt2 finetune notes/ --weights weights --out runs/notes --steps 300 --sample-every 100")
     p.add_argument("data", nargs="+", metavar="DATA", help="text or .jsonl files, folders of them, or - for stdin")
-    p.add_argument("--weights", type=Path, default=Path("weights"), metavar="DIR",
-                   help="checkpoint to start from (default weights/); with --init, only its BPE files are used")
+    p.add_argument("--weights", type=Path, metavar="DIR",
+                   help="checkpoint to start from (default weights/, or the demo model when weights/ holds none; "
+                        "`demo` names it); with --init, only its BPE files are used")
     p.add_argument("--init", metavar="CONFIG",
                    help="train from scratch instead: small|medium|large|xl, a preset name (gpt2, gpt2-medium, ...) "
                         "or a config.json; GPT-2's initialisation")

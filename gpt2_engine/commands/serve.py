@@ -37,7 +37,7 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.is_dir():
-        raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights` or pass --weights DIR)")
+        raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights`, or `make demo` offline, or pass --weights DIR)")
     check_prefix_cache(args)
     check_speculation(args)
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),

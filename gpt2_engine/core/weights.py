@@ -27,6 +27,10 @@ from .errors import WeightsError
 from .files import atomic_write
 
 DEFAULT_WEIGHTS = Path("weights")  # the project's default checkpoint directory
+# The demo model (scripts/demo.py, `make demo`): a small GPT-2 trained offline where the official weights cannot be
+# downloaded. `latest` is a link to the newest build; "demo" names it wherever a checkpoint directory is asked for.
+DEMO_WEIGHTS = Path(".cache/demo/latest")
+DEMO_NAME = "demo"
 SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
 CONFIG = "config.json"
@@ -199,10 +203,42 @@ def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def weights_directory(given: Path | None) -> tuple[Path, str]:
+    """The checkpoint directory that a `--weights` value names, and a line for the user when it is not `given`.
+
+    None is the default: `weights/`, or the demo model when `weights/` holds no checkpoint and the demo is built (the
+    line says so). "demo" names the demo model, unless a directory of that name exists.
+    """
+    if given is None:
+        if not _has_checkpoint(DEFAULT_WEIGHTS) and _has_checkpoint(DEMO_WEIGHTS):
+            return DEMO_WEIGHTS, (f"{DEFAULT_WEIGHTS}/ holds no checkpoint; using the demo model ({_shown(DEMO_WEIGHTS)}; "
+                                  "`make weights` downloads GPT-2's)")
+        return DEFAULT_WEIGHTS, ""
+    if str(given) == DEMO_NAME and not given.exists():
+        if not _has_checkpoint(DEMO_WEIGHTS):
+            raise WeightsError(f"{DEMO_NAME}: the demo model is not built in {DEMO_WEIGHTS.parent}/ (run `make demo` "
+                               "from the project's directory)")
+        return DEMO_WEIGHTS, ""
+    return given, ""
+
+
+def _has_checkpoint(directory: Path) -> bool:
+    return (directory / SAFETENSORS).is_file() or (directory / PYTORCH_BIN).is_file()
+
+
+def _shown(link: Path) -> str:
+    """`link` as the directory it points to, relative to the working directory where it is below it."""
+    target = link.resolve()
+    try:
+        return str(target.relative_to(Path.cwd()))
+    except ValueError:
+        return str(target)
+
+
 def find_weights_file(directory: Path) -> Path:
     """The checkpoint file to read in `directory`: model.safetensors, else pytorch_model.bin."""
     if not directory.exists():
-        raise WeightsError(f"{directory}: weights directory does not exist (run `make weights` or copy the official files there)")
+        raise WeightsError(f"{directory}: weights directory does not exist (run `make weights`, or `make demo` offline, or copy the official files there)")
     if not directory.is_dir():
         raise WeightsError(f"{directory}: expected a directory holding {CONFIG} and {SAFETENSORS} or {PYTORCH_BIN}, found a file")
     for name in (SAFETENSORS, PYTORCH_BIN):
@@ -211,7 +247,7 @@ def find_weights_file(directory: Path) -> Path:
     others = [name for name in OTHER_FORMATS if (directory / name).exists()]
     if others:
         raise WeightsError(f"{directory}: unsupported weights format {others[0]}; expected {SAFETENSORS} or {PYTORCH_BIN}")
-    raise WeightsError(f"{directory}: no {SAFETENSORS} or {PYTORCH_BIN} found (run `make weights` or copy the official files there)")
+    raise WeightsError(f"{directory}: no {SAFETENSORS} or {PYTORCH_BIN} found (run `make weights`, or `make demo` offline, or copy the official files there)")
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
