@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from ..options import ModelOptions, add_model_options, load_model
 from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
 from ..serve.app import ServeError, ServerSettings, ServerState, build_app
 from ..serve.async_engine import EngineSettings, start_engine
+from ..serve.chat import load_template, plain_template
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
@@ -40,8 +43,9 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights`, or `make demo` offline, or pass --weights DIR)")
     check_prefix_cache(args)
     check_speculation(args)
+    template = load_template(args.chat_template) if args.chat_template is not None else plain_template()
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
-                          args.max_body_bytes)
+                          args.max_body_bytes, chat_template=template)
 
 
 def check_prefix_cache(args: argparse.Namespace) -> None:
@@ -119,6 +123,22 @@ def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
     return tuple(adapters)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is refused at once, in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a port in TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"--port {port}: {host}:{port} is already in use (another server?); stop it or choose "
+                             "another --port") from None
+        raise ServeError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -129,6 +149,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_ray_serve(args, settings)
     if args.replicas != "1" or args.max_replicas is not None or args.address is not None:
         raise ServeError("--replicas, --max-replicas and --address need --ray")
+    sock = listen(args.host, args.port)
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
     state = ServerState(settings)
     options, engine_settings = ModelOptions.from_args(args), EngineSettings.from_args(args)
 
@@ -137,7 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = start_engine(model, engine_settings, [path for _, path in settings.adapters])
         served = "".join(f", {name!r} (LoRA {path})" for name, path in settings.adapters)
         print(f"gpt2 serve: ready: {args.weights} as {settings.model_name!r}{served}, {args.parallel} slots, "
-              f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+              f"http://{args.host}:{port}/", file=sys.stderr, flush=True)
         return model, engine
 
     class Server(uvicorn.Server):
@@ -158,7 +180,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(build_app(state, load), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    Server(config).run()
+    with sock:
+        Server(config).run(sockets=[sock])
     if state.load_error is not None:
         raise ServeError(f"the model failed to load: {state.load_error}")
     if state.engine is not None and state.engine.failure is not None:
@@ -169,8 +192,9 @@ def run_serve(args: argparse.Namespace) -> int:
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
-        description="An OpenAI-compatible completions server with continuous batching: POST /v1/completions, "
-                    "GET /v1/models, /health, /metrics, POST /tokenize, /detokenize, and a playground page at /.",
+        description="An OpenAI-compatible server with continuous batching: POST /v1/completions, "
+                    "/v1/chat/completions (on a chat template), GET /v1/models, /health, /metrics, POST /tokenize, "
+                    "/detokenize, and a playground page at /.",
         epilog="examples:\n  gpt2 serve --weights weights/\n  gpt2 serve --port 8080 --parallel 16 --api-key-file key.txt\n"
                "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
                "       -d '{\"model\": \"gpt2\", \"prompt\": \"Hello\", \"max_tokens\": 20}'",
@@ -188,6 +212,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; CORS is off by default)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body (default 1 MiB)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="the Jinja chat template of /v1/chat/completions, in transformers' form (the template's text, "
+                        "or a tokenizer_config.json holding one); default: a plain User:/Assistant: transcript for "
+                        "a base model (README: chat)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     ray = p.add_argument_group("scaling out on Ray (pip install 'gpt2-engine[distributed]')")

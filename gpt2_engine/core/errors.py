@@ -17,9 +17,10 @@ class GenerationError(GPT2EngineError, ValueError):
     """Invalid sampling settings or a prompt that does not fit the context. `param` names the setting at fault
     (the server reports it as the OpenAI error's "param")."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, param: str | None = None, advice: str = "") -> None:
+        super().__init__(f"{message}; {advice}" if advice else message)
         self.param = param
+        self.bare = message  # without the advice for the command line and the Python API, which a server leaves out
 
 
 class DownloadError(GPT2EngineError):

@@ -143,9 +143,9 @@ def build_requests(prompts: list[list[int]], settings: GenerationSettings, confi
             truncated = max(truncated, len(prompt) - room)
             prompt = prompt[-room:]
         if len(prompt) > limit:
-            raise GenerationError(f"the prompt of {len(prompt)} tokens exceeds the context of {limit} tokens; shorten "
-                                  "it, or keep its last tokens with truncate left (gpt2 generate --truncate left)",
-                                  param="prompt")
+            raise GenerationError(f"the prompt of {len(prompt)} tokens exceeds the context of {limit} tokens",
+                                  param="prompt", advice="shorten it, or keep its last tokens with truncate left "
+                                  "(gpt2 generate --truncate left)")
         # as llama.cpp and transformers do, generation stops at the context (finish reason 'length') rather than
         # refusing a prompt that leaves room for fewer new tokens than asked
         new = min(settings.max_new_tokens, limit - len(prompt) + 1)  # the last new token is never fed back

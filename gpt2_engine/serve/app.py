@@ -1,13 +1,16 @@
 """The HTTP routes: thin. Validation is protocol.py's, engine work serving.py's, the model the engine thread's.
 
-Routes: POST /v1/completions, GET /v1/models, GET /health (503 while loading, and after a fatal failure of the
-engine), GET /metrics, POST /tokenize, POST /detokenize, and the playground page at / (with its icon at
-/favicon.ico). Every error is an OpenAI-shaped JSON body.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while loading, and after a
+fatal failure of the engine), GET /metrics, POST /tokenize, POST /detokenize, and the playground page at / (with its
+icon at /favicon.ico). Every error is an OpenAI-shaped JSON body. A POST body is read as JSON whatever its
+Content-Type says (curl -d sends application/x-www-form-urlencoded), and fields a request model does not know are
+ignored with a warning in the log, as OpenAI's clients expect of a server.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,9 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.errors import GPT2EngineError
 from .async_engine import AsyncEngine
+from .chat import ChatTemplate, plain_template
 from .metrics import CONTENT_TYPE
-from .protocol import APIError, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .serving import CompletionRun, engine_requests
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .serving import ChatRun, CompletionRun, chat_requests, engine_requests
+
+log = logging.getLogger(__name__)
 
 # the page's icon: a tiny SVG, so that a browser's request for it is answered (no 404 in its console)
 FAVICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
@@ -46,6 +52,7 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     replica: str | None = None  # under Ray Serve: this replica's id, sent as the x-gpt2-replica response header
+    chat_template: ChatTemplate = field(default_factory=plain_template)
 
 
 @dataclass
@@ -84,6 +91,10 @@ class Gate:
                 await inner_send(message)
 
         headers = dict(scope.get("headers") or [])
+        if scope["method"] == "POST" and not headers.get(b"content-type", b"").startswith(b"application/json"):
+            # every POST route takes JSON: read the body as JSON whatever the client declared
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
         if self.api_key and scope["path"] not in ("/health", "/", "/favicon.ico") and scope["method"] != "OPTIONS":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
@@ -141,9 +152,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
             return error_response(first["ctx"]["error"])
         param = loc[0] if loc else None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        if first.get("type") == "extra_forbidden":
-            message = f"unknown field {param!r}"
-        elif first.get("type") == "json_invalid":
+        if first.get("type") == "json_invalid":
             message, param = "the body is not valid JSON", None
         where = ".".join(loc)
         return error_response(APIError(400, f"{where}: {message}" if where else message, param=param))
@@ -157,6 +166,10 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:
         return error_response(APIError(500, f"internal error: {type(err).__name__}", type="server_error"))
+
+    def ignoring(route: str, fields: list[str]) -> None:
+        if fields:
+            log.warning("%s: ignoring unknown field(s) %s", route, ", ".join(repr(f) for f in fields))
 
     def ready() -> tuple[Any, AsyncEngine]:
         if state.load_error:
@@ -215,6 +228,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         """Token ids of a text; `<|endoftext|>` in it is the special token, as a Hugging Face tokenizer reads it (so
         lm-eval's remote tokenizer finds the eos id). GPT-2 adds no special tokens, so add_special_tokens changes
         nothing."""
+        ignoring("/tokenize", sorted(body.model_extra or {}))
         check_model(body.model)
         model, _ = ready()
         tokens = model.tokenizer.encode(body.prompt, allow_special=True)
@@ -222,6 +236,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
+        ignoring("/detokenize", sorted(body.model_extra or {}))
         check_model(body.model)
         model, _ = ready()
         if any(not 0 <= t < model.tokenizer.n_vocab for t in body.tokens):
@@ -230,14 +245,21 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        ignoring("/v1/completions", body.ignored())
         adapter = check_model(body.model)
         model, engine = ready()
         run = CompletionRun(engine, model.tokenizer, body, body.model or settings.model_name,
                             engine_requests(body, model.tokenizer, model.config, adapter))
-        if body.stream:
-            return StreamingResponse(run.stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await watch_disconnect(request, run)
+        return await respond(run, body.stream, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        ignoring("/v1/chat/completions", body.ignored())
+        adapter = check_model(body.model)
+        model, engine = ready()
+        run = ChatRun(engine, model.tokenizer, body, body.model or settings.model_name,
+                      chat_requests(body, settings.chat_template, model.tokenizer, model.config, adapter))
+        return await respond(run, body.stream, request)
 
     @app.get("/", response_class=HTMLResponse)
     async def playground() -> HTMLResponse:
@@ -249,6 +271,13 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
     return Gate(app, settings.api_key, settings.max_body_bytes, settings.replica)
+
+
+async def respond(run: CompletionRun, stream: bool, request: Request) -> Any:
+    if stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await watch_disconnect(request, run)
 
 
 async def watch_disconnect(request: Request, run: CompletionRun) -> Any:

@@ -1,7 +1,10 @@
-"""The OpenAI legacy completions API as request and response models, validated at the edge.
+"""OpenAI's completions and chat completions APIs as request and response models, validated at the edge.
 
 A request that passes these models is well-formed; whether it fits the model (context length, token ids) is
 checked when it becomes engine work (serving.py). Every failure becomes an `APIError` in OpenAI's error shape.
+Fields these models do not know are ignored, as OpenAI's and vLLM's servers ignore them (the app logs their names),
+except those that ask for something this server cannot do (tools, a response format): those are a 400, never a
+silently different answer.
 """
 
 from __future__ import annotations
@@ -28,37 +31,38 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. OpenAI's defaults (max_tokens 16, temperature 1, top_p 1); extras top_k,
-    repetition_penalty, ignore_eos as in vLLM. `model` may be left out: it is the served model, as vLLM and
-    llama-server take it. The sampling values' ranges are the engine's one set (runtime/sampling.py's
-    SamplingParams), checked when the request becomes engine work; these models check types and the API's limits."""
+def unsupported(field: str, what: str) -> APIError:
+    return APIError(400, f"{what} is not supported by this server", param=field,
+                    code="unsupported_parameter")
 
-    model_config = ConfigDict(extra="forbid")
+
+class SamplingFields(BaseModel):
+    """The fields both APIs share. OpenAI's defaults (temperature 1, top_p 1); extras top_k, repetition_penalty,
+    ignore_eos as in vLLM. `model` may be left out: it is the served model, as vLLM and llama-server take it. The
+    sampling values' ranges are the engine's one set (runtime/sampling.py's SamplingParams), checked when the request
+    becomes engine work; these models check types and the API's limits. `max_completion_tokens` is OpenAI's newer
+    name for `max_tokens`: either may be given (both only when they agree)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # accepted for compatibility, rejected unless they ask for nothing different
-    suffix: str | None = None
-    best_of: int | None = None
     # extras
     top_k: int = 0
     repetition_penalty: float = 1.0
@@ -83,28 +87,111 @@ class CompletionRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.suffix is not None:
-            raise APIError(400, "suffix is not supported by this server", param="suffix", code="unsupported_parameter")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of other than n is not supported by this server", param="best_of",
-                           code="unsupported_parameter")
+    def _one_max_tokens(self) -> SamplingFields:
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise APIError(400, f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; give one of them",
+                           param="max_completion_tokens")
         return self
+
+    def new_tokens(self, default: int) -> int:
+        """The most tokens to generate: max_tokens or max_completion_tokens, else `default`."""
+        given = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        return default if given is None else given
 
     @property
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def ignored(self) -> list[str]:
+        """The unknown fields this request carried, which the server ignores."""
+        return sorted((self.model_extra or {}).keys())
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions: a prompt (text, token ids, or a list of either) continued; max_tokens 16 unless given."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    # accepted for compatibility, rejected unless they ask for nothing different
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise unsupported("suffix", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", "best_of other than n")
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation. `content` is text, or a list of text parts ({"type": "text", "text": ...})."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        for part in v if isinstance(v, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
+                                 f"{str(part.get('type'))!r}")
+        return v
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part["text"] for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions: the messages rendered by the server's chat template, then continued as a completion;
+    up to the context unless max_completion_tokens (or max_tokens) says fewer. `logprobs` is a yes/no here, with
+    `top_logprobs` alternatives per token."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # accepted for compatibility, rejected when they ask for what this server cannot do
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.tools or self.functions:
+            raise unsupported("tools" if self.tools else "functions", "tool calling")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise unsupported("tool_choice" if self.tool_choice not in (None, "none") else "function_call",
+                              "tool calling")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
+        if self.modalities is not None and list(self.modalities) != ["text"]:
+            raise unsupported("modalities", "output other than text")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     prompt: str
     model: str | None = None
     add_special_tokens: bool = True  # vLLM's field, which lm-eval sends; GPT-2 adds no special tokens either way
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     tokens: list[int]
     model: str | None = None
 
@@ -145,4 +232,62 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    """The chat API's logprobs: one entry per token of the reply, with its bytes and its top alternatives."""
+
+    content: list[TokenLogprob] = []
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
     usage: Usage | None = None

@@ -1,5 +1,7 @@
-"""From a validated CompletionRequest to engine work and back: prompts to token ids, parameters to Requests, and
-the engine's events to OpenAI completion responses (whole or as server-sent events)."""
+"""From a validated completion or chat request to engine work and back: prompts (or a conversation, through the chat
+template) to token ids, parameters to Requests, and the engine's events to OpenAI responses (whole or as server-sent
+events). A chat completion is a completion of the rendered conversation: the same requests, the same events, another
+response shape."""
 
 from __future__ import annotations
 
@@ -16,10 +18,23 @@ from ..runtime.plan import Event
 from ..runtime.requests import GenerationSettings, Request, build_requests, encode_prompts
 from ..runtime.sampling import SamplingParams
 from .async_engine import AsyncEngine, EngineDown, Handle, QueueFull
-from .protocol import APIError, Choice, CompletionRequest, CompletionResponse, Logprobs, PromptTokensDetails, Usage
+from .chat import ChatTemplate, ChatTemplateError
+from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage, Choice,
+                       CompletionRequest, CompletionResponse, Logprobs, PromptTokensDetails, SamplingFields,
+                       TokenLogprob, TopLogprob, Usage)
 
 # the engine's names for the settings OpenAI's API calls otherwise
 API_PARAM = {"max_new_tokens": "max_tokens", "num_samples": "n", "top_logprobs": "logprobs"}
+
+
+def api_error(e: GenerationError, status: int = 400) -> APIError:
+    """The engine's error in the API's words: its field names, without the command line's advice."""
+    param = API_PARAM.get(e.param, e.param)
+    message = e.bare
+    if e.param in API_PARAM and message.startswith(e.param):
+        message = param + message[len(e.param):]
+    return APIError(status, message, param=param)
 
 
 def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config,
@@ -29,17 +44,42 @@ def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Co
     is a 400 that names its field."""
     try:
         prompts = encode_prompts(req.prompt, tokenizer)
+    except GenerationError as e:
+        raise api_error(e) from None
+    return sequences(req, prompts, req.new_tokens(16), req.logprobs, req.echo and req.logprobs is not None, (),
+                     tokenizer, config, adapter)
+
+
+def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, config: GPT2Config,
+                  adapter: int | None = None) -> list[Request]:
+    """The conversation rendered by the chat template as one prompt, continued up to the context unless
+    max_completion_tokens says fewer, stopping also at the template's end of turn. The rendered text is tokenized
+    as transformers does a chat template's output: an <|endoftext|> in it is the special token."""
+    messages = [{"role": m.role, "content": m.text} for m in req.messages]
+    try:
+        prompt = template.render(messages, tokenizer.decode([tokenizer.eot_id]))
+    except ChatTemplateError as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
+    ids = tokenizer.encode(prompt, allow_special=True)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    return sequences(req, [ids], req.new_tokens(config.n_positions), top, False, template.stops, tokenizer, config,
+                     adapter)
+
+
+def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int | None,
+              prompt_logprobs: bool, more_stops: tuple[str, ...], tokenizer: Tokenizer, config: GPT2Config,
+              adapter: int | None) -> list[Request]:
+    try:
         bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
                                   req.presence_penalty, req.frequency_penalty, bias)
-        settings = GenerationSettings(max_new_tokens=16 if req.max_tokens is None else req.max_tokens,
-                                      sampling=sampling, stop=req.stops, ignore_eos=req.ignore_eos, seed=req.seed,
-                                      num_samples=req.n, top_logprobs=req.logprobs or 0,
-                                      prompt_logprobs=req.echo and req.logprobs is not None)
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=req.stops + more_stops,
+                                      ignore_eos=req.ignore_eos, seed=req.seed, num_samples=req.n,
+                                      top_logprobs=top_logprobs or 0, prompt_logprobs=prompt_logprobs)
         requests = build_requests(prompts, settings, config, tokenizer.eot_id).requests
-        return requests if adapter is None else [replace(r, adapter=adapter) for r in requests]
     except GenerationError as e:
-        raise APIError(400, str(e), param=API_PARAM.get(e.param, e.param)) from None
+        raise api_error(e) from None
+    return requests if adapter is None else [replace(r, adapter=adapter) for r in requests]
 
 
 @dataclass
@@ -55,20 +95,25 @@ class ChoiceState:
     offset: int = 0  # characters of text so far, for text_offset
     echoed: bool = False
     cached: int = 0  # prompt tokens the prefix cache held
-
+    # each logprobs entry as the engine gave it: (token id, logprob, top (id, logprob) pairs), for the chat shape
+    entries: list[tuple[int, float | None, list[tuple[int, float]] | None]] = field(default_factory=list)
 
 
 class CompletionRun:
     """One /v1/completions request in the engine: submit, then read its events as whole or streamed responses."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, req: CompletionRequest, model_name: str,
-                 requests: list[Request]) -> None:
+    id_prefix = "cmpl-"
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, req: CompletionRequest | ChatCompletionRequest,
+                 model_name: str, requests: list[Request]) -> None:
         """Submit the requests to the engine (429 when it holds too many, 503 once it has failed)."""
         self.engine, self.tok, self.req, self.model_name = engine, tokenizer, req, model_name
         self.requests = requests
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.choices = [ChoiceState(i, r.prompt, logprobs=Logprobs() if req.logprobs is not None else None)
+        self.echo = isinstance(req, CompletionRequest) and req.echo
+        logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
+        self.choices = [ChoiceState(i, r.prompt, logprobs=Logprobs() if logprobs else None)
                         for i, r in enumerate(requests)]
         self.errors: dict[int, str] = {}  # choice index -> what failed, for the 500
         try:
@@ -79,7 +124,7 @@ class CompletionRun:
         except EngineDown as e:
             raise APIError(503, str(e), type="service_unavailable", code="engine_failed") from None
         except GenerationError as e:  # fits the model, but not the server's cache
-            raise APIError(400, str(e), param=API_PARAM.get(e.param, e.param)) from None
+            raise api_error(e) from None
 
     def cancel(self) -> None:
         if any(c.finish_reason is None for c in self.choices):
@@ -95,6 +140,7 @@ class CompletionRun:
     def _add_logprob(self, c: ChoiceState, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                      rank: int | None, in_text: bool = True) -> None:
         text = self.tok.token_text(token)
+        c.entries.append((token, logprob, top))
         lp = c.logprobs
         lp.tokens.append(text)
         lp.token_logprobs.append(logprob)
@@ -103,16 +149,16 @@ class CompletionRun:
         lp.token_ranks.append(rank)
         c.offset += len(text) if in_text else 0
 
-    def _apply(self, i: int, e: Event) -> list[tuple[str, Logprobs | None]]:
-        """Fold an event into choice i; returns the (text, logprobs) pieces it adds, for stream chunks: with echo,
-        the prompt first as a piece of its own, then the new token."""
+    def _apply(self, i: int, e: Event) -> list[tuple[str, int, int]]:
+        """Fold an event into choice i; returns the pieces it adds, for stream chunks, as (text, first and end
+        logprobs entry): with echo, the prompt first as a piece of its own, then the new token."""
         c = self.choices[i]
         c.cached = max(c.cached, e.cached_tokens)
-        pieces: list[tuple[str, Logprobs | None]] = []
+        pieces: list[tuple[str, int, int]] = []
         failed = e.finish_reason in ("shutdown", "queue_timeout", "cancelled", "error")
         if e.finish_reason == "error":
             self.errors[i] = e.error or "unknown error"
-        if c.finish_reason is None and not c.echoed and self.req.echo and not failed:
+        if c.finish_reason is None and not c.echoed and self.echo and not failed:
             c.echoed = True
             before = self._mark(c)
             text = self.tok.decode(c.prompt)  # the prompt comes first, once
@@ -129,7 +175,7 @@ class CompletionRun:
             else:
                 c.offset += len(text)
             c.text += text
-            pieces.append((text, self._since(c, before)))
+            pieces.append((text, before, self._mark(c)))
         before = self._mark(c)
         if e.token is not None:
             if e.token != self.tok.eot_id:
@@ -139,7 +185,7 @@ class CompletionRun:
                 # loglikelihood drops the one generated entry after an echoed prompt, whichever token it is
                 self._add_logprob(c, e.token, e.logprob, e.top, e.rank, in_text=e.token != self.tok.eot_id)
         c.text += e.text
-        pieces.append((e.text, self._since(c, before)))
+        pieces.append((e.text, before, self._mark(c)))
         if e.finish_reason is not None:
             if failed:
                 c.finish_reason = e.finish_reason
@@ -152,13 +198,13 @@ class CompletionRun:
         return len(c.logprobs.tokens) if c.logprobs is not None else 0
 
     @staticmethod
-    def _since(c: ChoiceState, before: int) -> Logprobs | None:
+    def _slice(c: ChoiceState, start: int, end: int) -> Logprobs | None:
         if c.logprobs is None:
             return None
         lp = c.logprobs
-        return Logprobs(tokens=lp.tokens[before:], token_logprobs=lp.token_logprobs[before:],
-                        top_logprobs=lp.top_logprobs[before:], text_offset=lp.text_offset[before:],
-                        token_ranks=lp.token_ranks[before:])
+        return Logprobs(tokens=lp.tokens[start:end], token_logprobs=lp.token_logprobs[start:end],
+                        top_logprobs=lp.top_logprobs[start:end], text_offset=lp.text_offset[start:end],
+                        token_ranks=lp.token_ranks[start:end])
 
     def _check_failure(self, i: int) -> None:
         reason = self.choices[i].finish_reason
@@ -171,7 +217,7 @@ class CompletionRun:
         if reason == "shutdown":
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutdown")
 
-    async def whole(self) -> CompletionResponse:
+    async def whole(self) -> CompletionResponse | ChatCompletionResponse:
         """Wait for every choice and return the complete response."""
         try:
             while any(c.finish_reason is None for c in self.choices):
@@ -180,18 +226,37 @@ class CompletionRun:
                 self._check_failure(i)
         finally:
             self.cancel()
+        return self.response()
+
+    def response(self) -> CompletionResponse | ChatCompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model_name, usage=self.usage(),
-                          choices=[Choice(index=c.index, text=c.text, logprobs=c.logprobs,
-                                          finish_reason=c.finish_reason) for c in self.choices])
+                                  choices=[Choice(index=c.index, text=c.text, logprobs=c.logprobs,
+                                                  finish_reason=c.finish_reason) for c in self.choices])
+
+    def opening(self) -> list[str]:
+        """Events sent before the first token (none for completions)."""
+        return []
+
+    def piece(self, i: int, text: str, start: int, end: int, finish: str | None) -> str | None:
+        """The stream chunk for a piece of choice i (None: nothing to send)."""
+        c = self.choices[i]
+        if not (text or end > start or finish is not None):
+            return None
+        return self._chunk([Choice(index=i, text=text, logprobs=self._slice(c, start, end), finish_reason=finish)])
 
     def _chunk(self, choices: list[Choice], usage: Usage | None = None) -> str:
         body = CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage)
         return f"data: {body.model_dump_json()}\n\n"
 
+    def usage_chunk(self) -> str:
+        return self._chunk([], self.usage())
+
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: a chunk per piece of text, finish_reason on each choice's last chunk, an optional
         usage chunk, then [DONE]. A failure mid-stream ends it with an error chunk."""
         try:
+            for event in self.opening():
+                yield event
             while any(c.finish_reason is None for c in self.choices):
                 i, e = await self.handle.events.get()
                 pieces = self._apply(i, e)
@@ -201,13 +266,67 @@ class CompletionRun:
                 except APIError as err:
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
-                for n, (text, added) in enumerate(pieces):
+                for n, (text, start, end) in enumerate(pieces):
                     last = n == len(pieces) - 1
-                    if text or added and added.tokens or last and c.finish_reason is not None:
-                        yield self._chunk([Choice(index=i, text=text, logprobs=added,
-                                                  finish_reason=c.finish_reason if last else None)])
+                    chunk = self.piece(i, text, start, end, c.finish_reason if last else None)
+                    if chunk is not None:
+                        yield chunk
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield self._chunk([], self.usage())
+                yield self.usage_chunk()
             yield "data: [DONE]\n\n"
         finally:
             self.cancel()  # a client that went away frees its slots within one step
+
+
+class ChatRun(CompletionRun):
+    """One /v1/chat/completions request: a completion of the rendered conversation, answered in the chat shape.
+    The reply's leading whitespace is dropped (the template's "Assistant:" is followed by the model's own space)."""
+
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.began = [False] * len(self.choices)  # whether choice i has sent a character of its reply
+
+    def response(self) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text.lstrip()),
+                              logprobs=self._chat_logprobs(c, 0, len(c.entries)), finish_reason=c.finish_reason)
+                   for c in self.choices]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=choices,
+                                      usage=self.usage())
+
+    def opening(self) -> list[str]:
+        """OpenAI's first chunk of each choice: the role, with empty content."""
+        return [self._chat_chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
+                for c in self.choices]
+
+    def piece(self, i: int, text: str, start: int, end: int, finish: str | None) -> str | None:
+        c = self.choices[i]
+        if not self.began[i]:
+            text = text.lstrip()
+            self.began[i] = bool(text)
+        logprobs = self._chat_logprobs(c, start, end)
+        if not (text or logprobs and logprobs.content or finish is not None):
+            return None
+        return self._chat_chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=text or None), logprobs=logprobs,
+                                                 finish_reason=finish)])
+
+    def usage_chunk(self) -> str:
+        return self._chat_chunk([], self.usage())
+
+    def _chat_chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model_name, choices=choices,
+                                   usage=usage)
+        return f"data: {body.model_dump_json()}\n\n"
+
+    def _chat_logprobs(self, c: ChoiceState, start: int, end: int) -> ChatLogprobs | None:
+        """The entries [start, end) of choice c in the chat shape: each token with its bytes and alternatives
+        (<|endoftext|>, which ends the reply but is not in it, left out)."""
+        if c.logprobs is None:
+            return None
+        return ChatLogprobs(content=[
+            TokenLogprob(**self._top(token, logprob), top_logprobs=[TopLogprob(**self._top(t, v)) for t, v in top or ()])
+            for token, logprob, top in c.entries[start:end] if token != self.tok.eot_id])
+
+    def _top(self, token: int, logprob: float | None) -> dict:
+        return {"token": self.tok.token_text(token), "logprob": logprob, "bytes": list(self.tok.token_bytes(token))}

@@ -1,0 +1,208 @@
+"""/v1/chat/completions on a real `gpt2 serve`, through the `openai` client's chat.completions.create unchanged: the
+conversation rendered by the plain template (or a --chat-template file) and continued exactly as the same prompt
+through the completions path; and the server's leniency toward what OpenAI clients send (unknown fields, a body
+without a JSON Content-Type, max_completion_tokens), and a busy port refused before the model loads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import gpt2_serve
+from test_serve import live
+
+from gpt2_engine import GPT2
+from gpt2_engine.serve.app import ServerSettings
+from gpt2_engine.serve.chat import PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, load_template, plain_template
+
+openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
+
+CONVERSATION = [{"role": "system", "content": "Answers from the docs."},
+                {"role": "user", "content": "What does it return?"},
+                {"role": "assistant", "content": "The value."},
+                {"role": "user", "content": "Return the"}]
+RENDERED = ("Answers from the docs.\n\nUser: What does it return?\nAssistant: The value.\nUser: Return the\n"
+            "Assistant:")
+
+
+@pytest.fixture(scope="module")
+def server(trained_dir: Path) -> Iterator[str]:
+    with gpt2_serve("--weights", str(trained_dir), "--parallel", "4", "--threads", "2") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def expected(model: GPT2, prompt: str, **kwargs):
+    return model.complete([prompt], allow_special=True, stop=["\nUser:"], **kwargs)[0]
+
+
+def test_the_plain_template_renders_a_transcript() -> None:
+    assert plain_template().render(CONVERSATION, "<|endoftext|>") == RENDERED
+    assert plain_template().render([{"role": "developer", "content": "Be brief."}], "") == "Be brief.\n\nAssistant:"
+
+
+def test_greedy_chat_equals_the_completion_of_the_rendered_conversation(client, trained_model: GPT2) -> None:
+    out = client.chat.completions.create(model="gpt2", messages=CONVERSATION, max_tokens=24, temperature=0)
+    want = expected(trained_model, RENDERED, max_new_tokens=24, temperature=0)
+    assert out.choices[0].message.content == want.text.lstrip() != ""
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+    assert out.usage.prompt_tokens == len(trained_model.tokenizer.encode(RENDERED))
+    assert out.usage.completion_tokens == len(want.token_ids)
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-") and out.model == "gpt2"
+
+
+def test_without_max_tokens_a_reply_runs_to_its_end_of_turn_or_the_context(client, trained_model: GPT2) -> None:
+    out = client.chat.completions.create(model="gpt2", messages=CONVERSATION, temperature=0)
+    prompt = len(trained_model.tokenizer.encode(RENDERED))
+    want = expected(trained_model, RENDERED, max_new_tokens=512 - prompt + 1, temperature=0)
+    assert out.choices[0].message.content == want.text.lstrip()
+    assert out.usage.completion_tokens == len(want.token_ids) <= 512 - prompt + 1
+
+
+def test_streamed_chat_joins_to_the_whole_reply(client) -> None:
+    kwargs = dict(model="gpt2", messages=CONVERSATION, max_completion_tokens=30, temperature=0.9, seed=3, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[i].message.content
+        assert mine[-1].finish_reason == whole.choices[i].finish_reason
+        assert all(c.finish_reason is None for c in mine[:-1])
+    assert whole.choices[0].message.content != whole.choices[1].message.content  # each choice its own seed
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_stop_and_logprobs(client, trained_model: GPT2) -> None:
+    out = client.chat.completions.create(model="gpt2", messages=CONVERSATION, max_tokens=20, temperature=0,
+                                         logprobs=True, top_logprobs=3, stop=[" the"])
+    want = trained_model.complete([RENDERED], allow_special=True, stop=["\nUser:", " the"], max_new_tokens=20,
+                                  temperature=0)[0]
+    choice = out.choices[0]
+    assert choice.message.content == want.text.lstrip()
+    content = choice.logprobs.content
+    ids = want.token_ids[:len(content)]
+    assert [c.token for c in content] == [trained_model.tokenizer.token_text(t) for t in ids]
+    assert [bytes(c.bytes) for c in content] == [trained_model.tokenizer.token_bytes(t) for t in ids]
+    assert [c.logprob for c in content] == pytest.approx(want.logprobs[:len(content)], abs=1e-5)
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6  # greedy: the top one
+
+
+@pytest.mark.parametrize("body,param,fragment", [
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "only text parts"),
+    ({"messages": CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tool calling is not supported"),
+    ({"messages": CONVERSATION, "response_format": {"type": "json_object"}}, "response_format",
+     "response_format 'json_object' is not supported"),
+    ({"messages": CONVERSATION, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"messages": CONVERSATION, "max_tokens": 600}, "max_tokens", "asking for 600 new tokens exceeds the context"),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, "prompt", "exceeds the context of 512 tokens"),
+    ({"messages": CONVERSATION, "model": "gpt-4o"}, "model", "does not exist"),
+])
+def test_bad_chat_requests_get_openai_shaped_errors(server: str, body: dict, param: str, fragment: str) -> None:
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code in (400, 404), r.text
+    err = r.json()["error"]
+    assert err["param"] == param and fragment in err["message"], err
+    assert "--truncate" not in err["message"]
+
+
+def test_unknown_fields_are_ignored_and_logged(trained_model: GPT2, caplog: pytest.LogCaptureFixture) -> None:
+    with live(trained_model) as (url, _), caplog.at_level(logging.WARNING, logger="gpt2_engine.serve.app"):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 3, "temperature": 0,
+                                                      "frobnicate": 1, "store": False}, timeout=60)
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": CONVERSATION, "max_tokens": 3,
+                                                               "temperature": 0, "metadata": {"a": "b"}}, timeout=60)
+    assert r.status_code == 200 and chat.status_code == 200
+    assert r.json()["choices"][0]["text"] == trained_model.generate("The", max_new_tokens=3, temperature=0)
+    assert "/v1/completions: ignoring unknown field(s) 'frobnicate', 'store'" in caplog.messages
+    assert "/v1/chat/completions: ignoring unknown field(s) 'metadata'" in caplog.messages
+
+
+def test_max_completion_tokens_and_a_body_without_json_content_type(server: str, trained_model: GPT2) -> None:
+    body = {"prompt": "Return the", "max_completion_tokens": 5, "temperature": 0}
+    # curl -d sends application/x-www-form-urlencoded; the body is JSON all the same
+    r = httpx.post(f"{server}/v1/completions", content=json.dumps(body),
+                   headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == trained_model.generate("Return the", max_new_tokens=5, temperature=0)
+    assert r.json()["usage"]["completion_tokens"] == 5
+    bare = httpx.post(f"{server}/v1/completions", content=json.dumps(body).encode(), timeout=60)
+    assert bare.status_code == 200 and bare.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + eos_token + '\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_chat_template_file_in_transformers_form(trained_model: GPT2, tmp_path: Path) -> None:
+    (tmp_path / "chat.jinja").write_text(CHATML)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "x"}))
+    for path in (tmp_path / "chat.jinja", tmp_path / "tokenizer_config.json"):
+        template = load_template(path)
+        rendered = template.render(CONVERSATION[:2], "<|endoftext|>")
+        assert rendered == ("<|im_start|>system\nAnswers from the docs.<|endoftext|>\n<|im_start|>user\nWhat does it "
+                            "return?<|endoftext|>\n<|im_start|>assistant\n")
+        with live(trained_model, settings=ServerSettings(chat_template=template)) as (url, _):
+            r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CONVERSATION[:2], "max_tokens": 8,
+                                                               "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        ids = trained_model.tokenizer.encode(rendered, allow_special=True)
+        assert ids.count(trained_model.tokenizer.eot_id) == 2  # the template's eos_token is the special token
+        want = trained_model.complete([ids], max_new_tokens=8, temperature=0)[0]
+        assert r.json()["choices"][0]["message"]["content"] == want.text.lstrip()
+
+
+def test_a_template_that_raises_is_a_400_and_a_broken_file_a_one_line_error(trained_model: GPT2, trained_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start "
+                          "with a user message') }}{% endif %}{{ messages[0]['content'] }}", (), "strict")
+    with live(trained_model, settings=ServerSettings(chat_template=strict)) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CONVERSATION}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "messages: Conversations must start with a user message",
+                                 "type": "invalid_request_error", "param": "messages", "code": None}
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match=r"bad.jinja: not a Jinja chat template \(line 1: Unexpected end"):
+        load_template(tmp_path / "bad.jinja")
+    proc = subprocess.run([sys.executable, "-m", "gpt2_engine", "serve", "--chat-template", str(tmp_path / "bad.jinja"),
+                           "--weights", str(trained_dir), "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"gpt2 serve: error: {tmp_path / 'bad.jinja'}: not a Jinja chat template (line 1:")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_plain_template_pickles_as_its_text() -> None:
+    import pickle
+
+    again = pickle.loads(pickle.dumps(plain_template()))
+    assert again.text == PLAIN_TEMPLATE and again.render(CONVERSATION, "") == RENDERED
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(trained_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(trained_dir), "--port",
+                               str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"gpt2 serve: error: --port {port}: 127.0.0.1:{port} is already in use (another "
+                           "server?); stop it or choose another --port\n")
