@@ -15,11 +15,12 @@ import torch
 from .core.config import GPT2Config
 from .core.errors import GenerationError, GPT2EngineError, WeightsError
 from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
-from .core.lora import LoraAdapter, LoraSettings, attach, load_adapter
+from .core.lora import LoraAdapter, LoraSettings, attach, check_base, load_adapter
 from .core.model import forward
 from .core.quantize import FORMATS, quantize_weights
 from .core.tokenizer import Tokenizer, load_tokenizer
-from .core.weights import CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory
+from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory,
+                           weights_fingerprint)
 from .documents import expand_paths, read_documents
 from .runtime.drafters import Speculation, load_speculation
 from .runtime.generate import Completion, Generation, two_samples
@@ -35,7 +36,8 @@ class GPT2:
     """A loaded GPT-2: config, weights and tokenizer, with a from-scratch forward pass."""
 
     def __init__(self, config: GPT2Config, weights: GPT2Weights, tokenizer: Tokenizer, *, dtype: torch.dtype,
-                 device: torch.device, quantize: str | None = None, lora: LoraAdapter | None = None) -> None:
+                 device: torch.device, quantize: str | None = None, lora: LoraAdapter | None = None,
+                 source: Path | None = None) -> None:
         self.config = config
         self.weights = weights  # with `lora` attached, if given
         self.tokenizer = tokenizer
@@ -43,19 +45,21 @@ class GPT2:
         self.device = device
         self.quantize = quantize
         self.lora = lora
+        self.source = source  # the checkpoint directory it was loaded from (None: built in memory)
         self.drafts: dict[str, Speculation] = {}  # draft models loaded for speculate=, by source
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
                         device: torch.device | str = "cpu", quantize: str | None = None,
-                        lora: str | Path | None = None) -> GPT2:
+                        lora: str | Path | None = None, force: bool = False) -> GPT2:
         """Load the official-format checkpoint in `directory` (config.json, weights, BPE files); "demo": the demo model.
 
         dtype: float32 (default) or bfloat16 weight matrices (bfloat16 is widened to float32 right before each
         matmul). quantize="int8" or "int4": the projections in blockwise int8 or int4 and the output head in int8,
         quantized now (core/quantize.py); the residual stream stays float32. lora: a LoRA adapter directory in
         PEFT's format (from `gpt2 finetune --lora` or peft's save_pretrained), applied on top of these weights in
-        whatever format they are (core/lora.py).
+        whatever format they are (core/lora.py); an adapter that records another base than `directory` is an
+        error unless `force`.
         """
         directory, _ = weights_directory(Path(directory))
         dtype = parse_dtype(dtype)
@@ -73,15 +77,19 @@ class GPT2:
         tokenizer = load_tokenizer(directory)
         if tokenizer.n_vocab > config.vocab_size:
             raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")
+        adapter = None
+        if lora is not None:  # read and checked before the weights: a bad adapter fails fast
+            adapter = load_adapter(lora, config)
+            if not force:
+                check_base(adapter, Path(lora), directory)
         # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read)
         weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32)
         if quantize:
             weights = quantize_weights(weights, quantize, find_weights_file(directory))
-        adapter = None
-        if lora is not None:
-            adapter = load_adapter(lora, config)
+        if adapter is not None:
             weights = attach(weights, [adapter])
-        return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter)
+        return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,
+                   source=directory)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] (float32) for a LongTensor of token ids [B, T]."""
@@ -258,9 +266,14 @@ class GPT2:
             return found
 
         weights = self.weights if lora is not None else trainable_copy(self.weights, self.config)
+        # the base, as gpt2 finetune records it: for the resume check, and in an adapter's files
+        fingerprint = weights_fingerprint(self.source) if self.source is not None and self.lora is None else ""
+        base = fingerprint + (f":{self.quantize}" if fingerprint and self.quantize else "")
         trainer = Trainer(weights, self.config, self.tokenizer, texts(texts_or_paths), TrainSettings(**settings),
                           val_texts=None if val is None else texts(val), out=None if out is None else Path(out),
-                          resume=resume, overwrite=overwrite, lora=lora,
+                          base=base, resume=resume, overwrite=overwrite, lora=lora,
+                          base_name=str(self.source.resolve()) if lora and self.source else "",
+                          base_fingerprint=fingerprint if lora else "",
                           sampler=functools.partial(two_samples, config=self.config, tokenizer=self.tokenizer))
         history = []
         for event in trainer.run():
@@ -270,6 +283,8 @@ class GPT2:
         self.weights = trainer.weights
         if lora is not None:
             self.lora = trainer.adapter()
+        else:
+            self.source = None  # the weights are no longer the directory's
         return trainer.result(history)
 
     def check_ids(self, ids: torch.Tensor) -> None:

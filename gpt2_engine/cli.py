@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .commands.compare import add_compare
 from .commands.download import add_download
@@ -18,6 +19,7 @@ from .commands.merge import add_merge_lora
 from .commands.score import add_score
 from .commands.serve import add_serve
 from .core.errors import GPT2EngineError
+from .core.lora import recorded_base
 from .core.weights import weights_directory
 
 
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if hasattr(args, "weights"):  # every command that loads a checkpoint
+            lora = getattr(args, "lora", None)
+            if args.weights is None and isinstance(lora, Path) and Path(base := recorded_base(lora)).is_dir():
+                args.weights = Path(base)  # the adapter's own base
+                print(f"gpt2 {args.command}: --lora {lora}: on the base it records, {base}", file=sys.stderr)
             args.weights, note = weights_directory(args.weights)
             if note:
                 print(f"gpt2 {args.command}: {note}", file=sys.stderr)

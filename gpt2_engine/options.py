@@ -27,11 +27,13 @@ class ModelOptions:
     quantize: str | None = None
     threads: int | None = None  # torch's CPU threads (None: torch's choice)
     lora: Path | None = None  # a PEFT LoRA adapter directory applied on the weights
+    force: bool = False  # apply `lora` even to a base other than the one it records
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelOptions:
         lora = getattr(args, "lora", None)
-        return cls(args.weights, args.dtype, args.quantize, args.threads, lora if isinstance(lora, Path) else None)
+        return cls(args.weights, args.dtype, args.quantize, args.threads, lora if isinstance(lora, Path) else None,
+                   getattr(args, "force", False))
 
 
 def positive_int(text: str) -> int:
@@ -51,6 +53,12 @@ def add_weights_option(p: argparse.ArgumentParser) -> None:
                         f"when {DEFAULT_WEIGHTS}/ holds none and `make demo` built it; `{DEMO_NAME}` names the demo model)")
 
 
+def add_force_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="apply a LoRA adapter even to weights other than the base it was trained on (by default an "
+                        "error: the adapter records its base's fingerprint)")
+
+
 def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
     """The model flags; `lora`: with --lora DIR (gpt2 serve has its own, NAME=DIR, repeatable)."""
     add_weights_option(p)
@@ -62,7 +70,9 @@ def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     if lora:
         p.add_argument("--lora", type=Path, metavar="DIR",
-                       help="a LoRA adapter (PEFT's format, from gpt2 finetune --lora or peft) applied on the weights")
+                       help="a LoRA adapter (PEFT's format, from gpt2 finetune --lora or peft) applied on the weights; "
+                            "without --weights, on the base it records")
+        add_force_option(p)
 
 
 def load_model(options: ModelOptions):
@@ -73,4 +83,5 @@ def load_model(options: ModelOptions):
 
     if options.threads:
         torch.set_num_threads(options.threads)
-    return GPT2.from_pretrained(options.weights, dtype=options.dtype, quantize=options.quantize, lora=options.lora)
+    return GPT2.from_pretrained(options.weights, dtype=options.dtype, quantize=options.quantize, lora=options.lora,
+                                force=options.force)

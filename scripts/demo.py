@@ -21,13 +21,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 sys.path.insert(0, str(ROOT))  # the package, also where it is not installed
 
+from gpt2_engine.core.files import atomic_write  # noqa: E402
 from gpt2_engine.core.weights import DEMO_NAME, DEMO_WEIGHTS  # noqa: E402
 
 CONFIG = {"n_layer": 4, "n_head": 4, "n_embd": 256, "n_positions": 256, "vocab_size": 50257, "model_type": "gpt2"}
@@ -71,11 +71,12 @@ def ensure_demo() -> Path:
 
     data = cache / f"docstrings-{key}.jsonl"
     if not data.is_file():
-        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".part")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for doc in docstrings():
-                f.write(json.dumps({"text": doc}) + "\n")
-        os.replace(tmp, data)
+        def write(path: Path) -> None:
+            with open(path, "w", encoding="utf-8") as f:
+                for doc in docstrings():
+                    f.write(json.dumps({"text": doc}) + "\n")
+
+        atomic_write(data, write)
     config = cache / f"config-{key}.json"
     config.write_text(json.dumps(CONFIG) + "\n")
     resume = ["--resume"] if (partial / "last" / "trainer_state.json").is_file() else ["--overwrite"]

@@ -49,7 +49,8 @@ def test_generate_json(capsys, small_dir: Path, model: GPT2) -> None:
     assert err.rstrip().endswith("| greedy") and "seed" not in err  # no seed is printed where it changes nothing
     doc = json.loads(out)
     [c] = model.complete(["Hi"], max_new_tokens=4, temperature=0)
-    assert code == 0 and set(doc) == {"text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "seed"}
+    assert code == 0 and set(doc) == {"index", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens",
+                                      "seed"}
     assert (doc["text"], doc["token_ids"], doc["finish_reason"]) == (c.text, c.token_ids, "length")
     assert doc["logprobs"] == pytest.approx(c.logprobs, abs=1e-5)
 
@@ -57,7 +58,10 @@ def test_generate_json(capsys, small_dir: Path, model: GPT2) -> None:
 def test_generate_several_samples_as_json(capsys, small_dir: Path) -> None:
     code, out, _ = run(capsys, "generate", "Hi", "-n", "3", "--num-samples", "2", "--seed", "1", "--json",
                        "--weights", str(small_dir))
-    assert code == 0 and len(json.loads(out)["samples"]) == 2
+    docs = [json.loads(line) for line in out.splitlines()]  # JSON Lines: one sample per line, as with one sample
+    assert code == 0 and [d["index"] for d in docs] == [0, 1] and all(d["seed"] == 1 for d in docs)
+    assert all(set(d) == {"index", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "seed"}
+               for d in docs)
 
 
 def test_generate_reads_the_prompt_from_a_file_and_from_stdin(capsys, monkeypatch, tmp_path: Path, small_dir: Path) -> None:
@@ -75,6 +79,19 @@ def test_generate_stop_string_with_escape(capsys, small_dir: Path, model: GPT2) 
     code, out, _ = run(capsys, "generate", "Hi", "-n", "20", "--temperature", "0", "--ignore-eos", "--stop", full[5:8],
                        "--weights", str(small_dir))
     assert code == 0 and out == full[: full.find(full[5:8])] + "\n"
+
+
+def test_generate_json_under_a_stop_string(capsys, small_dir: Path, model: GPT2) -> None:
+    """token_ids and logprobs hold every generated token, the stop's included; text ends before the stop string."""
+    full = model.generate("Hi", max_new_tokens=20, temperature=0, ignore_eos=True)
+    stop = full[5:8]
+    code, out, _ = run(capsys, "generate", "Hi", "-n", "20", "--temperature", "0", "--ignore-eos", "--stop", stop,
+                       "--json", "--weights", str(small_dir))
+    doc = json.loads(out)
+    assert code == 0 and doc["finish_reason"] == "stop" and doc["text"] == full[: full.find(stop)]
+    assert model.tokenizer.decode(doc["token_ids"]).startswith(doc["text"] + stop)
+    assert not model.tokenizer.decode(doc["token_ids"][:-1]).startswith(doc["text"] + stop)  # the last completed it
+    assert len(doc["logprobs"]) == len(doc["token_ids"])
 
 
 def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> None:

@@ -311,7 +311,8 @@ def test_finetune_lora_trains_an_adapter_peft_loads_and_merges(trained_dir: Path
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3, evals
     assert logged(log, "started")[0]["parameters"] == 4 * 4 * ((256 + 768) + (256 + 1024))  # 4 layers, C = 256
     assert "adapter saved in" in done.stderr and f"merged in is saved in {out / 'merged'}" in done.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "last", "merged"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_base.json", "adapter_config.json", "adapter_model.safetensors",
+                                                     "last", "merged"]
 
     ids = torch.tensor([[464, 2746, 318, 257, 1332, 286]])
     peft = PeftModel.from_pretrained(reference(trained_dir), out).eval()
@@ -487,3 +488,47 @@ def test_python_api_trains_an_adapter_on_a_quantized_model(trained_dir: Path, tm
         model.finetune(texts, lora=4, steps=1)
     with pytest.raises(GPT2EngineError, match=r"finetune trains float32 weights; .*lora=R"):
         again.finetune(texts, steps=1)
+
+
+def test_an_adapter_records_its_base_and_refuses_another(trained_dir: Path, tmp_path: Path) -> None:
+    """The adapter's files carry its base's fingerprint: another base of the same shape is a one-line error unless
+    forced (Python, gpt2 generate, gpt2 merge-lora), and --lora without --weights loads the base it records."""
+    import subprocess
+    import sys
+
+    from conftest import edited_copy
+
+    from gpt2_engine import GPT2
+    from gpt2_engine.core.lora import LoraError, load_adapter
+    from gpt2_engine.core.weights import weights_fingerprint
+
+    model = GPT2.from_pretrained(trained_dir)
+    with pytest.warns(UserWarning, match="only 16 validation tokens"):
+        model.finetune(["Return the value of the key. " * 40], lora=2, steps=2, context=32, batch_size=2,
+                       out=tmp_path / "ad")
+    adapter = load_adapter(tmp_path / "ad", model.config)
+    assert adapter.base == str(trained_dir.resolve()) and adapter.base_fingerprint == weights_fingerprint(trained_dir)
+    other = edited_copy(trained_dir, tmp_path / "other", lambda t: t["h.3.mlp.c_fc.bias"].add_(0.01))
+    assert weights_fingerprint(other) != weights_fingerprint(trained_dir)  # one bias in the last block changed
+
+    with pytest.raises(LoraError, match=r"this adapter was trained on another base .* than .*other \(fingerprint"):
+        GPT2.from_pretrained(other, lora=tmp_path / "ad")
+    forced = GPT2.from_pretrained(other, lora=tmp_path / "ad", force=True)
+    assert forced.lora is not None
+
+    def gpt2(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gpt2_engine", *args], capture_output=True, text=True, timeout=300)
+
+    refused = gpt2("generate", "Return", "-n", "3", "--weights", str(other), "--lora", str(tmp_path / "ad"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "this adapter was trained on another base" in refused.stderr and "pass --force" in refused.stderr
+    assert gpt2("generate", "Return", "-n", "3", "--weights", str(other), "--lora", str(tmp_path / "ad"),
+                "--force").returncode == 0
+    merged = gpt2("merge-lora", str(other), str(tmp_path / "ad"), str(tmp_path / "merged"))
+    assert merged.returncode == 2 and "trained on another base" in merged.stderr
+    own = gpt2("generate", "Return", "-n", "6", "--temperature", "0", "--lora", str(tmp_path / "ad"))
+    assert own.returncode == 0, own.stderr
+    assert own.stderr.splitlines()[0] == f"gpt2 generate: --lora {tmp_path / 'ad'}: on the base it records, " \
+                                         f"{trained_dir.resolve()}"
+    with_adapter = GPT2.from_pretrained(trained_dir, lora=tmp_path / "ad")
+    assert own.stdout == with_adapter.generate("Return", max_new_tokens=6, temperature=0) + "\n"

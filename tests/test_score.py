@@ -206,7 +206,7 @@ def test_score_table_stdin_and_per_token(capsys, monkeypatch, trained_dir: Path,
     assert len(records[0]["top"]) == 5 and records[0]["document"] == "-"
     expected = trained_model.token_logprobs(torch.tensor([[EOT, *ids]]))[0]
     assert [r["logprob"] for r in records] == pytest.approx(expected.tolist(), abs=1e-5)
-    assert all((r["rank"] == 0) == (r["top"][0]["token_id"] == r["token_id"]) for r in records)
+    assert all((r["rank"] == 1) == (r["top"][0]["token_id"] == r["token_id"]) for r in records)
     assert not list(tmp_path.glob("*.part"))
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..core.errors import GPT2EngineError, WeightsError
-from ..options import add_weights_option
+from ..options import add_force_option, add_weights_option
 from ..runtime.requests import prompt_or_endoftext
 
 # Default tolerances, relative to max |reference|: measured errors are ~1e-6 (torch fp32) and ~1e-6 (NumPy).
@@ -187,7 +187,8 @@ def run_compare(args: argparse.Namespace) -> int:
         raise GPT2EngineError("--lora applies to the torch engine; the NumPy reference has no adapters")
     min_top1 = args.min_top1 if args.min_top1 is not None else DEFAULT_MIN_TOP1.get(variant or "")
     prompts = collect_prompts(args)
-    model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize, lora=args.lora)
+    model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize, lora=args.lora,
+                                 force=args.force)
     reference_dir = args.reference or args.weights
     hf_model = load_reference(reference_dir, args.lora)
     if hf_model.config.n_layer != model.config.n_layer or hf_model.config.n_embd != model.config.n_embd:
@@ -273,6 +274,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=["int8", "int4"], help="check the engine with blockwise int8 or int4 weights")
     p.add_argument("--lora", type=Path, metavar="DIR",
                    help="check with a LoRA adapter (PEFT's format) applied; the reference is peft's PeftModel")
+    add_force_option(p)
     p.add_argument("--min-top1", type=float, metavar="F",
                    help="for bfloat16 / int8 / int4: the top-1 agreement required over all prompts "
                         "(default 0.995 / 0.99 / 0.95)")

@@ -24,7 +24,7 @@ from ..core.errors import WeightsError
 from ..core.lora import ALL_TARGETS, LoraSettings, parse_targets
 from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import load_tokenizer
-from ..core.weights import CONFIG, find_weights_file, load_weights
+from ..core.weights import CONFIG, find_weights_file, load_weights, weights_fingerprint
 from ..documents import expand_paths, read_documents
 from ..options import UsageError, positive_int
 from ..runtime.generate import two_samples
@@ -160,17 +160,6 @@ def init_config(spec: str) -> GPT2Config:
                      "config.json file")
 
 
-def base_identity(directory: Path) -> str:
-    """Which checkpoint a run started from, for the resume check: the weights file's size and the hash of its
-    first 8 MB (cheap, and any other checkpoint differs there)."""
-    import hashlib
-
-    path = find_weights_file(directory)
-    with open(path, "rb") as f:
-        head = f.read(8 << 20)
-    return f"{path.name}:{path.stat().st_size}:{hashlib.sha256(head).hexdigest()[:16]}"
-
-
 def lora_from_args(args: argparse.Namespace) -> LoraSettings | None:
     """The adapter settings, or None for full fine-tuning; flags that need --lora without it are errors."""
     if args.lora is None:
@@ -199,11 +188,12 @@ def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
         tokenizer = load_tokenizer(args.weights if args.weights.is_dir() else None)
         weights = initial_weights(config, torch.Generator().manual_seed(args.seed))
         base = "init:" + json.dumps(config.to_json_dict(), sort_keys=True) + f":seed={args.seed}"
+        fingerprint = ""
     else:
         find_weights_file(args.weights)
         config = GPT2Config.from_json(args.weights / CONFIG)
         tokenizer = load_tokenizer(args.weights)
-        base = base_identity(args.weights)
+        base = fingerprint = weights_fingerprint(args.weights)
         if lora is None:
             weights = trainable_copy(load_weights(args.weights, config), config)
         else:  # frozen: used in place from the mapped file, or quantized with its float32 pages released as it goes
@@ -215,7 +205,7 @@ def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
         raise UsageError(f"the tokenizer has {tokenizer.n_vocab} tokens, more than the model's vocab_size {config.vocab_size}")
     return Trainer(weights, config, tokenizer, [text for _, text in docs], settings, val_texts=val, out=args.out,
                    base=base, resume=args.resume, overwrite=args.overwrite, lora=lora,
-                   base_name=str(args.weights.resolve()) if lora else "",
+                   base_name=str(args.weights.resolve()) if lora else "", base_fingerprint=fingerprint if lora else "",
                    sampler=functools.partial(two_samples, config=config, tokenizer=tokenizer))
 
 

@@ -41,7 +41,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--truncate", choices=["left"], help="keep the last tokens of a prompt too long for the context")
     p.add_argument("--allow-special", action="store_true", help="read <|endoftext|> in the prompt as the special token, not text")
     p.add_argument("--no-stream", action="store_true", help="print the text only when it is complete")
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, logprobs, finish_reason")
+    p.add_argument("--json", action="store_true", help="print JSON Lines, one object per sample: index, text, token_ids, logprobs, finish_reason, "
+                        "prompt_tokens, seed (token_ids and logprobs include a stop string's tokens; text ends before it)")
     p.add_argument("--speculate", metavar="DRAFTER",
                    help="speculative decoding: 'int4' or 'int8' (this model quantized drafts), 'ngram' (prompt lookup: "
                         "for text that quotes the prompt) or a GPT-2 checkpoint directory with the same tokenizer; "
@@ -95,17 +96,16 @@ def run_generate(args: argparse.Namespace) -> int:
         if stream:
             sys.stdout.write(piece)
             sys.stdout.flush()
-    if args.json:
-        samples = [{"text": c.text, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
-                    "finish_reason": c.finish_reason} for c in run.completions]
-        doc = dict(samples[0]) if len(samples) == 1 else {"samples": samples}
-        doc.update(prompt_tokens=run.completions[0].prompt_tokens, seed=run.stats.seed)
-        if args.speculate is not None:
-            st = run.stats
-            doc["speculation"] = {"drafter": args.speculate, "drafted": st.drafted, "accepted": st.accepted,
-                                  "acceptance_rate": none_if_nan(st.acceptance_rate), "verify_passes": st.verify_passes,
-                                  "tokens_per_verify": none_if_nan(st.tokens_per_verify)}
-        print(json.dumps(doc, ensure_ascii=False))
+    if args.json:  # one object per sample, one per line (JSON Lines): the same shape for one sample or many
+        st = run.stats
+        for i, c in enumerate(run.completions):
+            doc = {"index": i, "text": c.text, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
+                   "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens, "seed": st.seed}
+            if args.speculate is not None:
+                doc["speculation"] = {"drafter": args.speculate, "drafted": st.drafted, "accepted": st.accepted,
+                                      "acceptance_rate": none_if_nan(st.acceptance_rate),
+                                      "verify_passes": st.verify_passes, "tokens_per_verify": none_if_nan(st.tokens_per_verify)}
+            print(json.dumps(doc, ensure_ascii=False))
     elif stream:
         print()
     else:

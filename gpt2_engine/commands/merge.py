@@ -9,20 +9,22 @@ import sys
 from pathlib import Path
 
 from ..core.config import GPT2Config
-from ..core.lora import load_adapter, merge
+from ..core.lora import check_base, load_adapter, merge
 from ..core.tokenizer import load_tokenizer
 from ..core.weights import CONFIG, find_weights_file, load_weights, save_checkpoint
-from ..options import UsageError
+from ..options import UsageError, add_force_option
 
 
-def merge_lora(base: Path, adapter: Path, out: Path) -> None:
+def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False) -> None:
     """Write base + adapter, merged, to `out` (official layout; each file written beside its destination and
-    renamed over it)."""
+    renamed over it); an adapter recording another base is an error unless `force`."""
     find_weights_file(base)
     if out.resolve() == base.resolve():
         raise UsageError(f"{out}: is the base checkpoint itself; write the merged model somewhere else")
     config = GPT2Config.from_json(base / CONFIG)
     lora = load_adapter(adapter, config)
+    if not force:
+        check_base(lora, adapter, base)
     tokenizer = load_tokenizer(base)
     save_checkpoint(out, config, merge(load_weights(base, config), lora), tokenizer.source)
 
@@ -36,10 +38,11 @@ def add_merge_lora(sub: argparse._SubParsersAction) -> None:
     p.add_argument("base", type=Path, metavar="BASE", help="the base checkpoint directory")
     p.add_argument("adapter", type=Path, metavar="ADAPTER", help="the adapter directory (adapter_config.json, ...)")
     p.add_argument("out", type=Path, metavar="OUT", help="where the merged checkpoint goes")
+    add_force_option(p)
     p.set_defaults(run=run_merge_lora)
 
 
 def run_merge_lora(args: argparse.Namespace) -> int:
-    merge_lora(args.base, args.adapter, args.out)
+    merge_lora(args.base, args.adapter, args.out, args.force)
     print(f"merge-lora: {args.adapter} merged into {args.base}, saved in {args.out}", file=sys.stderr)
     return 0

@@ -43,7 +43,7 @@ def per_token_records(s: Score, tokenizer: Any) -> Iterator[dict[str, Any]]:
     for j, (tok, lp, rank, ent, top_ids, top_lps) in enumerate(zip(
             ids, st.logprob.tolist(), st.rank.tolist(), st.entropy.tolist(), st.top_ids.tolist(), st.top_logprobs.tolist())):
         yield {"document": s.name, "index": s.first_scored + j, "token_id": tok, "token": text(tok), "logprob": lp,
-               "rank": rank, "entropy": ent,
+               "rank": rank + 1, "entropy": ent,  # 1 = the most likely token, as gpt2 inspect and the server count
                "top": [{"token_id": t, "token": text(t), "logprob": l} for t, l in zip(top_ids, top_lps)]}
 
 

@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ..options import ModelOptions, add_model_options, load_model
+from ..options import ModelOptions, add_force_option, add_model_options, load_model
 from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
 from ..serve.app import ServeError, ServerSettings, ServerState, build_app
 from ..serve.async_engine import EngineSettings, start_engine
@@ -117,7 +117,9 @@ def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
         config = GPT2Config.from_json(args.weights / CONFIG)
         for name, path in adapters:
             try:
-                load_adapter(path, config)
+                adapter = load_adapter(path, config)
+                if not args.force:
+                    check_base(adapter, path, args.weights)
             except LoraError as e:
                 raise ServeError(f"--lora {name}={path}: {e}") from None
     return tuple(adapters)
@@ -240,4 +242,5 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "(least recently used blocks are evicted)")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt from its first token")
     add_model_options(p, lora=False)
+    add_force_option(p)
     p.set_defaults(run=run_serve)

@@ -28,10 +28,12 @@ import torch
 from .config import GPT2Config
 from .errors import GPT2EngineError
 from .files import atomic_write
-from .weights import BLOCK_PARTS, Block, GPT2Weights, Linear, LoraStack, QuantizedMatrix, read_tensors
+from .weights import (BLOCK_PARTS, Block, GPT2Weights, Linear, LoraStack, QuantizedMatrix, read_tensors,
+                      weights_fingerprint)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_BASE = "adapter_base.json"  # the engine's: which base the adapter was trained on (see check_base)
 PEFT_PREFIX = "base_model.model.transformer."  # PeftModel wraps GPT2LMHeadModel, which holds the transformer
 # the projections an adapter can sit on: the name users give (PEFT's target_modules suffixes) -> the Block field
 TARGETS = {"c_attn": "c_attn", "attn.c_proj": "attn_c_proj", "c_fc": "c_fc", "mlp.c_proj": "mlp_c_proj"}
@@ -96,6 +98,7 @@ class LoraAdapter:
     settings: LoraSettings
     tensors: dict[str, torch.Tensor]
     base: str = ""  # base_model_name_or_path, as PEFT records it
+    base_fingerprint: str = ""  # core.weights.weights_fingerprint of the base it was trained on ("" from peft)
 
     def pair(self, i: int, target: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         name = module_name(i, target)
@@ -208,6 +211,36 @@ def save_adapter(directory: str | Path, adapter: LoraAdapter) -> None:
                         (ADAPTER_CONFIG, lambda p: Path(p).write_text(json.dumps(peft_config(adapter), indent=2) + "\n",
                                                                        encoding="utf-8"))):
         atomic_write(directory / name, write)
+    # the base's fingerprint in a file of its own: PEFT warns about keys its config does not know, and a safetensors
+    # header's metadata is written in no fixed order (an exact resume must write identical files)
+    if adapter.base_fingerprint:
+        base = {"base_model_name_or_path": adapter.base or None, "weights_fingerprint": adapter.base_fingerprint}
+        atomic_write(directory / ADAPTER_BASE,
+                     lambda p: Path(p).write_text(json.dumps(base, indent=2) + "\n", encoding="utf-8"))
+    else:
+        (directory / ADAPTER_BASE).unlink(missing_ok=True)
+
+
+def recorded_base(directory: str | Path) -> str:
+    """The base_model_name_or_path an adapter directory records ("" when none, or when it is not readable)."""
+    try:
+        cfg = json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    return base if isinstance(base, str) else ""
+
+
+def check_base(adapter: LoraAdapter, directory: Path, base: str | Path) -> None:
+    """An adapter applied to weights other than those it was trained on gives a silently different model: refuse
+    it, unless the caller forces it. Adapters without a fingerprint (peft's) cannot be checked."""
+    if not adapter.base_fingerprint:
+        return
+    found = weights_fingerprint(Path(base))
+    if found != adapter.base_fingerprint:
+        raise LoraError(f"{directory}: this adapter was trained on another base ({adapter.base or 'unnamed'}, weights "
+                        f"fingerprint {adapter.base_fingerprint}) than {base} (fingerprint {found}); pass --force "
+                        "(force=True) to apply it anyway")
 
 
 def is_adapter(directory: str | Path) -> bool:
@@ -277,4 +310,18 @@ def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
                                 targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=bool(cfg.get("use_rslora")))
     except (TypeError, ValueError) as e:
         raise LoraError(f"{directory / ADAPTER_CONFIG}: {e}") from None
-    return LoraAdapter(settings, tensors, cfg.get("base_model_name_or_path") or "")
+    return LoraAdapter(settings, tensors, cfg.get("base_model_name_or_path") or "", base_fingerprint(directory))
+
+
+def base_fingerprint(directory: Path) -> str:
+    """The fingerprint adapter_base.json records ("" where there is none: adapters written by peft)."""
+    path = directory / ADAPTER_BASE
+    if not path.is_file():
+        return ""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8")).get("weights_fingerprint")
+    except (OSError, ValueError, AttributeError) as e:
+        raise LoraError(f"{path}: not readable JSON with a \"weights_fingerprint\" ({e})") from None
+    if not isinstance(found, str):
+        raise LoraError(f"{path}: \"weights_fingerprint\" must be a string, got {found!r}")
+    return found

@@ -222,6 +222,19 @@ def weights_directory(given: Path | None) -> tuple[Path, str]:
     return given, ""
 
 
+def weights_fingerprint(directory: Path) -> str:
+    """Which checkpoint this is: the first 16 hex digits of the sha256 of its weights file, whole (an edit of one
+    layer, as model-editing methods make, changes it; sampling the file would miss that). A LoRA adapter records its
+    base's, and a resumed run checks it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(find_weights_file(directory), "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def _has_checkpoint(directory: Path) -> bool:
     return (directory / SAFETENSORS).is_file() or (directory / PYTORCH_BIN).is_file()
 

@@ -27,7 +27,12 @@ from .scheduler import Scheduler
 
 @dataclass
 class Completion:
-    """One generated sequence. finish_reason: 'eos' (<|endoftext|>), 'stop' (a stop string) or 'length'."""
+    """One generated sequence. finish_reason: 'eos' (<|endoftext|>), 'stop' (a stop string) or 'length'.
+
+    Under a stop string, token_ids and logprobs are every token the model generated, the stop string's included (the
+    last one completed it), while text ends where the stop string begins: the same convention as the server's
+    completion_tokens and logprobs, and vLLM's. So decode(token_ids) starts with text + the stop string.
+    """
 
     text: str
     token_ids: list[int]

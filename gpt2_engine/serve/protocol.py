@@ -198,8 +198,8 @@ class DetokenizeRequest(BaseModel):
 
 class Logprobs(BaseModel):
     """The legacy completions logprobs: one entry per token of the choice's text (prompt tokens first with echo).
-    `token_ranks` is this server's extension: each token's rank in the model's distribution (0 = the most likely;
-    null for the first prompt token), which top_logprobs (at most 20) cannot give; the playground colours by it."""
+    `token_ranks` is this server's extension: each token's rank in the model's distribution (1 = the most likely, as
+    vLLM's logprobs, gpt2 score and gpt2 inspect count; null for the first prompt token), which top_logprobs (at most 20) cannot give; the playground colours by it."""
 
     tokens: list[str] = []
     token_logprobs: list[float | None] = []

@@ -146,7 +146,7 @@ class CompletionRun:
         lp.token_logprobs.append(logprob)
         lp.top_logprobs.append(None if top is None else {self.tok.token_text(t): v for t, v in top})
         lp.text_offset.append(c.offset)
-        lp.token_ranks.append(rank)
+        lp.token_ranks.append(None if rank is None else rank + 1)  # the engine counts the likelier tokens: 0 = argmax
         c.offset += len(text) if in_text else 0
 
     def _apply(self, i: int, e: Event) -> list[tuple[str, int, int]]:

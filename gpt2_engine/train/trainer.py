@@ -265,7 +265,7 @@ class Trainer:
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, texts: list[str],
                  settings: TrainSettings, *, val_texts: list[str] | None = None, out: Path | None = None,
                  bpe_source: Path | None = None, base: str = "", resume: bool = False,
-                 overwrite: bool = False, lora: LoraSettings | None = None, base_name: str = "",
+                 overwrite: bool = False, lora: LoraSettings | None = None, base_name: str = "", base_fingerprint: str = "",
                  sampler: Sampler | None = None) -> None:
         """`sampler`: what draws the samples of `sample_every` (required with it)."""
         if settings.sample_every and sampler is None:
@@ -294,7 +294,7 @@ class Trainer:
         self.eval_every = settings.eval_every or max(1, self.total // 10)
         self.save_every = settings.save_every or self.eval_every
 
-        self.lora, self.base_name = lora, base_name
+        self.lora, self.base_name, self.base_fingerprint = lora, base_name, base_fingerprint
         if lora is None:
             self.params = named_tensors(weights)  # owned float32 tensors, updated in place
             self.weights = weights
@@ -429,7 +429,7 @@ class Trainer:
 
     def adapter(self) -> LoraAdapter:
         """The adapter being trained (LoRA runs): its current values, as PEFT's files hold them."""
-        return LoraAdapter(self.lora, dict(self.params), self.base_name)
+        return LoraAdapter(self.lora, dict(self.params), self.base_name, self.base_fingerprint)
 
     def _save_model(self, directory: Path) -> None:
         if self.lora is None:
