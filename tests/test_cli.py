@@ -143,7 +143,7 @@ def test_installed_command_runs_without_traceback(tmp_path: Path) -> None:
 # --- compare ------------------------------------------------------------------------------------------------------
 
 JSON_KEYS = {"prompt", "engine", "tokens", "max_abs", "mean_abs", "max_rel", "kl_max", "top1_agreement", "top5_overlap",
-             "nll_reference", "nll", "ppl_reference", "ppl", "per_block_max_abs", "first_divergent_block",
+             "nll_reference", "nll", "nll_change_sq", "ppl_reference", "ppl", "per_block_max_abs", "first_divergent_block",
              "first_divergent_position", "passed"}
 
 

@@ -148,6 +148,30 @@ def test_quality_targets_on_the_trained_checkpoint(capsys, trained_dir: Path, he
     assert total["ppl"] > 1 and total["ppl_reference"] > 1
 
 
+def test_int4_on_text_the_model_predicts_poorly_is_judged_with_its_uncertainty(capsys, trained_dir: Path) -> None:
+    """The default prompts (prose, code, Unicode) are text the docstring-trained checkpoint predicts poorly
+    (perplexity ~9,000): there int4 costs +2.5% perplexity, a real change (2 standard errors: +1.9% to +3.2%), where
+    on its own kind of text it costs ~0 (test above). The rows show each prompt's share instead of an "ok" the line
+    below contradicts, and the failure says what the prompts were."""
+    code = main(["compare", "--weights", str(trained_dir), "--quantize", "int4"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert code == 1
+    assert lines[0].endswith("tolerance: top-1 agreement >= 95.0% over all prompts; perplexity at most +2.0% over all "
+                             "prompts")
+    rows = lines[3:7]
+    assert [r.split()[0] for r in rows] == ["english", "code", "unicode", "long"]
+    assert all(" ppl " in r and not r.endswith(" ok") for r in rows)
+    assert "comparisons within tolerance" not in out
+    assert lines[7].startswith("over all prompts (697 tokens): top-1 agreement 98.28%, perplexity 9259 (transformers) "
+                               "-> 9493 (engine), +2.521% (+1.86% to +3.18% at 2 standard errors) (allowed: +2.0%): "
+                               "MISMATCH (perplexity +2.521% > +2.0%)")
+    assert lines[8].startswith("(the default prompts are English prose, code and Unicode")
+    assert main(["compare", "--weights", str(trained_dir), "--quantize", "int4", "--json"]) == 1
+    low, high = json.loads(capsys.readouterr().out)["total"]["ppl_change_range"]
+    assert 0.0185 < low < 0.0187 and 0.0318 < high < 0.0319
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
