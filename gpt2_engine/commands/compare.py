@@ -218,7 +218,7 @@ def run_compare(args: argparse.Namespace) -> int:
         low, high = total["ppl_change_range"]
         print(f"over all prompts ({total['tokens']} tokens): top-1 agreement {total['top1_agreement']:.2%}, perplexity "
               f"{total['ppl_reference']:.4g} (transformers) -> {total['ppl']:.4g} (engine), {total['ppl_change']:+.3%}"
-              f" ({low:+.2%} to {high:+.2%} at 2 standard errors)"
+              + (f" ({low:+.2%} to {high:+.2%} at 2 standard errors)" if variant else "")
               + ("" if max_change is None else f" (allowed: +{max_change:.1%})")
               + ("" if total["passed"] else ": MISMATCH (" + "; ".join(total["failures"]) + ")"))
         if any("perplexity" in f for f in total["failures"]) and not args.prompt and args.prompts_file is None:
