@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_serve import free_port, wait_for
+from conftest import free_port, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import build_parser, main

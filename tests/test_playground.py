@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 from conftest import ARTIFACTS, needs_chromium
-from test_serve import live, wait_for
+from conftest import wait_for
+from test_serve import live
 
 from gpt2_engine import GPT2
 from gpt2_engine.serve.metrics import parse

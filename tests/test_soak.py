@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 from conftest import ARTIFACTS
-from test_serve import START_TIMEOUT, free_port, healthy, wait_for
+from conftest import SERVER_START, free_port, healthy, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.serve.metrics import parse
@@ -91,7 +91,7 @@ def test_soak(trained_dir: Path, trained_model: GPT2) -> None:
                              str(port), "--parallel", str(SLOTS), "--threads", "2"], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: proc.poll() is not None or healthy(url), "the server to start", START_TIMEOUT)
+        wait_for(lambda: proc.poll() is not None or healthy(url), "the server to start", SERVER_START)
         assert proc.poll() is None, proc.stderr.read()
         server = psutil.Process(proc.pid)
         with httpx.Client(timeout=60) as client:  # every kind once, so that the baseline holds what they allocate
