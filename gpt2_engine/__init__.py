@@ -6,9 +6,10 @@ from .core.errors import DownloadError, GenerationError, GPT2EngineError, Tokeni
 from .core.lora import LoraError, LoraSettings
 from .core.model import KVCache
 from .core.tokenizer import Tokenizer, load_tokenizer
+from .runtime.constraints import Constraint
 
 __all__ = [
-    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer", "LoraSettings",
+    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer", "LoraSettings", "Constraint",
     "GPT2EngineError", "WeightsError", "TokenizerError", "GenerationError", "DownloadError", "LoraError",
 ]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ from .core.tokenizer import Tokenizer, load_tokenizer
 from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory,
                            weights_fingerprint)
 from .documents import expand_paths, read_documents
+from .runtime.constraints import Grammars
 from .runtime.drafters import Speculation, load_speculation
 from .runtime.generate import Completion, Generation, two_samples
 from .runtime.requests import GenerationSettings, Prompt, encode_prompts
@@ -46,6 +47,7 @@ class GPT2:
         self.quantize = quantize
         self.lora = lora
         self.source = source  # the checkpoint directory it was loaded from (None: built in memory)
+        self._grammars: Grammars | None = None  # structured output's compiler, made on first use
         self.drafts: dict[str, Speculation] = {}  # draft models loaded for speculate=, by source
 
     @classmethod
@@ -196,7 +198,15 @@ class GPT2:
             spec = self.speculation(speculate, draft_tokens)
         elif draft_tokens is not None:
             raise GenerationError("draft_tokens applies to speculative decoding: give speculate= too", param="draft_tokens")
-        return Generation(self.weights, self.config, self.tokenizer, ids, settings, spec)
+        return Generation(self.weights, self.config, self.tokenizer, ids, settings, spec,
+                          grammars=self.grammars if settings.constraint is not None else None)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiler of structured-output constraints for this tokenizer, with its cache of compiled grammars."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.config.vocab_size)
+        return self._grammars
 
     def speculation(self, source: str | Path, draft_tokens: int | None = None, max_running: int | None = None,
                     settle: int = 0) -> Speculation:

@@ -55,6 +55,44 @@ def engine_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+# structured output's row: a schema whose strings may run long, so that decoding lasts as long as the free run's
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "lines": {"type": "array", "items": {
+    "type": "string"}}}, "required": ["title", "lines"]}
+
+
+def constrained_rate(model, ids: torch.Tensor, new_tokens: int) -> float:
+    """Decode tokens per second of greedy generation constrained to STRUCTURED_SCHEMA (prefill subtracted): the
+    runs end where the grammar does, so the rate counts the tokens each made."""
+    from gpt2_engine import Constraint
+
+    def run(n: int) -> tuple[float, int]:
+        gen = model.generation(ids.tolist(), max_new_tokens=n, temperature=0,
+                               constraint=Constraint.json_schema(STRUCTURED_SCHEMA))
+        t0 = time.perf_counter()
+        done = gen.run()
+        return time.perf_counter() - t0, sum(len(c.token_ids) for c in done)
+
+    (whole, tokens), (first, firsts) = run(new_tokens), run(1)
+    return (tokens - firsts) / (whole - first)
+
+
+def structured_rows(model, prompt: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    """Free greedy decode against decode constrained to a JSON schema, batch 1 and 8, alternating, medians."""
+    rows = []
+    for batch in (1, 8):
+        ids = torch.tensor([prompt] * batch)
+        free, constrained = [], []
+        constrained_rate(model, ids, 8)  # warm: the grammar compiler and its cache
+        for _ in range(repeats):
+            free.append(batch * (new_tokens - 1) / (engine_generate(model, ids, new_tokens) - engine_generate(model, ids, 1)))
+            constrained.append(constrained_rate(model, ids, new_tokens))
+        f, c = statistics.median(free), statistics.median(constrained)
+        rows.append({"batch": batch, "free_tok_s": f, "json_schema_tok_s": c, "ratio": c / f})
+        print(f"  structured output, batch {batch}: free {f:.1f} tok/s, JSON schema {c:.1f} tok/s ({c / f:.2f}x)",
+              file=sys.stderr, flush=True)
+    return rows
+
+
 def reference_generate(hf, ids: torch.Tensor, new_tokens: int) -> float:
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -179,6 +217,8 @@ def main() -> int:
     p.add_argument("--prefill", default="128,512,1024", help="prefill lengths (default 128,512,1024)")
     p.add_argument("--score-tokens", type=int, default=50000,
                    help="tokens for the scoring row: one run each, alternating (default 50000; 0 skips it)")
+    p.add_argument("--no-structured", dest="structured", action="store_false",
+                   help="leave out the structured-output rows (a JSON schema against free decoding)")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench.json", help="where to write the JSON")
     p.add_argument("--child", choices=["engine", "reference"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -218,6 +258,8 @@ def main() -> int:
         tokens = batch * (n - 1)
         add(f"decode batch {batch}, {n} new (tok/s)", "higher", tokens / ref, {v: tokens / t for v, t in eng.items()})
 
+    structured = structured_rows(engines[variants[0]], prompt, n, args.repeats) if args.structured else []
+
     if args.score_tokens:
         ids = bench_text(args.score_tokens, engines[variants[0]].tokenizer)
         context = engines[variants[0]].config.n_positions
@@ -246,9 +288,15 @@ def main() -> int:
 
     machine = f"{cpu().summary()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads"
     print_table(rows, variants, machine)
+    if structured:
+        print(f"\nstructured output ({variants[0]}, greedy, a JSON schema against free text; llguidance's mask per "
+              "token):")
+        print(f"{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'ratio':>6}")
+        for r in structured:
+            print(f"{r['batch']:>5} {r['free_tok_s']:>11.1f} {r['json_schema_tok_s']:>13.1f} {r['ratio']:>5.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "cpu": dataclasses.asdict(cpu()), "weights": str(weights),
-                                    "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
+                                    "repeats": args.repeats, "rows": rows, "structured": structured}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 

@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..core.errors import GenerationError
 from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+from ..runtime.constraints import Constraint
 from ..runtime.requests import GenerationSettings
 from ..runtime.sampling import SamplingParams
 from ..runtime.speculation import ADAPTIVE_MAX, ADAPTIVE_START, MAX_DRAFT_TOKENS, check_draft_tokens
@@ -50,8 +52,41 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-tokens", type=int, metavar="K",
                    help=f"tokens drafted per verify pass, 1..{MAX_DRAFT_TOKENS} (default: adaptive, from "
                         f"{ADAPTIVE_START} up to {ADAPTIVE_MAX} while drafts are accepted, down to none while not)")
+    shape = p.add_argument_group("structured output (one of these; llguidance enforces it token by token)")
+    shape.add_argument("--json-schema", type=Path, metavar="FILE", help="the text is JSON valid against this schema")
+    shape.add_argument("--json-object", action="store_true", help="the text is a JSON object")
+    shape.add_argument("--regex", metavar="RE", help="the whole text matches this regular expression (Rust regex syntax)")
+    shape.add_argument("--choice", action="append", metavar="TEXT", help="the text is one of these (repeatable)")
+    shape.add_argument("--grammar", type=Path, metavar="FILE",
+                       help="the text matches this grammar: Lark (llguidance's dialect) or GBNF (llama.cpp's)")
     add_model_options(p)
     p.set_defaults(run=run_generate)
+
+
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
+    """The structured-output flag given, as a Constraint (at most one)."""
+    given = [flag for flag, value in (("--json-schema", args.json_schema), ("--json-object", args.json_object or None),
+                                      ("--regex", args.regex), ("--choice", args.choice), ("--grammar", args.grammar))
+             if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"give one structured-output flag, not {' and '.join(given)}")
+    if not given:
+        return None
+    try:
+        if args.json_object:
+            return Constraint.json_object()
+        if args.regex is not None:
+            return Constraint.regex(args.regex)
+        if args.choice is not None:
+            return Constraint.choice(args.choice)
+        path = args.json_schema or args.grammar
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"{given[0]} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        return Constraint.json_schema(text) if args.json_schema else Constraint.grammar(text)
+    except GenerationError as e:
+        raise UsageError(f"{given[0]}: {e}") from None
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -75,7 +110,8 @@ def run_generate(args: argparse.Namespace) -> int:
     settings = GenerationSettings(  # checked before the model loads: a typo costs no load time
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
-        stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate)
+        stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate,
+        constraint=constraint_from_args(args))
     check_draft_tokens(args.draft_tokens, "--draft-tokens")
     if args.draft_tokens is not None and args.speculate is None:
         raise UsageError("--draft-tokens applies to speculative decoding: give --speculate too")

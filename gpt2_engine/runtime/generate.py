@@ -19,6 +19,7 @@ from ..core.tokenizer import Tokenizer
 from ..core.weights import GPT2Weights
 from .drafters import Speculation
 from .loop import EngineLoop
+from .constraints import Grammars
 from .requests import GenerationSettings, RequestSet, build_requests
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -79,10 +80,13 @@ class Generation:
     rest wait for a slot); None: all of them."""
 
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, prompts: list[list[int]],
-                 settings: GenerationSettings, speculation: Speculation | None = None, slots: int | None = None) -> None:
+                 settings: GenerationSettings, speculation: Speculation | None = None, slots: int | None = None,
+                 grammars: Grammars | None = None) -> None:
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
         self.settings, self.speculation, self.slots = settings, speculation, slots
-        self.batch: RequestSet = build_requests(prompts, settings, config, tokenizer.eot_id)
+        if settings.constraint is not None and grammars is None:
+            grammars = Grammars(tokenizer, config.vocab_size)
+        self.batch: RequestSet = build_requests(prompts, settings, config, tokenizer.eot_id, grammars)
         self.stats = GenerationStats(seed=self.batch.seed, truncated_tokens=self.batch.truncated_tokens,
                                      context_limited=self.batch.context_limited)
         self.completions: list[Completion] = []

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
 from ..core.tokenizer import Tokenizer
+from .constraints import Compiled, Constraint, Grammars
 from .sampling import SamplingParams
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -37,6 +38,7 @@ class Request:
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     adapter: int | None = None  # which of the weights' LoRA adapters (-1: the base; None: the model's own)
+    constraint: Compiled | None = None  # the grammar the text must match (runtime/constraints.py)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class GenerationSettings:
     truncate: str | None = None  # "left": keep the last tokens of a prompt that does not fit
     top_logprobs: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False  # score the prompt's tokens too
+    constraint: Constraint | None = None  # structured output: a JSON schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
@@ -68,6 +71,12 @@ class GenerationSettings:
             raise GenerationError(f"seed must be an integer in [0, 2^63), got {self.seed!r}", param="seed")
         if not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
             raise GenerationError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}", param="logprobs")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise GenerationError(f"constraint must be a Constraint (Constraint.json_schema, .regex, .choice, "
+                                  f".grammar), got {type(self.constraint).__name__}", param="constraint")
+        if self.constraint is not None and self.ignore_eos:
+            raise GenerationError("ignore_eos cannot be combined with a constraint: the grammar decides where the text "
+                                  "ends", param="ignore_eos")
 
 
 @dataclass(frozen=True)
@@ -122,10 +131,16 @@ def check_request(request: Request, config: GPT2Config) -> None:
 
 
 def build_requests(prompts: list[list[int]], settings: GenerationSettings, config: GPT2Config,
-                   eot_id: int) -> RequestSet:
-    """num_samples Requests per prompt (token ids), checked against the model; see the module's docstring."""
+                   eot_id: int, grammars: Grammars | None = None) -> RequestSet:
+    """num_samples Requests per prompt (token ids), checked against the model; see the module's docstring. A
+    constraint is compiled once, by `grammars` (the model's), for all of them."""
     if not prompts:
         raise GenerationError("no prompt given", param="prompt")
+    compiled = None
+    if settings.constraint is not None:
+        if grammars is None:
+            raise GenerationError("a constraint needs the model's Grammars to compile it", param="constraint")
+        compiled = grammars.compile(settings.constraint)
     limit = config.n_positions
     if settings.max_new_tokens > limit:  # impossible whatever the prompt: say so rather than stop short
         raise GenerationError(f"asking for {settings.max_new_tokens} new tokens exceeds the context of {limit} tokens "
@@ -153,7 +168,8 @@ def build_requests(prompts: list[list[int]], settings: GenerationSettings, confi
             limited = new if not limited else min(limited, new)
         for j in range(settings.num_samples):
             request = Request(prompt, new, settings.sampling, settings.stop, settings.ignore_eos,
-                              (seed + j) % 2**63, settings.top_logprobs, settings.prompt_logprobs)
+                              (seed + j) % 2**63, settings.top_logprobs, settings.prompt_logprobs,
+                              constraint=compiled)
             check_request(request, config)
             requests.append(request)
     return RequestSet(requests, seed, truncated, limited)

@@ -75,6 +75,7 @@ class SequenceState:
         # ignore_eos: the logits the sampler reads, <|endoftext|> ruled out, written here at each step rather than
         # into a fresh copy (an allocation of 200 KB, and its page faults, every token)
         self.processed = torch.empty(vocab) if request.ignore_eos else None
+        self.guide = request.constraint.guide() if request.constraint is not None else None  # its grammar's state
 
     def segment(self) -> Segment:
         """This sequence's rows in its next pass: the whole prompt from position 0, or its next token (and its
@@ -263,8 +264,12 @@ class Scheduler:
                           prompt_stats)
 
     def _processed(self, seq: SequenceState, raw: torch.Tensor) -> torch.Tensor:
-        """Raw logits [V] -> what the sampler reads: the penalties, and <|endoftext|> ruled out with ignore_eos."""
+        """Raw logits [V] -> what the sampler reads: a grammar's mask first (so that the penalties, the temperature
+        and the filters work within the allowed tokens), the penalties, and <|endoftext|> ruled out with
+        ignore_eos. `raw` itself is never written: the logprobs are the model's."""
         r = seq.request
+        if seq.guide is not None:
+            raw = seq.guide.mask(raw)
         processed = apply_penalties(raw, r.sampling, seq.seen, seq.counts)
         if seq.processed is not None:
             processed = seq.processed.copy_(processed)
@@ -324,6 +329,8 @@ class Scheduler:
             top = list(zip(ids.tolist(), (values - lse).tolist()))
             rank = int((raw > raw[token]).sum())
         event = Event(token, "", logprob, top, rank=rank, prompt_stats=prompt_stats)
+        if seq.guide is not None:
+            seq.guide.accept(token)
         if token == eot:
             return self._finish(seq, "eos", event)
         seq.tokens.append(token)
@@ -332,6 +339,8 @@ class Scheduler:
         if seq.counts is not None:
             seq.counts[token] += 1
         if seq.detok.add(token):
+            return self._finish(seq, "stop", event)
+        if seq.guide is not None and seq.guide.finished:  # the grammar is complete: only its end may follow
             return self._finish(seq, "stop", event)
         if len(seq.tokens) == r.max_new_tokens:
             return self._finish(seq, "length", event)

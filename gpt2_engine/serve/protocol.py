@@ -3,8 +3,9 @@
 A request that passes these models is well-formed; whether it fits the model (context length, token ids) is
 checked when it becomes engine work (serving.py). Every failure becomes an `APIError` in OpenAI's error shape.
 Fields these models do not know are ignored, as OpenAI's and vLLM's servers ignore them (the app logs their names),
-except those that ask for something this server cannot do (tools, a response format): those are a 400, never a
-silently different answer.
+except those that ask for something this server cannot do (tools): those are a 400, never a silently different
+answer. Structured output comes in OpenAI's shape (`response_format`: json_object, json_schema) or vLLM's
+(`structured_outputs`: exactly one of choice, regex, json, grammar, json_object).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..core.errors import GenerationError
+from ..runtime.constraints import Constraint
 
 MAX_LOGPROBS = 20
 MAX_STOP = 4
@@ -63,10 +67,12 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
     # extras
     top_k: int = 0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: one of choice, regex, json, grammar, json_object
 
     @field_validator("stop")
     @classmethod
@@ -93,6 +99,50 @@ class SamplingFields(BaseModel):
             raise APIError(400, f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; give one of them",
                            param="max_completion_tokens")
         return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        self.constraint()  # a malformed one is a 400 now, naming its field
+        return self
+
+    def constraint_field(self) -> str:
+        return "structured_outputs" if self.structured_outputs else "response_format"
+
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for, in either shape (not both), or None for free text."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.get("type", "text") != "text" and so:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        try:
+            if so:
+                given = [k for k in ("choice", "regex", "json", "grammar", "json_object") if so.get(k) not in (None, False)]
+                if len(given) != 1:
+                    raise GenerationError("structured_outputs must give exactly one of choice, regex, json, grammar, "
+                                          f"json_object; got {', '.join(given) or 'none'}", param="constraint")
+                kind, value = given[0], so[given[0]]
+                if kind == "choice":
+                    return Constraint.choice(value)
+                if kind == "json":
+                    return Constraint.json_schema(value)
+                if kind == "json_object":
+                    return Constraint.json_object()
+                if not isinstance(value, str):
+                    raise GenerationError(f"structured_outputs.{kind} must be a string", param="constraint")
+                return Constraint.regex(value) if kind == "regex" else Constraint.grammar(value)
+            if fmt is None or fmt.get("type", "text") == "text":
+                return None
+            if fmt["type"] == "json_object":
+                return Constraint.json_object()
+            if fmt["type"] == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or "schema" not in spec:
+                    raise GenerationError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                          "\"schema\": {...}}}", param="constraint")
+                return Constraint.json_schema(spec["schema"])
+            raise GenerationError(f"response_format type must be text, json_object or json_schema, got "
+                                  f"{fmt['type']!r}", param="constraint")
+        except GenerationError as e:
+            raise APIError(400, str(e), param=self.constraint_field()) from None
 
     def new_tokens(self, default: int) -> int:
         """The most tokens to generate: max_tokens or max_completion_tokens, else `default`."""
@@ -164,7 +214,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
 
     @model_validator(mode="after")
@@ -174,8 +223,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
             raise unsupported("tool_choice" if self.tool_choice not in (None, "none") else "function_call",
                               "tool calling")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
         if self.modalities is not None and list(self.modalities) != ["text"]:
             raise unsupported("modalities", "output other than text")
         if self.top_logprobs is not None and not self.logprobs:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
 from ..core.tokenizer import Tokenizer
+from ..runtime.constraints import Grammars
 from ..runtime.plan import Event
 from ..runtime.requests import GenerationSettings, Request, build_requests, encode_prompts
 from ..runtime.sampling import SamplingParams
@@ -28,9 +29,11 @@ from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChun
 API_PARAM = {"max_new_tokens": "max_tokens", "num_samples": "n", "top_logprobs": "logprobs"}
 
 
-def api_error(e: GenerationError, status: int = 400) -> APIError:
+def api_error(e: GenerationError, status: int = 400, req: SamplingFields | None = None) -> APIError:
     """The engine's error in the API's words: its field names, without the command line's advice."""
     param = API_PARAM.get(e.param, e.param)
+    if e.param == "constraint" and req is not None:
+        param = req.constraint_field()
     message = e.bare
     if e.param in API_PARAM and message.startswith(e.param):
         message = param + message[len(e.param):]
@@ -38,7 +41,7 @@ def api_error(e: GenerationError, status: int = 400) -> APIError:
 
 
 def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config,
-                    adapter: int | None = None) -> list[Request]:
+                    adapter: int | None = None, grammars: Grammars | None = None) -> list[Request]:
     """The request's sequences, through the engine's one request builder: n per prompt, choice j of a prompt drawing
     with seed + j (a random seed when none is given), each with the LoRA adapter its `model` named. Every bad value
     is a 400 that names its field."""
@@ -47,11 +50,11 @@ def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Co
     except GenerationError as e:
         raise api_error(e) from None
     return sequences(req, prompts, req.new_tokens(16), req.logprobs, req.echo and req.logprobs is not None, (),
-                     tokenizer, config, adapter)
+                     tokenizer, config, adapter, grammars)
 
 
 def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, config: GPT2Config,
-                  adapter: int | None = None) -> list[Request]:
+                  adapter: int | None = None, grammars: Grammars | None = None) -> list[Request]:
     """The conversation rendered by the chat template as one prompt, continued up to the context unless
     max_completion_tokens says fewer, stopping also at the template's end of turn. The rendered text is tokenized
     as transformers does a chat template's output: an <|endoftext|> in it is the special token."""
@@ -62,23 +65,25 @@ def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer:
         raise APIError(400, f"messages: {e}", param="messages") from None
     ids = tokenizer.encode(prompt, allow_special=True)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    return sequences(req, [ids], req.new_tokens(config.n_positions), top, False, template.stops, tokenizer, config,
-                     adapter)
+    stops = template.stops if req.constraint() is None else ()  # a grammar decides where a structured reply ends
+    return sequences(req, [ids], req.new_tokens(config.n_positions), top, False, stops, tokenizer, config, adapter,
+                     grammars)
 
 
 def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int | None,
               prompt_logprobs: bool, more_stops: tuple[str, ...], tokenizer: Tokenizer, config: GPT2Config,
-              adapter: int | None) -> list[Request]:
+              adapter: int | None, grammars: Grammars | None) -> list[Request]:
     try:
         bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
                                   req.presence_penalty, req.frequency_penalty, bias)
         settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=req.stops + more_stops,
                                       ignore_eos=req.ignore_eos, seed=req.seed, num_samples=req.n,
-                                      top_logprobs=top_logprobs or 0, prompt_logprobs=prompt_logprobs)
-        requests = build_requests(prompts, settings, config, tokenizer.eot_id).requests
+                                      top_logprobs=top_logprobs or 0, prompt_logprobs=prompt_logprobs,
+                                      constraint=req.constraint())
+        requests = build_requests(prompts, settings, config, tokenizer.eot_id, grammars).requests
     except GenerationError as e:
-        raise api_error(e) from None
+        raise api_error(e, req=req) from None
     return requests if adapter is None else [replace(r, adapter=adapter) for r in requests]
 
 
