@@ -112,8 +112,10 @@ def test_adapter_gradients_match_peft_autograd_in_float64(dropout: float, lora_d
 
 def test_adapter_gradients_match_peft_autograd_in_float32_on_the_trained_checkpoint(trained_model) -> None:
     config = trained_model.config
+    # the trained fixture is trained on the machine that runs the tests, so its weights differ between CPUs: the loss
+    # (a float32 sum of 48 cross-entropies of ~17) was 3.3e-6 off on an AVX2-only EPYC's checkpoint, 1e-6 on Zen 4's
     compare_lora(trained_model.weights, config, LoraSettings(r=8, alpha=16.0), 2, 24, torch.float32, 0.0, rel=1e-4,
-                 loss_rel=1e-6)
+                 loss_rel=1e-5)
 
 
 def test_targets_are_parsed_as_peft_names_them() -> None:
@@ -290,7 +292,11 @@ def test_a_qlora_evaluation_is_the_quantized_model_with_its_adapter(trained_dir:
     served = GPT2.from_pretrained(trained_dir, quantize=fmt, lora=tmp_path / "ad")
     logits = served(ids)
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-    assert abs(loss - ref.item()) <= 1e-5 * ref.item()
+    # The projections and the head are the one kernel on both sides (row-invariant, checked in test_kernels), but the
+    # layers between them (layer norms, the LoRA term) round differently in the training forward, and a 1-ulp
+    # difference can move an activation across an int8 rounding boundary of the kernel's activation quantization:
+    # 3.3e-5 measured with int4 on an AVX2-only EPYC's trained checkpoint (a checkpoint trained on that machine)
+    assert abs(loss - ref.item()) <= 1e-4 * ref.item()
 
 
 # --- gpt2 finetune --lora ---------------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: 
 
 def test_a_completion_stops_at_the_context_with_finish_reason_length(server: str) -> None:
     r = httpx.post(f"{server}/v1/completions", json={"model": "gpt2", "prompt": "x " * 500, "max_tokens": 100,
-                                                      "temperature": 0}, timeout=60)
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
     usage = body["usage"]

@@ -194,7 +194,7 @@ def test_bad_constraints_are_400s_naming_the_field(server: str, body: dict, para
 
 def test_constrained_and_free_rows_in_one_batch_each_equal_their_run_alone(trained_model: GPT2) -> None:
     bodies = [{"prompt": "Return the", "max_tokens": 40, "temperature": 0},
-              {"prompt": "Return the", "max_tokens": 60, "temperature": 0.9, "seed": 5,
+              {"prompt": "Return the", "max_tokens": 200, "temperature": 0.9, "seed": 5,
                "response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": SCHEMA}}},
               {"prompt": "The default", "max_tokens": 40, "temperature": 0.9, "seed": 6,
                "structured_outputs": {"regex": REGEX}},
@@ -204,5 +204,6 @@ def test_constrained_and_free_rows_in_one_batch_each_equal_their_run_alone(train
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             together = list(pool.map(lambda b: httpx.post(f"{url}/v1/completions", json=b, timeout=60).json(), bodies))
     assert [t["choices"][0]["text"] for t in together] == alone
+    assert together[1]["choices"][0]["finish_reason"] == "stop"  # the grammar completed within max_tokens
     jsonschema.validate(json.loads(alone[1]), SCHEMA)
     assert re.fullmatch(REGEX, alone[2])

@@ -4,6 +4,7 @@ random-weight fixture, and the quality targets on the trained checkpoint (throug
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -150,26 +151,34 @@ def test_quality_targets_on_the_trained_checkpoint(capsys, trained_dir: Path, he
 
 def test_int4_on_text_the_model_predicts_poorly_is_judged_with_its_uncertainty(capsys, trained_dir: Path) -> None:
     """The default prompts (prose, code, Unicode) are text the docstring-trained checkpoint predicts poorly
-    (perplexity ~9,000): there int4 costs +2.5% perplexity, a real change (2 standard errors: +1.9% to +3.2%), where
-    on its own kind of text it costs ~0 (test above). The rows show each prompt's share instead of an "ok" the line
-    below contradicts, and the failure says what the prompts were."""
+    (perplexity ~9,000), where int4's cost in perplexity swings by percents: +2.5% (+1.9% to +3.2% at 2 standard
+    errors) on one Zen 4's checkpoint, -0.9% (-1.6% to -0.2%) on an AVX2 EPYC's (the fixture is trained on the machine
+    that runs the tests), against ~0 on its own kind of text (test above). So the rows show each prompt's share
+    instead of an "ok" the line below could contradict, the line over all prompts gives the range, the verdict follows
+    the bar, and a failure says what the prompts were."""
     code = main(["compare", "--weights", str(trained_dir), "--quantize", "int4"])
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert code == 1
     assert lines[0].endswith("tolerance: top-1 agreement >= 95.0% over all prompts; perplexity at most +2.0% over all "
                              "prompts")
     rows = lines[3:7]
     assert [r.split()[0] for r in rows] == ["english", "code", "unicode", "long"]
-    assert all(" ppl " in r and not r.endswith(" ok") for r in rows)
-    assert "comparisons within tolerance" not in out
-    assert lines[7].startswith("over all prompts (697 tokens): top-1 agreement 98.28%, perplexity 9259 (transformers) "
-                               "-> 9493 (engine), +2.521% (+1.86% to +3.18% at 2 standard errors) (allowed: +2.0%): "
-                               "MISMATCH (perplexity +2.521% > +2.0%)")
-    assert lines[8].startswith("(the default prompts are English prose, code and Unicode")
-    assert main(["compare", "--weights", str(trained_dir), "--quantize", "int4", "--json"]) == 1
-    low, high = json.loads(capsys.readouterr().out)["total"]["ppl_change_range"]
-    assert 0.0185 < low < 0.0187 and 0.0318 < high < 0.0319
+    assert all(re.search(r" ppl [+-]\d+\.\d\d%$", r) for r in rows), rows
+    total = re.match(r"over all prompts \(697 tokens\): top-1 agreement [\d.]+%, perplexity \d+ \(transformers\) -> "
+                     r"\d+ \(engine\), ([+-][\d.]+)% \(([+-][\d.]+)% to ([+-][\d.]+)% at 2 standard errors\) "
+                     r"\(allowed: \+2\.0%\)", lines[7])
+    assert total, lines[7]
+    change, low, high = (float(g) for g in total.groups())
+    assert low < change < high
+    assert main(["compare", "--weights", str(trained_dir), "--quantize", "int4", "--json"]) == code
+    result = json.loads(capsys.readouterr().out)["total"]
+    assert result["ppl_change_range"][0] == pytest.approx(low / 100, abs=1e-4)
+    assert code == (0 if result["passed"] else 1)
+    if result["ppl_change"] > 0.02:
+        assert code == 1 and lines[7].endswith(f"MISMATCH (perplexity {change:+.3f}% > +2.0%)")
+        assert lines[8].startswith("(the default prompts are English prose, code and Unicode")
+    elif code == 0:
+        assert "(the default prompts are" not in out
 
 
 @pytest.mark.parametrize(
