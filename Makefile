@@ -13,7 +13,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-train bench-speculative bench-llamacpp bench-eval serve fixtures clean
+.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-eval serve fixtures clean
 
 install: $(STAMP)
 
@@ -58,6 +58,10 @@ bench: install
 bench-serve: install
 	$(PY) scripts/bench_serve.py $(ARGS)
 
+# SAE feature dashboards against SAELens + TransformerLens doing the same work (about 5 minutes).
+bench-sae: install
+	$(PY) scripts/bench_sae.py $(ARGS)
+
 bench-inspect: install
 	$(PY) scripts/bench_inspect.py $(ARGS)
 
@@ -90,7 +94,7 @@ serve: install
 # The test checkpoints (random full-size, the small trained one, the 2-layer copier), built once into .cache/fixtures/
 # (several minutes on a fresh clone, with progress on stderr); afterwards a check of a few milliseconds.
 fixtures: install
-	@$(PY) scripts/fixtures.py small trained induction
+	@$(PY) scripts/fixtures.py small trained induction saes
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-results *.egg-info .cache

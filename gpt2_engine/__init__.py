@@ -5,11 +5,12 @@ from .core.config import PRESETS, GPT2Config
 from .core.errors import DownloadError, GenerationError, GPT2EngineError, TokenizerError, WeightsError
 from .core.lora import LoraError, LoraSettings
 from .core.model import KVCache
+from .core.sae import SAE, SAEError
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .runtime.constraints import Constraint
 
 __all__ = [
-    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer", "LoraSettings", "Constraint",
-    "GPT2EngineError", "WeightsError", "TokenizerError", "GenerationError", "DownloadError", "LoraError",
+    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer", "LoraSettings", "Constraint", "SAE",
+    "GPT2EngineError", "WeightsError", "TokenizerError", "GenerationError", "DownloadError", "LoraError", "SAEError",
 ]
 __version__ = "0.1.0"

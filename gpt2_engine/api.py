@@ -18,6 +18,7 @@ from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predic
 from .core.lora import LoraAdapter, LoraSettings, attach, check_base, load_adapter
 from .core.model import forward
 from .core.quantize import FORMATS, quantize_weights
+from .core.sae import SAE, SAEError, SAEMetrics, Spliced, check_saes, sae_point_names
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory,
                            weights_fingerprint)
@@ -132,6 +133,66 @@ class GPT2:
             key_mask = attention_mask.to(self.device).bool()  # [B, T]
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]: a left-padded row starts at position 0
         return forward(self.weights, self.config, ids.to(self.device), positions=positions, key_mask=key_mask, tap=recorder)
+
+    @torch.inference_mode()
+    def run_with_saes(self, ids: torch.Tensor, saes: SAE | Sequence[SAE], *, use_error_term: bool = False,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] with each SAE's reconstruction in place of the activation at its hook (SAELens's
+        HookedSAETransformer.run_with_saes). use_error_term=True adds the reconstruction error back, so the logits
+        are the plain model's while the SAE's features are computed (and can be cached, or edited by hooks)."""
+        return self.run_with_cache_with_saes(ids, saes, use_error_term=use_error_term, names=[],
+                                             attention_mask=attention_mask)[0]
+
+    @torch.inference_mode()
+    def run_with_cache_with_saes(self, ids: torch.Tensor, saes: SAE | Sequence[SAE], *, use_error_term: bool = False,
+                                 names: NameFilter = None, attention_mask: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, ActivationCache]:
+        """(logits, cache) with the SAEs spliced in: the cache holds the model's hook points `names` selects and,
+        by SAELens's names, each SAE's `{hook}.hook_sae_input`, `.hook_sae_acts_pre`, `.hook_sae_acts_post`,
+        `.hook_sae_recons`, `.hook_sae_error` (with the error term) and `.hook_sae_output`. Those are in the space
+        the SAE was trained in (its model options: core/sae.py); the model's own points are the engine's."""
+        saes = check_saes(saes, self.config)
+        extra = set(sae_point_names(saes))
+        if names is None or callable(names):
+            wanted = name_predicate(names, self.config)
+        else:
+            listed = [names] if isinstance(names, str) else list(names)
+            model_points = name_predicate([n for n in listed if n not in extra], self.config)
+            chosen = {n for n in listed if n in extra}
+            wanted = lambda n: n in chosen or model_points(n)  # noqa: E731
+        spliced = {sae.hook_name: Spliced(sae, self.weights, self.config, use_error_term, wanted) for sae in saes}
+        recorder = Recorder(wanted)
+        logits = self.run_with_hooks(ids, dict(spliced), attention_mask=attention_mask, recorder=recorder)
+        for s in spliced.values():
+            recorder.activations.update(s.seen)
+        return logits, ActivationCache(recorder.activations, self, ids, attention_mask)
+
+    @torch.inference_mode()
+    def evaluate_sae(self, sae: SAE, ids: torch.Tensor, *, batch_size: int = 8,
+                     progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """SAELens's eval metrics for `sae` over the windows ids [N, T], every token and next-token prediction:
+        mse, explained_variance, l0, l1, cossim, ce_loss_without_sae / with_sae / with_ablation (the hook zeroed),
+        ce_loss_score, kl_div_with_sae / with_ablation, kl_div_score, feature_density (per feature) and tokens.
+        Three passes per batch: plain, spliced and ablated. `progress(n)` is told each batch's window count."""
+        check_saes(sae, self.config)
+        self.check_ids(ids)
+        metrics = SAEMetrics(sae.d_in, sae.d_sae)
+        keep = {f"{sae.hook_name}.{p}" for p in ("hook_sae_input", "hook_sae_acts_post", "hook_sae_output")}
+        for i in range(0, ids.shape[0], batch_size):
+            batch = ids[i : i + batch_size].to(self.device)
+            plain = self.run_with_hooks(batch, {})
+            spliced = Spliced(sae, self.weights, self.config, record=keep.__contains__)
+            with_sae = self.run_with_hooks(batch, {sae.hook_name: spliced})
+            seen = {k.rsplit(".", 1)[1]: v for k, v in spliced.seen.items()}
+            ablated = self.run_with_hooks(batch, {sae.hook_name: Spliced(sae, self.weights, self.config,
+                                                                         replace=torch.zeros_like)})
+            x = seen["hook_sae_input"]
+            metrics.add_tokens(x.reshape(-1, x.shape[-1]), seen["hook_sae_output"].reshape(-1, x.shape[-1]),
+                               seen["hook_sae_acts_post"].reshape(-1, sae.d_sae))
+            metrics.add_logits(batch, plain, with_sae, ablated)
+            if progress is not None:
+                progress(batch.shape[0])
+        return metrics.result()
 
     @torch.inference_mode()
     def token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`gpt2 generate | score | eval | finetune | merge-lora | serve | inspect | compare | download`: a thin command line over the library.
+"""`gpt2 generate | score | eval | finetune | merge-lora | serve | inspect | sae | compare | download`: a thin command line over the library.
 
 Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
 """
@@ -16,6 +16,7 @@ from .commands.finetune import add_finetune
 from .commands.generate import add_generate
 from .commands.inspect import add_inspect
 from .commands.merge import add_merge_lora
+from .commands.sae import add_sae
 from .commands.score import add_score
 from .commands.serve import add_serve
 from .core.errors import GPT2EngineError
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_merge_lora(sub)
     add_serve(sub)
     add_inspect(sub)
+    add_sae(sub)
     add_compare(sub)
     add_download(sub)
     return parser

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Test and benchmark checkpoints, written once into the git-ignored `.cache/fixtures/` and reused.
 
-    python scripts/fixtures.py small|trained|induction ...   # prints each checkpoint's directory, building it if needed
+    python scripts/fixtures.py small|trained|induction|saes ...   # prints each checkpoint's directory, building it if needed
 
 Each checkpoint's directory name carries a hash of the scripts that write it, so a changed recipe is rebuilt and an
 unchanged one is reused across test runs and `make bench`. A build goes to a temporary directory that is renamed
@@ -27,6 +27,8 @@ RECIPES: dict[str, tuple[str, list[str], list[str]]] = {
     "small": ("make_fixture.py", [], ["make_fixture.py"]),  # random weights, full GPT-2-small shape
     "trained": ("train_fixture.py", [], ["train_fixture.py", "make_fixture.py"]),  # 4 layers trained on docstrings
     "induction": ("train_induction.py", [], ["train_induction.py", "make_fixture.py"]),  # 2 layers that copy a repeated run
+    # SAEs of every architecture, made by sae-lens on the trained checkpoint (the SAE tests' reference)
+    "saes": ("sae_reference.py", [], ["sae_reference.py", "train_fixture.py", "make_fixture.py"]),
 }
 
 
@@ -35,7 +37,7 @@ def ensure(name: str) -> Path:
     script, args, inputs = RECIPES[name]
     key = hashlib.sha256(b"".join((SCRIPTS / f).read_bytes() for f in inputs) + " ".join(args).encode()).hexdigest()[:12]
     dest = CACHE / f"{name}-{key}"
-    if (dest / "config.json").is_file():
+    if dest.is_dir():  # a build is renamed into place whole, so a directory there is a finished one
         return dest
     CACHE.mkdir(parents=True, exist_ok=True)
     for stale in CACHE.glob(f"{name}-*"):  # older recipes of the same checkpoint

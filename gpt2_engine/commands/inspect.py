@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..core.sae import SAE
 from ..inspect.report import ReportSettings, build_report, parse_layers, write_report
+from ..inspect.sae import feature_attribution
 from ..options import ModelOptions, UsageError, add_model_options, load_model
 
 
@@ -19,9 +21,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.ig_steps < 1:
         raise UsageError(f"--ig-steps: expected a positive integer, got {args.ig_steps}")
     t0 = time.perf_counter()
+    if args.sae_hook is not None and args.sae is None:
+        raise UsageError("--sae-hook names the hook of an --sae; expected --sae PATH with it")
+    sae = SAE.load(args.sae, hook_name=args.sae_hook) if args.sae is not None else None  # a bad file fails first
     model = load_model(ModelOptions.from_args(args))
     layers = parse_layers(args.layers, model.config.n_layer)
     report = build_report(model, prompt, ReportSettings(target=args.target, layers=layers, ig_steps=args.ig_steps))
+    if sae is not None:
+        report["sae"] = feature_attribution(model, sae, report["ids"], report["target"]["id"])
     if args.json:
         print(json.dumps(report, ensure_ascii=False))
     if args.out is not None or not args.json:
@@ -29,6 +36,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         written = write_report(report, out)
         if not args.quiet:
             target = report["target"]
+            if "sae" in report and report["sae"]["top"]:
+                best = report["sae"]["top"][0]
+                print(f"SAE: feature #{best['feature']} at {best['token']!r} (position {best['position']}) drives it most "
+                      f"({best['attribution']:+.4f})", file=sys.stderr)
             print(f"target {target['text']!r} ({target['chosen']}, log p {target['logprob']:.3f}); wrote "
                   f"{', '.join(p.name for p in written)} to {out}/ in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
@@ -54,6 +65,10 @@ def add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="directory for the PNGs, report.html and report.json (default ./inspect; with --json, "
                         "files are written only if --out is given)")
+    p.add_argument("--sae", metavar="PATH",
+                   help="also show which features of this SAE (SAELens's directory or OpenAI's .pt) drive the target: "
+                        "activation x gradient per token and feature, the reconstruction error added back")
+    p.add_argument("--sae-hook", metavar="NAME", help="the SAE's hook point (required for OpenAI's .pt files)")
     p.add_argument("--json", action="store_true", help="print the report's JSON to stdout")
     p.add_argument("--ig-steps", type=int, default=ReportSettings.ig_steps, metavar="N",
                    help=f"integrated-gradients quadrature points to start with; doubled until the attributions add up "

@@ -1,0 +1,569 @@
+"""Sparse autoencoders (SAEs) on the engine's forward: SAELens's and OpenAI's files, read without running their
+code, spliced in at a hook point, and evaluated as SAELens evaluates them.
+
+An SAE reads the activation a at one hook point (core/hooks.py's names, TransformerLens's), encodes it into d_sae
+sparse features and decodes a reconstruction:
+
+    x = a, flattened over heads for hook_z       [..., d_in]        hook_sae_input
+    n = normalize(x)                             (none | layer_norm | constant_norm_rescale)
+    pre = (n - b_dec) @ W_enc + b_enc            [..., d_sae]       hook_sae_acts_pre  (b_dec only if apply_b_dec_to_input)
+    f = activation(pre)                          relu | topk | jumprelu | gated          hook_sae_acts_post
+    r = f @ W_dec + b_dec                        [..., d_in]        hook_sae_recons
+    out = unnormalize(r), reshaped like a                           hook_sae_output (+ hook_sae_error = a - out)
+
+The model an SAE was trained on. SAELens trains on TransformerLens's HookedTransformer, loaded as the SAE's
+`model_from_pretrained_kwargs` say; some of those options change what appears at a hook while leaving the model's
+function alone. The engine's activations are Hugging Face's, so at the SAE's hook it presents what that loading
+would have shown, as an affine map a = p * scale + shift, runs the SAE on p, and maps the result back:
+
+- center_writing_weights: every write into the residual stream (W_E, W_pos, W_O, b_O, W_out, b_out) has its mean
+  over d_model removed. The residual stream is a sum of writes, so it appears centred too: p = a - mean(a) at
+  hook_embed, hook_pos_embed, hook_resid_*, hook_attn_out and hook_mlp_out. Exact because every reader of the
+  stream is a LayerNorm, which subtracts the mean first: adding mean(a) back changes nothing downstream.
+- fold_value_biases: b_V moves into b_O (b_O + b_V W_O). Each row of the attention pattern sums to 1, so a head's
+  output pattern @ (v + b_V) = pattern @ v + b_V: p = a - b_V at attn.hook_v and attn.hook_z.
+- fold_ln: the LayerNorms' weight and bias move into the next projections, so ln*.hook_normalized shows the
+  normalized input without the affine: p = (a - bias) / weight. TransformerLens then centres the weights that read
+  it (q/k/v, the MLP's input, the unembedding) over their input, free since a normalized input has mean 0, so a
+  replacement's mean is ignored downstream: the way back is a = (p - mean(p)) * weight + bias.
+
+Options that change no activation at the hook (center_unembed: only the logits, by a constant per position; dtype
+and device) are accepted; any other is refused by name. SAE math runs in float32 whatever the model's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import GPT2Config
+from .errors import GPT2EngineError
+from .hooks import hook_names
+from .weights import GPT2Weights, split_qkv
+
+ARCHITECTURES = ("standard", "topk", "jumprelu", "gated")
+NORMALIZATIONS = ("none", "layer_norm", "expected_average_only_in", "constant_norm_rescale")
+SAE_POINTS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error",
+              "hook_sae_output")
+HEAD_POINTS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")  # [B, T, nh, hs]
+CENTRED_POINTS = ("hook_embed", "hook_pos_embed", "hook_resid_pre", "hook_resid_mid", "hook_resid_post",
+                  "hook_attn_out", "hook_mlp_out")
+NO_EFFECT_OPTIONS = ("center_unembed", "dtype", "torch_dtype", "device", "n_devices", "move_to_device",
+                     "default_prepend_bos", "default_padding_side", "trust_remote_code")
+SAELENS_CONFIG, SAELENS_WEIGHTS = "cfg.json", "sae_weights.safetensors"
+LN_EPS = 1e-5  # SAELens's and OpenAI's layer_norm normalization: x / (unbiased std + 1e-5)
+
+
+class SAEError(GPT2EngineError):
+    """A sparse autoencoder that cannot be read, or does not fit the model or hook it is used with."""
+
+
+@dataclass(frozen=True)
+class SAEConfig:
+    """What an SAE file says, under SAELens's names (`hook_name`, `d_sae`, ...)."""
+
+    architecture: str  # one of ARCHITECTURES
+    d_in: int
+    d_sae: int
+    hook_name: str
+    hook_head_index: int | None = None
+    apply_b_dec_to_input: bool = True
+    normalize_activations: str = "none"  # one of NORMALIZATIONS
+    reshape_activations: str = "none"  # "none" | "hook_z"
+    k: int | None = None  # topk
+    rescale_acts_by_decoder_norm: bool = False  # topk: pre-activations scaled by |W_dec row| (SAELens >= 6)
+    model_from_pretrained_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    prepend_bos: bool = True  # SAELens's default: its training prompts began with <|endoftext|>
+    format: str = "saelens"  # "saelens" | "openai"
+
+
+@dataclass(frozen=True)
+class Affine:
+    """The activation TransformerLens would show at a hook, p, from the engine's a: a = p * scale + shift."""
+
+    shift: torch.Tensor | None = None  # broadcast against the activation
+    scale: torch.Tensor | None = None
+    centre: bool = False  # the readers ignore p's mean (fold_ln's centred weights): restore removes it
+
+
+    def present(self, a: torch.Tensor) -> torch.Tensor:
+        p = a if self.shift is None else a - self.shift
+        return p if self.scale is None else p / self.scale
+
+    def restore(self, p: torch.Tensor) -> torch.Tensor:
+        if self.centre:
+            p = p - p.mean(dim=-1, keepdim=True)
+        a = p if self.scale is None else p * self.scale
+        return a if self.shift is None else a + self.shift
+
+
+class SAE:
+    """A sparse autoencoder: its config and float32 weights W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in],
+    b_dec [d_in], and per architecture threshold [d_sae] (jumprelu) or b_gate, b_mag, r_mag [d_sae] (gated)."""
+
+    def __init__(self, config: SAEConfig, weights: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.W_enc, self.b_enc = weights["W_enc"], weights.get("b_enc")
+        self.W_dec, self.b_dec = weights["W_dec"], weights["b_dec"]
+        self.threshold = weights.get("threshold")
+        self.b_gate, self.b_mag, self.r_mag = weights.get("b_gate"), weights.get("b_mag"), weights.get("r_mag")
+        # topk with rescale: |W_dec row| once (SAELens multiplies the pre-activations by it, then divides it out)
+        self.dec_norm = self.W_dec.norm(dim=-1) if config.rescale_acts_by_decoder_norm else None  # [d_sae]
+
+    @classmethod
+    def load(cls, path: str | Path, hook_name: str | None = None, *,
+             norm_scaling_factor: float | None = None) -> SAE:
+        """An SAE from SAELens's directory (cfg.json + sae_weights.safetensors) or OpenAI's state dict (a .pt file;
+        `hook_name` is required, that format does not record it). `hook_name` overrides the file's hook.
+        `norm_scaling_factor`: the expected_average_only_in factor SAELens's registry gives for a release (folded
+        into the weights as SAELens folds it; without it that normalization is left out, as SAELens's disk loader
+        leaves it)."""
+        p = Path(path)
+        if not p.exists():
+            raise SAEError(f"--sae {path}: no such file or directory (expected SAELens's directory with {SAELENS_CONFIG} "
+                           f"and {SAELENS_WEIGHTS}, or OpenAI's .pt state dict)")
+        if p.is_dir() or p.name in (SAELENS_CONFIG, SAELENS_WEIGHTS):
+            config, weights = read_saelens(p if p.is_dir() else p.parent, hook_name)
+        elif p.suffix in (".pt", ".pth"):
+            config, weights = read_openai(p, hook_name)
+        else:
+            raise SAEError(f"--sae {path}: expected SAELens's directory ({SAELENS_CONFIG} + {SAELENS_WEIGHTS}) or "
+                           f"OpenAI's .pt state dict, got a {p.suffix or 'suffix-less'} file")
+        if config.normalize_activations == "expected_average_only_in" and norm_scaling_factor is not None:
+            weights["W_enc"] = weights["W_enc"] * norm_scaling_factor
+            weights["W_dec"] = weights["W_dec"] / norm_scaling_factor
+            weights["b_dec"] = weights["b_dec"] / norm_scaling_factor
+        return cls(config, weights)
+
+    @property
+    def hook_name(self) -> str:
+        return self.config.hook_name
+
+    @property
+    def d_in(self) -> int:
+        return self.config.d_in
+
+    @property
+    def d_sae(self) -> int:
+        return self.config.d_sae
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"SAE({c.architecture}, {c.hook_name}, d_in={c.d_in}, d_sae={c.d_sae}{f', k={c.k}' if c.k else ''})"
+
+    def select(self, features: Sequence[int]) -> SAE | None:
+        """The SAE cut down to `features` (its encoder columns, decoder rows): each of them activates exactly as in
+        the whole SAE, at a fraction of the encoding work. None for topk, where a feature fires only if it beats
+        every other feature's pre-activation."""
+        if self.config.architecture == "topk":
+            return None
+        index = torch.tensor(list(features))
+        weights = {"W_enc": self.W_enc[:, index], "W_dec": self.W_dec[index], "b_dec": self.b_dec}
+        for name in ("b_enc", "threshold", "b_gate", "b_mag", "r_mag"):
+            if (t := getattr(self, name)) is not None:
+                weights[name] = t[index]
+        return SAE(replace(self.config, d_sae=len(index)), weights)
+
+    # -- the SAE's own math, on activations as the SAE sees them ([..., d_in]) ------------------------------------
+
+    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """(the SAE's input after its normalization, the map that undoes it on a reconstruction)."""
+        how = self.config.normalize_activations
+        if how == "layer_norm":
+            mu = x.mean(dim=-1, keepdim=True)
+            std = (x - mu).std(dim=-1, keepdim=True)  # unbiased, as SAELens's and OpenAI's LN
+            return (x - mu) / (std + LN_EPS), lambda r: r * std + mu
+        if how == "constant_norm_rescale":
+            coeff = math.sqrt(self.d_in) / x.norm(dim=-1, keepdim=True)
+            return x * coeff, lambda r: r / coeff
+        return x, lambda r: r
+
+    def pre_activations(self, n: torch.Tensor) -> torch.Tensor:
+        """[..., d_in] normalized input -> [..., d_sae]: the encoder's output before the activation (for gated SAEs,
+        the magnitude path's, as SAELens's hook_sae_acts_pre)."""
+        if self.config.apply_b_dec_to_input:
+            n = n - self.b_dec
+        if self.config.architecture == "gated":
+            return n @ (self.W_enc * self.r_mag.exp()) + self.b_mag
+        return n @ self.W_enc + self.b_enc
+
+    def activate(self, n: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """[..., d_sae] pre-activations -> feature activations f."""
+        arch = self.config.architecture
+        if arch == "topk":
+            if self.dec_norm is not None:
+                pre = pre * self.dec_norm
+            top = pre.topk(self.config.k, dim=-1, sorted=False)
+            return torch.zeros_like(pre).scatter_(-1, top.indices, top.values.relu())
+        if arch == "jumprelu":
+            return pre.relu() * (pre > self.threshold)
+        if arch == "gated":  # the gate decides which features fire, the magnitude path how strongly
+            gate = (n - self.b_dec if self.config.apply_b_dec_to_input else n) @ self.W_enc + self.b_gate
+            return (gate > 0) * pre.relu()
+        return pre.relu()
+
+    def reconstruct(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., d_sae] features -> [..., d_in] reconstruction r in the normalized space (hook_sae_recons)."""
+        if self.dec_norm is not None:
+            f = f / self.dec_norm
+        return f @ self.W_dec + self.b_dec
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d_in] (or [..., nh, hs] for a hook_z SAE) -> [..., d_sae] feature activations."""
+        x = self.flatten(x.float())
+        n, _ = self.normalize(x)
+        return self.activate(n, self.pre_activations(n))
+
+    def decode(self, f: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., d_sae] features -> [..., d_in] reconstruction. An SAE that normalizes its input maps back with the
+        statistics of the input `x` the features came from, which it then needs."""
+        r = self.reconstruct(f.float())
+        if self.config.normalize_activations in ("layer_norm", "constant_norm_rescale"):
+            if x is None:
+                raise SAEError(f"decode: this SAE normalizes its input ({self.config.normalize_activations}); pass the "
+                               f"input x the features came from")
+            r = self.normalize(self.flatten(x.float()))[1](r)
+        return r
+
+    def flatten(self, x: torch.Tensor) -> torch.Tensor:
+        """A head-shaped activation [..., nh, hs] flattened to [..., nh*hs] where the SAE reads every head."""
+        return x.flatten(-2) if x.shape[-1] != self.d_in and x.dim() >= 2 and x.shape[-2] * x.shape[-1] == self.d_in else x
+
+    # -- against a model ----------------------------------------------------------------------------------------
+
+    def check(self, config: GPT2Config) -> None:
+        """Raise SAEError unless this SAE's hook exists in a model with this config and its width matches there."""
+        c = self.config
+        if c.hook_name not in set(hook_names(config)):
+            raise SAEError(f"SAE hook {c.hook_name!r}: not a hook point of this model (expected names like "
+                           f"'blocks.6.hook_resid_pre' for layers 0..{config.n_layer - 1})")
+        point = c.hook_name.split(".", 2)[-1] if c.hook_name.startswith("blocks.") else c.hook_name
+        if point in ("attn.hook_attn_scores", "attn.hook_pattern") or point.endswith("hook_scale"):
+            raise SAEError(f"SAE hook {c.hook_name!r}: SAEs read residual, attention (q/k/v/z), MLP or layer-norm "
+                           f"outputs, not {point}")
+        if point in HEAD_POINTS and c.hook_head_index is not None:
+            if not 0 <= c.hook_head_index < config.n_head:
+                raise SAEError(f"SAE hook_head_index {c.hook_head_index}: expected 0..{config.n_head - 1}")
+            want = config.head_size
+        elif point.startswith("mlp."):
+            want = config.mlp_width
+        else:
+            want = config.n_embd
+        if c.d_in != want:
+            raise SAEError(f"SAE d_in {c.d_in} does not match {c.hook_name} of this model, which is {want} wide")
+        presentation(c, config, None)  # the model options, checked now rather than at the first forward
+
+
+def presentation(c: SAEConfig, config: GPT2Config, weights: GPT2Weights | None,
+                 a: torch.Tensor | None = None) -> Affine:
+    """The map from the engine's activation `a` at the SAE's hook to what the SAE's TransformerLens model showed
+    there (see the module docstring); the options are checked (and nothing computed) when `weights` is None."""
+    point = c.hook_name.split(".", 2)[-1] if c.hook_name.startswith("blocks.") else c.hook_name
+    layer = int(c.hook_name.split(".")[1]) if c.hook_name.startswith("blocks.") else None
+    affine = Affine()
+    for option, value in c.model_from_pretrained_kwargs.items():
+        if option in NO_EFFECT_OPTIONS or value in (False, None):
+            continue
+        if option == "center_writing_weights" and value is True:
+            if weights is not None and point in CENTRED_POINTS:
+                affine = Affine(shift=a.mean(dim=-1, keepdim=True))
+        elif option == "fold_value_biases" and value is True:
+            if weights is not None and point in ("attn.hook_v", "attn.hook_z"):
+                b_v = split_qkv(weights.blocks[layer].c_attn.bias)[2].float()  # [C]
+                affine = Affine(shift=b_v.view(config.n_head, config.head_size))  # [nh, hs]
+        elif option == "fold_ln" and value is True:
+            if weights is not None and point.endswith("hook_normalized"):
+                ln = weights.ln_f if layer is None else (weights.blocks[layer].ln_1 if point.startswith("ln1")
+                                                         else weights.blocks[layer].ln_2)
+                if bool((ln.weight == 0).any()):
+                    raise SAEError(f"fold_ln at {c.hook_name}: a layer-norm weight is 0, so the unscaled activation "
+                                   f"cannot be recovered")
+                affine = Affine(shift=ln.bias.float(), scale=ln.weight.float(), centre=True)
+        elif option == "refactor_factored_attn_matrices" and value is True:
+            if point in HEAD_POINTS:
+                raise SAEError(f"SAE model option refactor_factored_attn_matrices changes {point}; the engine "
+                               f"cannot present it (expected an SAE trained without it, or at another hook)")
+        else:
+            raise SAEError(f"SAE model option {option}={value!r} is not supported (expected center_writing_weights, "
+                           f"fold_value_biases, fold_ln, refactor_factored_attn_matrices or "
+                           f"{', '.join(NO_EFFECT_OPTIONS[:2])})")
+    return affine
+
+
+@dataclass
+class Spliced:
+    """One SAE at its hook during a forward: what it saw and made, by SAELens's names (`hook_sae_*`), in the
+    presented (TransformerLens) space; `record` says which of them to keep."""
+
+    sae: SAE
+    weights: GPT2Weights
+    config: GPT2Config
+    use_error_term: bool = False
+    record: Callable[[str], bool] = lambda name: False
+    replace: Callable[[torch.Tensor], torch.Tensor] | None = None  # instead of the SAE's output (an ablation)
+    leaf: bool = False  # features as an autograd leaf (seen["leaf"]), the error added back as a constant
+    seen: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __call__(self, a: torch.Tensor, name: str) -> torch.Tensor:
+        """The engine's activation a at the hook -> the activation that flows on (its SAE reconstruction)."""
+        c, affine = self.sae.config, presentation(self.sae.config, self.config, self.weights, a)
+        p = affine.present(a)  # TransformerLens's activation, hook-shaped
+        x = p[..., c.hook_head_index, :] if c.hook_head_index is not None else self.sae.flatten(p)  # [..., d_in]
+        keep = {}
+        n, unnormalize = self.sae.normalize(x)
+        pre = self.sae.pre_activations(n)
+        f = self.sae.activate(n, pre)
+        if self.leaf:  # gradients with respect to the features themselves (attribution)
+            f = self.seen["leaf"] = f.detach().requires_grad_(True)
+        r = self.sae.reconstruct(f)
+        out = unnormalize(r).view(x.shape)
+        if self.replace is not None:
+            out = self.replace(x)
+        keep.update(hook_sae_input=x, hook_sae_acts_pre=pre, hook_sae_acts_post=f, hook_sae_recons=r)
+        if self.leaf:
+            out = out + (x - out).detach()  # the plain model's activation, with d/df through the decoder alone
+        elif self.use_error_term:
+            error = x - out
+            keep["hook_sae_error"] = error.view(p.shape) if c.hook_head_index is None else error
+            out = out + error
+        keep["hook_sae_output"] = out.view(p.shape) if c.hook_head_index is None else out
+        for point, value in keep.items():
+            if self.record(f"{name}.{point}"):
+                self.seen[f"{name}.{point}"] = value
+        if c.hook_head_index is None:
+            return affine.restore(out.view(p.shape))
+        p = p.clone()
+        p[..., c.hook_head_index, :] = out
+        a = a.clone()  # the other heads flow on as they were, to the bit
+        a[..., c.hook_head_index, :] = affine.restore(p)[..., c.hook_head_index, :]
+        return a
+
+
+def sae_point_names(saes: Sequence[SAE]) -> list[str]:
+    """The SAELens cache names the spliced SAEs add: {hook}.hook_sae_input, ..."""
+    return [f"{sae.hook_name}.{point}" for sae in saes for point in SAE_POINTS]
+
+
+def check_saes(saes: SAE | Sequence[SAE], config: GPT2Config) -> list[SAE]:
+    """The SAEs as a list, each checked against the model; two at one hook are an error (which would run?)."""
+    saes = [saes] if isinstance(saes, SAE) else list(saes)
+    seen: set[str] = set()
+    for sae in saes:
+        if not isinstance(sae, SAE):
+            raise SAEError(f"saes: expected gpt2_engine.SAE objects (SAE.load(path)), got {type(sae).__name__}")
+        sae.check(config)
+        if sae.hook_name in seen:
+            raise SAEError(f"saes: two SAEs at {sae.hook_name}; splice one per hook point")
+        seen.add(sae.hook_name)
+    return saes
+
+
+# -- files ------------------------------------------------------------------------------------------------------
+
+
+def read_saelens(directory: Path, hook_name: str | None) -> tuple[SAEConfig, dict[str, torch.Tensor]]:
+    """SAELens's format: cfg.json (flat before SAELens 6, `metadata` since) + sae_weights.safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_path, weights_path = directory / SAELENS_CONFIG, directory / SAELENS_WEIGHTS
+    for f in (cfg_path, weights_path):
+        if not f.is_file():
+            raise SAEError(f"--sae {directory}: no {f.name} (expected SAELens's directory with {SAELENS_CONFIG} and "
+                           f"{SAELENS_WEIGHTS})")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SAEError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise SAEError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    meta = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
+
+    def get(*names: str, default: Any = None) -> Any:
+        for name in names:
+            for where in (raw, meta):
+                if name in where and where[name] is not None:
+                    return where[name]
+        return default
+
+    architecture = get("architecture", default="standard")
+    act = get("activation_fn", "activation_fn_str", default="relu")
+    k = get("k", default=(get("activation_fn_kwargs", default={}) or {}).get("k"))
+    if act == "topk" and architecture == "standard":
+        architecture = "topk"  # SAELens before 6: a standard SAE with a topk activation function
+    if architecture not in ARCHITECTURES:
+        raise SAEError(f"{cfg_path}: architecture {architecture!r} is not supported (expected one of "
+                       f"{', '.join(ARCHITECTURES)})")
+    if architecture == "standard" and act != "relu":
+        raise SAEError(f"{cfg_path}: activation_fn {act!r} is not supported for a standard SAE (expected relu)")
+    normalize = get("normalize_activations", default="none")
+    if isinstance(normalize, bool):  # SAELens before 6
+        normalize = "expected_average_only_in" if normalize else "none"
+    if normalize not in NORMALIZATIONS:
+        raise SAEError(f"{cfg_path}: normalize_activations {normalize!r} is not supported (expected one of "
+                       f"{', '.join(NORMALIZATIONS)})")
+    hook = hook_name or get("hook_name", "hook_point")
+    if not hook:
+        raise SAEError(f"{cfg_path}: no hook_name; pass hook_name= (the hook point the SAE reads)")
+    reshape = get("reshape_activations", default="hook_z" if str(hook).endswith("hook_z") else "none")
+    if reshape not in ("none", "hook_z"):
+        raise SAEError(f"{cfg_path}: reshape_activations {reshape!r} is not supported (expected none or hook_z)")
+    kwargs = get("model_from_pretrained_kwargs", default={}) or {}
+    if not isinstance(kwargs, dict):
+        raise SAEError(f"{cfg_path}: model_from_pretrained_kwargs: expected an object, got {kwargs!r}")
+    try:
+        tensors = load_file(weights_path)
+    except (SafetensorError, OSError) as e:
+        raise SAEError(f"{weights_path}: not a readable safetensors file ({e})") from None
+    if "scaling_factor" in tensors:  # SAELens < 6 saved it; all ones means none
+        if not torch.all(tensors.pop("scaling_factor") == 1):
+            raise SAEError(f"{weights_path}: a finetuning scaling_factor other than 1 is not supported")
+    config = SAEConfig(
+        architecture=architecture, d_in=int(get("d_in", default=0)), d_sae=int(get("d_sae", default=0)),
+        hook_name=str(hook), hook_head_index=get("hook_head_index", "hook_point_head_index"),
+        apply_b_dec_to_input=bool(get("apply_b_dec_to_input", default=True)), normalize_activations=normalize,
+        reshape_activations=reshape, k=None if k is None else int(k),
+        rescale_acts_by_decoder_norm=architecture == "topk" and bool(get("rescale_acts_by_decoder_norm", default=True)),
+        model_from_pretrained_kwargs=dict(kwargs), prepend_bos=bool(get("prepend_bos", default=True)))
+    return config, checked(config, tensors, str(weights_path))
+
+
+def read_openai(path: Path, hook_name: str | None) -> tuple[SAEConfig, dict[str, torch.Tensor]]:
+    """OpenAI's sparse_autoencoder state dict (Autoencoder.state_dict()): read with weights_only, so a pickle can
+    hold tensors, strings and numbers only. TopK files take layer-normed input, as that repo's model.py does."""
+    if not hook_name:
+        raise SAEError(f"--sae {path}: OpenAI's format does not record its hook point; pass hook_name (e.g. "
+                       f"'blocks.6.hook_resid_post' for its resid_post_mlp layer 6)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # an unpickling error names what the file tried to load; a truncated file, its offset
+        raise SAEError(f"{path}: not a state dict torch can read safely ({str(e).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict) or "encoder.weight" not in state:
+        raise SAEError(f"{path}: expected OpenAI's sparse_autoencoder state dict (encoder.weight, decoder.weight, "
+                       f"pre_bias, latent_bias)")
+    activation = state.get("activation", "ReLU")
+    options = state.get("activation_state_dict", {}) or {}
+    if activation == "TopK":
+        if options.get("postact_fn", "ReLU") != "ReLU":
+            raise SAEError(f"{path}: TopK postact_fn {options.get('postact_fn')!r} is not supported (expected ReLU)")
+        architecture, k = "topk", int(options["k"])
+    elif activation == "ReLU":
+        architecture, k = "standard", None
+    else:
+        raise SAEError(f"{path}: activation {activation!r} is not supported (expected TopK or ReLU)")
+    for name in ("encoder.weight", "decoder.weight", "pre_bias", "latent_bias"):
+        if not isinstance(state.get(name), torch.Tensor):
+            raise SAEError(f"{path}: missing tensor {name}")
+    n_latents, d = state["encoder.weight"].shape
+    config = SAEConfig(architecture=architecture, d_in=int(d), d_sae=int(n_latents), hook_name=hook_name,
+                       normalize_activations="layer_norm" if activation == "TopK" else "none",
+                       reshape_activations="hook_z" if hook_name.endswith("hook_z") else "none", k=k,
+                       prepend_bos=False, format="openai")
+    tensors = {"W_enc": state["encoder.weight"].T, "W_dec": state["decoder.weight"].T, "b_enc": state["latent_bias"],
+               "b_dec": state["pre_bias"]}
+    return config, checked(config, tensors, str(path))
+
+
+def checked(config: SAEConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The weights as contiguous float32, each shape checked against the config; a missing or extra one is an error."""
+    d_in, d_sae = config.d_in, config.d_sae
+    shapes = {"W_enc": (d_in, d_sae), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+    shapes.update({"jumprelu": {"b_enc": (d_sae,), "threshold": (d_sae,)},
+                   "gated": {"b_gate": (d_sae,), "b_mag": (d_sae,), "r_mag": (d_sae,)}}.get(config.architecture,
+                                                                                           {"b_enc": (d_sae,)}))
+    if d_in <= 0 or d_sae <= 0:
+        raise SAEError(f"{where}: d_in and d_sae must be positive, got {d_in} and {d_sae}")
+    if config.architecture == "topk" and not (config.k and 0 < config.k <= d_sae):
+        raise SAEError(f"{where}: topk needs k in 1..{d_sae}, got {config.k}")
+    if missing := [n for n in shapes if n not in tensors]:
+        raise SAEError(f"{where}: missing tensor {missing[0]} for a {config.architecture} SAE")
+    if extra := [n for n in tensors if n not in shapes and not (config.architecture == "gated" and n == "b_enc")]:
+        raise SAEError(f"{where}: unexpected tensor {extra[0]} for a {config.architecture} SAE")
+    out = {}
+    for name, shape in shapes.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise SAEError(f"{where}: {name} has shape {list(t.shape)}, expected {list(shape)} (d_in {d_in}, "
+                           f"d_sae {d_sae})")
+        out[name] = t.float().contiguous()
+    return out
+
+
+# -- evaluation, as SAELens's evals.py defines its metrics --------------------------------------------------------
+
+
+def kl_per_position(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> [...]: KL(base || new) over the next-token distribution, as SAELens's _kl."""
+    return F.kl_div(new.log_softmax(-1), base.log_softmax(-1), reduction="none", log_target=True).sum(-1)
+
+
+@dataclass
+class SAEMetrics:
+    """SAELens's eval metrics (sae_lens/evals.py), accumulated over batches: per-token means, explained variance
+    from float64 sums (1 - E|x - x_hat|^2 / (E|x|^2 - |E x|^2)), cross-entropy over every next-token prediction,
+    KL over every position, and each feature's density (the fraction of tokens it fires on)."""
+
+    d_in: int
+    d_sae: int
+    tokens: int = 0
+    predictions: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    sum_x: torch.Tensor | None = None  # [d_in] float64
+    fired: torch.Tensor | None = None  # [d_sae] float64
+
+    def add_tokens(self, x: torch.Tensor, out: torch.Tensor, f: torch.Tensor) -> None:
+        """x, out [N, d_in] the SAE's input and reconstruction (presented space); f [N, d_sae] its features."""
+        x64, out64 = x.double(), out.double()
+        resid = (x64 - out64).pow(2).sum(-1)  # [N]
+        cos = (x64 / x64.norm(dim=-1, keepdim=True) * (out64 / out64.norm(dim=-1, keepdim=True))).sum(-1)
+        self.add("mse", resid.sum())
+        self.add("cossim", cos.sum())
+        self.add("l0", (f != 0).sum(-1).double().sum())
+        self.add("l1", f.abs().sum(-1).double().sum())
+        self.add("sq_norm", x64.pow(2).sum())
+        self.sum_x = x64.sum(0) if self.sum_x is None else self.sum_x + x64.sum(0)
+        fired = (f != 0).sum(0).double()
+        self.fired = fired if self.fired is None else self.fired + fired
+        self.tokens += x.shape[0]
+
+    def add_logits(self, ids: torch.Tensor, plain: torch.Tensor, spliced: torch.Tensor, ablated: torch.Tensor) -> None:
+        """ids [B, T]; logits [B, T, V] without the SAE, with it, and with the hook zeroed."""
+        target = ids[:, 1:].reshape(-1)
+        for key, logits in (("ce_loss_without_sae", plain), ("ce_loss_with_sae", spliced),
+                            ("ce_loss_with_ablation", ablated)):
+            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), target, reduction="sum")
+            self.add(key, ce.double())
+        self.add("kl_div_with_sae", kl_per_position(plain, spliced).double().sum())
+        self.add("kl_div_with_ablation", kl_per_position(plain, ablated).double().sum())
+        self.predictions += target.numel()
+        self.add("positions", float(ids.numel()))
+
+    def add(self, key: str, value: torch.Tensor | float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def result(self) -> dict[str, Any]:
+        n, s = max(self.tokens, 1), self.sums
+        variance = s.get("sq_norm", 0.0) / n - float((self.sum_x / n).pow(2).sum()) if self.sum_x is not None else 0.0
+        mse = s.get("mse", 0.0) / n
+        out: dict[str, Any] = {
+            "mse": mse, "explained_variance": (1.0 if mse < 1e-10 else 0.0) if variance < 1e-10 else 1 - mse / variance,
+            "l0": s.get("l0", 0.0) / n, "l1": s.get("l1", 0.0) / n, "cossim": s.get("cossim", 0.0) / n,
+        }
+        if self.predictions:
+            p, positions = self.predictions, s["positions"]
+            ce = {k: s[k] / p for k in ("ce_loss_without_sae", "ce_loss_with_sae", "ce_loss_with_ablation")}
+            kl = {k: s[k] / positions for k in ("kl_div_with_sae", "kl_div_with_ablation")}
+            gap = ce["ce_loss_with_ablation"] - ce["ce_loss_without_sae"]
+            out.update(ce, ce_loss_score=(ce["ce_loss_with_ablation"] - ce["ce_loss_with_sae"]) / gap if gap else float("nan"))
+            out.update(kl, kl_div_score=(kl["kl_div_with_ablation"] - kl["kl_div_with_sae"]) / kl["kl_div_with_ablation"]
+                       if kl["kl_div_with_ablation"] else float("nan"))
+        out["tokens"] = self.tokens
+        out["feature_density"] = (self.fired / n).tolist() if self.fired is not None else []
+        return out

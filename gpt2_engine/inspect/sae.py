@@ -1,0 +1,322 @@
+"""What an SAE's features respond to: per-token features of a prompt, and feature dashboards over a corpus.
+
+A dashboard streams a corpus through the model up to the SAE's hook (the layers after it and the head are never
+run), encodes each batch and keeps, per feature, its top-N activating tokens with the context around each, an
+activation histogram on fixed log-spaced bins (so batches and resumed runs merge exactly) and its density; the
+decoder direction's direct effect on the logits comes from the weights alone. Memory is bounded by the features
+kept (F x N x CONTEXT), never by the corpus: the text is read and tokenized one file at a time, and the state is
+saved atomically every few batches so that a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..api import GPT2
+from ..core.errors import GPT2EngineError
+from ..core.files import atomic_write
+from ..core.hooks import Recorder
+from ..core.model import logits, residual_stream
+from ..core.sae import SAE, Spliced, check_saes
+from ..documents import read_documents
+from .analysis import float64_head
+
+BEFORE, AFTER = 12, 3  # tokens of context kept around each top activation
+BINS = torch.logspace(-3, 3, 61)  # histogram edges of nonzero activations, 1e-3 .. 1e3: fixed, so runs merge exactly
+STATE = "state.pt"
+
+
+class StopForward(Exception):
+    """Raised by the hook once the SAE's input is in hand: nothing after the hook needs computing."""
+
+
+def feature_acts(model: GPT2, sae: SAE, ids: torch.Tensor) -> torch.Tensor:
+    """ids [B, T] -> [B, T, d_sae]: the SAE's feature activations, the forward stopped at its hook."""
+    name = f"{sae.hook_name}.hook_sae_acts_post"
+    spliced = Spliced(sae, model.weights, model.config, record=name.__eq__)
+
+    def stop(a: torch.Tensor, hook: str) -> torch.Tensor:
+        spliced(a, hook)
+        raise StopForward
+
+    try:
+        model.run_with_hooks(ids, {sae.hook_name: stop})
+    except StopForward:
+        pass
+    return spliced.seen[name]
+
+
+def prompt_ids(model: GPT2, sae: SAE, text: str) -> list[int]:
+    """The prompt's ids, after <|endoftext|> where the SAE was trained on prompts that began with it."""
+    ids = model.tokenizer.encode(text, allow_special=True)
+    eot = model.tokenizer.eot_id
+    return [eot, *ids] if sae.config.prepend_bos and (not ids or ids[0] != eot) else ids
+
+
+def corpus_windows(model: GPT2, paths: Sequence[str], context: int, bos: bool) -> Iterator[list[int]]:
+    """Windows of `context` ids over the files in order, documents joined by <|endoftext|> (each window begins with
+    it where `bos`); one file is read and tokenized at a time."""
+    if context < 2:
+        raise GPT2EngineError(f"--context: expected at least 2 tokens per window, got {context}")
+    eot = model.tokenizer.eot_id
+    body = context - 1 if bos else context
+    pending: list[int] = []
+    for path in paths:
+        for _, doc in read_documents([path], sys.stdin.buffer):  # a .jsonl file's "text" fields, checked
+            pending += model.tokenizer.encode(doc) + [eot]
+            start = 0
+            while len(pending) - start >= body:
+                yield ([eot] if bos else []) + pending[start : start + body]
+                start += body
+            del pending[:start]  # once per document: slicing per window would copy a long document's ids over and over
+    if len(pending) > 1:
+        yield ([eot] if bos else []) + pending
+
+
+@dataclass(frozen=True)
+class DashboardSettings:
+    features: tuple[int, ...]
+    top: int = 20
+    context: int = 128
+    batch_size: int = 8
+
+
+class Dashboard:
+    """Per-feature top-N activations with their contexts, histograms and densities, merged batch by batch.
+
+    The top N are chosen by a key that orders (activation descending, corpus position ascending) with no ties: the
+    activation's float32 bits (monotonic for activations >= 0) above the position's complement. Identical activations,
+    which a corpus with repeated text produces, are then kept in corpus order whatever the batching, so any split of
+    the corpus (resumed runs, Ray workers) merges to exactly the single run's result."""
+
+    def __init__(self, settings: DashboardSettings) -> None:
+        F, N, W = len(settings.features), settings.top, BEFORE + 1 + AFTER
+        self.settings = settings
+        self.index = torch.tensor(settings.features)
+        self.top_key = torch.full((F, N), -1, dtype=torch.int64)  # -1: an empty slot
+        self.top_ids = torch.zeros((F, N, W), dtype=torch.int32)  # the tokens around each (-1: none)
+        self.top_ctx = torch.zeros((F, N, W))  # the feature's activation at each of them
+        self.hist = torch.zeros((F, len(BINS) + 1), dtype=torch.int64)
+        self.fired = torch.zeros(F, dtype=torch.int64)
+        self.tokens = 0
+        self.windows = 0
+
+    @property
+    def top_acts(self) -> torch.Tensor:
+        """[F, N] the top activations (-1 in empty slots)."""
+        acts = (self.top_key >> 32).to(torch.int32).view(torch.float32)
+        return torch.where(self.top_key < 0, -1.0, acts)
+
+    def add(self, ids: torch.Tensor, acts: torch.Tensor, first_window: int | None = None) -> None:
+        """ids [B, T], acts [B, T, F] (the dashboard's features, in its order) of the windows numbered
+        first_window.. (default: the next ones) in the corpus."""
+        B, T = ids.shape
+        first = self.windows if first_window is None else first_window
+        a = acts.reshape(B * T, -1).T.contiguous().clamp(min=0)  # [F, B*T]
+        self.fired += (a > 0).sum(-1)
+        self.hist.scatter_add_(1, torch.bucketize(a, BINS), (a > 0).long())  # zeros counted in no bin
+        pos = (first + torch.arange(B)[:, None]) * self.settings.context + torch.arange(T)  # [B, T] corpus positions
+        key = (a.view(torch.int32).long() << 32) | (0xFFFFFFFF - pos.reshape(-1))  # [F, B*T]
+        key, where = key.topk(min(self.settings.top, B * T), dim=-1)  # [F, k]
+        pad_ids = torch.nn.functional.pad(ids, (BEFORE, AFTER), value=-1)  # [B, T + W - 1]
+        pad_a = torch.nn.functional.pad(a.view(-1, B, T), (BEFORE, AFTER))  # [F, B, T + W - 1]
+        b, t = where // T, where % T  # [F, k]
+        span = t[..., None] + torch.arange(BEFORE + 1 + AFTER)  # [F, k, W] in padded coordinates
+        ctx_ids = pad_ids[b[..., None], span].int()  # [F, k, W]
+        ctx_a = pad_a[torch.arange(a.shape[0])[:, None, None], b[..., None], span]  # [F, k, W]
+        self.merge(key, ctx_ids, ctx_a)
+        self.tokens += B * T
+        self.windows += B
+
+    def merge(self, key: torch.Tensor, ctx_ids: torch.Tensor, ctx_a: torch.Tensor) -> None:
+        """Keep the top N of the kept entries and these: key [F, k], their contexts [F, k, W]."""
+        all_keys = torch.cat([self.top_key, key], dim=1)
+        self.top_key, keep = all_keys.topk(self.settings.top, dim=-1)  # [F, N]
+        gather = keep[..., None].expand(-1, -1, ctx_ids.shape[-1])
+        self.top_ids = torch.cat([self.top_ids, ctx_ids], 1).gather(1, gather)
+        self.top_ctx = torch.cat([self.top_ctx, ctx_a], 1).gather(1, gather)
+
+    def absorb(self, other: Dashboard) -> None:
+        """Merge another part of the same corpus into this one (exactly as if one run had seen both)."""
+        self.merge(other.top_key, other.top_ids, other.top_ctx)
+        self.hist += other.hist
+        self.fired += other.fired
+        self.tokens += other.tokens
+        self.windows += other.windows
+
+    FIELDS = ("top_key", "top_ids", "top_ctx", "hist", "fired", "tokens", "windows")
+
+    def state(self, key: str) -> dict[str, Any]:
+        return {"key": key, "settings": asdict(self.settings), **{name: getattr(self, name) for name in self.FIELDS}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for name in self.FIELDS:
+            setattr(self, name, state[name])
+
+
+def logit_effects(model: GPT2, sae: SAE, features: Sequence[int], k: int = 10) -> list[dict[str, list] | None]:
+    """Per feature, the tokens whose logits its decoder direction raises and lowers most, directly: the direction
+    carried into the residual stream (through W_O for hook_z, W_out for mlp.hook_post), then ln_final's weight and
+    the unembedding (the scale is the token's own, so this ranks tokens, as SAELens's and Neuronpedia's logit
+    tables do). None where the hook has no direct path to the logits (q, k, v, the MLP's input, a layer norm)."""
+    name = sae.hook_name
+    point = name.split(".", 2)[-1]
+    w = model.weights
+    d = sae.W_dec[list(features)]  # [F, d_in]
+    if point == "attn.hook_z" and sae.config.hook_head_index is None:
+        d = d @ w.blocks[int(name.split(".")[1])].attn_c_proj.weight.float()
+    elif point == "mlp.hook_post":
+        d = d @ w.blocks[int(name.split(".")[1])].mlp_c_proj.weight.float()
+    elif d.shape[-1] != model.config.n_embd or point.endswith("hook_normalized") or point.startswith(("attn.", "mlp.")):
+        return [None] * len(features)
+    effect = (d * w.ln_f.weight.float()) @ w.wte.float().T  # [F, V]
+    up, down = effect.topk(k, dim=-1), (-effect).topk(k, dim=-1)
+    text = model.tokenizer.token_text
+    return [{"top": [[text(int(i)), round(float(v), 4)] for i, v in zip(up.indices[f], up.values[f])],
+             "bottom": [[text(int(i)), round(-float(v), 4)] for i, v in zip(down.indices[f], down.values[f])]}
+            for f in range(len(features))]
+
+
+def run_key(sae_path: str, weights: str, paths: Sequence[str], settings: DashboardSettings) -> str:
+    """What a saved state belongs to: the SAE, the model, the corpus files (names and sizes) and the settings."""
+    sizes = [(p, Path(p).stat().st_size) for p in paths]
+    return hashlib.sha256(json.dumps([sae_path, weights, sizes, asdict(settings)]).encode()).hexdigest()[:16]
+
+
+def build_dashboard(model: GPT2, sae: SAE, paths: Sequence[str], settings: DashboardSettings, out: Path, key: str,
+                    progress: Callable[[int], None] | None = None, save_every: int = 16) -> Dashboard:
+    """Stream the corpus into a Dashboard, resuming from out/state.pt when it belongs to the same run (`key`)."""
+    check_saes(sae, model.config)
+    dash = Dashboard(settings)
+    part = sae.select(settings.features)  # only the features shown are encoded (not possible for topk)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=True)
+        if state.get("key") == key:
+            dash.restore(state)
+    skip = dash.windows
+    if progress is not None and skip:
+        progress(skip)
+    batch: list[list[int]] = []
+    since_save = 0
+
+    def flush() -> None:
+        nonlocal since_save
+        ids = torch.tensor(batch)
+        dash.add(ids, feature_acts(model, part, ids) if part is not None else feature_acts(model, sae, ids)[..., dash.index])
+        if progress is not None:
+            progress(len(batch))
+        batch.clear()
+        since_save += 1
+        if since_save >= save_every:
+            atomic_write(state_path, lambda tmp: torch.save(dash.state(key), tmp))
+            since_save = 0
+
+    for n, window in enumerate(corpus_windows(model, paths, settings.context, sae.config.prepend_bos)):
+        if n < skip:
+            continue
+        if batch and len(window) != len(batch[0]):
+            flush()
+        batch.append(window)
+        if len(batch) == settings.batch_size:
+            flush()
+    if batch:
+        flush()
+    atomic_write(state_path, lambda tmp: torch.save(dash.state(key), tmp))
+    return dash
+
+
+def dashboard_data(model: GPT2, sae: SAE, dash: Dashboard) -> dict[str, Any]:
+    """The dashboard as JSON-ready data: per feature its density, histogram, top contexts and logit effect."""
+    text = model.tokenizer.token_text
+    effects = logit_effects(model, sae, dash.settings.features)
+    top_acts = dash.top_acts  # [F, N]
+    features = []
+    for i, f in enumerate(dash.settings.features):
+        tops = []
+        for n in range(dash.settings.top):
+            if top_acts[i, n] <= 0:
+                break
+            ids = dash.top_ids[i, n].tolist()
+            tops.append({"act": round(float(top_acts[i, n]), 4),
+                         "tokens": [text(t) if t >= 0 else None for t in ids],
+                         "acts": [round(float(v), 4) for v in dash.top_ctx[i, n]], "at": BEFORE})
+        features.append({"feature": f, "density": float(dash.fired[i]) / max(dash.tokens, 1),
+                         "max": round(float(top_acts[i, 0].clamp(min=0)), 4),
+                         "histogram": {"edges": [float(f"{e:.4g}") for e in BINS.tolist()],
+                                       "counts": dash.hist[i, 1:-1].tolist(), "above": int(dash.hist[i, -1]),
+                                       "below": int(dash.hist[i, 0])},
+                         "top": tops, "logits": effects[i]})
+    return {"sae": repr(sae), "hook": sae.hook_name, "d_sae": sae.d_sae, "tokens": dash.tokens,
+            "windows": dash.windows, "settings": asdict(dash.settings), "features": features}
+
+
+def write_dashboard(data: dict[str, Any], out: Path) -> list[Path]:
+    """dashboard.json and dashboard.html (self-contained: the data inline, no network) under `out`."""
+    page = resources.files("gpt2_engine.inspect").joinpath("dashboard.html").read_text(encoding="utf-8")
+    body = json.dumps(data, ensure_ascii=False)
+    html = page.replace("/*DATA*/null", body.replace("</", "<\\/"))
+    written = []
+    for name, content in (("dashboard.json", body), ("dashboard.html", html)):
+        atomic_write(out / name, lambda tmp, c=content: tmp.write_text(c, encoding="utf-8"))
+        written.append(out / name)
+    return written
+
+
+def parse_features(text: str, d_sae: int) -> tuple[int, ...]:
+    """'all', or a list like '0,5,10-19' -> feature indices, each checked against the SAE's width."""
+    if text == "all":
+        return tuple(range(d_sae))
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise GPT2EngineError(f"--features: expected 'all' or a list like '0,5,10-19', got {text!r}") from None
+    if bad := [f for f in out if not 0 <= f < d_sae]:
+        raise GPT2EngineError(f"--features: feature {bad[0]} is outside this SAE's 0..{d_sae - 1}")
+    if not out:
+        raise GPT2EngineError(f"--features: no features in {text!r}")
+    return tuple(dict.fromkeys(out))
+
+
+def feature_attribution(model: GPT2, sae: SAE, ids: Sequence[int], target: int, k: int = 10) -> dict[str, Any]:
+    """Which of the SAE's features drive log p(target) after the prompt `ids`: for each token and feature,
+    f * d log p(target) / d f, with the SAE spliced in and its reconstruction error added back as a constant, so that
+    the forward is the plain model's and the gradient runs through the decoder alone (attribution patching, as sparse
+    feature circuits estimate a feature's effect). Each feature's direct and indirect paths to the logit count; the
+    estimate is first order. ln_f and the head run in float64, as gpt2 inspect's token attributions do."""
+    check_saes(sae, model.config)
+    batch = torch.tensor([list(ids)])  # [1, T]
+    spliced = Spliced(sae, model.weights, model.config, leaf=True)
+    with torch.inference_mode(False), torch.enable_grad():
+        x = residual_stream(model.weights, model.config, batch, tap=Recorder(hooks={sae.hook_name: spliced}))[:, -1]
+        last = logits(float64_head(model.weights), model.config, x.double())[0]  # [V]
+        logprob = last[target] - torch.logsumexp(last, dim=-1)
+        f = spliced.seen["leaf"]  # [1, T, d_sae]
+        (grad,) = torch.autograd.grad(logprob, f)
+    acts = f.detach()[0]  # [T, d_sae]
+    attr = (acts * grad[0]).float()  # [T, d_sae]
+    T = attr.shape[0]
+    flat = attr.reshape(-1)
+    order = flat.abs().topk(min(k, flat.numel())).indices
+    text = model.tokenizer.token_text
+    top = [{"position": int(i) // sae.d_sae, "token": text(int(ids[int(i) // sae.d_sae])), "feature": int(i) % sae.d_sae,
+            "activation": round(float(acts.reshape(-1)[i]), 4), "attribution": round(float(flat[i]), 5)}
+           for i in order if float(flat[i]) != 0]
+    total = attr.sum(0)  # [d_sae]: each feature over every position
+    by_feature = [{"feature": int(j), "attribution": round(float(total[j]), 5)}
+                  for j in total.abs().topk(min(k, sae.d_sae)).indices if float(total[j]) != 0]
+    return {"sae": repr(sae), "logprob": round(float(logprob), 5), "tokens": T, "top": top, "features": by_feature,
+            "sum": round(float(attr.sum()), 5)}

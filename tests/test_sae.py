@@ -1,0 +1,328 @@
+"""Sparse autoencoders: SAELens's and OpenAI's files, spliced into the engine's forward, against sae-lens's
+HookedSAETransformer on the TransformerLens model each SAE was trained on, and evaluated as sae-lens's evals.py.
+
+The SAEs are made by sae-lens itself on the trained fixture (scripts/sae_reference.py, built once into the fixture
+cache) and read back by sae-lens as the reference: every architecture, the model
+options that change what a hook shows (center_writing_weights, fold_value_biases, fold_ln), a hook_z SAE, a one-head
+SAE and an OpenAI TopK file."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import fixtures
+from conftest import cli
+
+pytest.importorskip("sae_lens", reason="sae-lens (the test extra) is the reference")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+import sae_reference as ref  # noqa: E402
+
+from gpt2_engine import GPT2, SAE, SAEError  # noqa: E402
+
+SPLICEABLE = [s for s in ref.SPECS if "hook_head_index" not in s.extra]  # sae-lens's transformer splices these
+
+
+@pytest.fixture(scope="module")
+def made():
+    directory = fixtures.ensure("saes")
+    return directory, ref.load(directory)
+
+
+def path_of(directory: Path, spec: ref.Spec) -> Path:
+    return directory / (f"{spec.name}.pt" if spec is ref.OPENAI else spec.name)
+
+
+@pytest.fixture(scope="module")
+def ids(trained_model: GPT2) -> torch.Tensor:
+    return ref.docstring_ids(trained_model.tokenizer, 4, 64, skip=100)  # text the SAEs were not fitted on
+
+
+@pytest.mark.parametrize("spec", [*SPLICEABLE, ref.OPENAI], ids=lambda s: s.name)
+def test_features_and_spliced_logits_equal_hooked_sae_transformer(spec, made, ids, trained_model, trained_hf_model) -> None:
+    directory, saes = made
+    sae = SAE.load(path_of(directory, spec), hook_name=spec.hook if spec is ref.OPENAI else None)
+    assert (sae.config.architecture, sae.hook_name) == (spec.architecture, spec.hook)
+    tl = ref.tl_model(trained_hf_model, **spec.options)
+    with torch.no_grad():
+        want_logits, want = tl.run_with_cache_with_saes(ids, saes=[saes[spec.name]])
+    logits, cache = trained_model.run_with_cache_with_saes(ids, [sae])
+
+    f, want_f = cache[f"{spec.hook}.hook_sae_acts_post"], want[f"{spec.hook}.hook_sae_acts_post"]
+    assert f.shape == want_f.shape == (*ids.shape, sae.d_sae)
+    assert torch.equal(f != 0, want_f != 0)  # the same features fire at every token
+    assert (f - want_f).abs().max() <= 1e-4 * want_f.abs().max()
+    for point in ("hook_sae_input", "hook_sae_recons", "hook_sae_output"):
+        got, exp = cache[f"{spec.hook}.{point}"], want[f"{spec.hook}.{point}"]
+        assert got.shape == exp.shape, point
+        assert (got - exp).abs().max() <= 1e-4 * exp.abs().max(), point
+    assert (logits.log_softmax(-1) - want_logits.log_softmax(-1)).abs().max() <= 1e-3
+
+
+def test_the_one_head_sae_reads_and_replaces_its_head_only(made, ids, trained_model, trained_hf_model) -> None:
+    directory, saes = made
+    spec = next(s for s in ref.SPECS if s.name == "head")
+    sae = SAE.load(directory / spec.name)
+    assert (sae.config.hook_head_index, sae.d_in) == (1, 64)
+    with torch.no_grad():
+        want = saes[spec.name].encode(ref.activations(ref.tl_model(trained_hf_model, **spec.options), spec, ids))
+    _, cache = trained_model.run_with_cache_with_saes(ids, [sae], names=[spec.hook, f"{spec.hook}.hook_sae_acts_post"])
+    f = cache[f"{spec.hook}.hook_sae_acts_post"].reshape(-1, sae.d_sae)
+    assert torch.equal(f != 0, want != 0)
+    assert (f - want).abs().max() <= 1e-4 * want.abs().max()
+    _, plain = trained_model.run_with_cache(ids, [spec.hook])
+    z, z0 = cache[spec.hook], plain[spec.hook]  # [B, T, nh, hs]: only head 1 is the SAE's
+    assert torch.equal(z[:, :, [0, 2, 3]], z0[:, :, [0, 2, 3]]) and not torch.equal(z[:, :, 1], z0[:, :, 1])
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16", "int8", "int4"])
+def test_with_the_error_term_the_logits_are_the_plain_models(variant, made, ids, trained_dir) -> None:
+    directory, _ = made
+    model = GPT2.from_pretrained(trained_dir, **({"dtype": variant} if variant in ("float32", "bfloat16")
+                                                  else {"quantize": variant}))
+    saes = [SAE.load(path_of(directory, s), hook_name=s.hook if s is ref.OPENAI else None)
+            for s in (*ref.SPECS, ref.OPENAI) if s.name in ("standard-resid", "topk-mlp", "z", "gated-ln", "openai-topk")]
+    plain = model(ids)
+    logits, cache = model.run_with_cache_with_saes(ids, saes, use_error_term=True, names=[])
+    assert (logits - plain).abs().max() <= 1e-4 * plain.abs().max()
+    spliced = model.run_with_saes(ids, saes)
+    assert 0 < (spliced - plain).abs().max()  # five reconstructions at once change the logits, and run in every format
+    assert torch.isfinite(spliced).all()
+
+
+def saelens_metrics(sae_lens_sae, tl, batches: list[torch.Tensor]) -> dict[str, float]:
+    """sae-lens's own evals.py functions over the same batches (a store that hands them out in order)."""
+    from sae_lens.evals import get_downstream_reconstruction_metrics, get_sparsity_and_variance_metrics
+    from sae_lens.training.activation_scaler import ActivationScaler
+
+    class Store:
+        def __init__(self) -> None:
+            self.left = list(batches)
+
+        def get_batch_tokens(self, n: int) -> torch.Tensor:
+            return self.left.pop(0)
+
+    with torch.no_grad():
+        out = get_downstream_reconstruction_metrics(sae_lens_sae, tl, Store(), ActivationScaler(), compute_kl=True,
+                                                    compute_ce_loss=True, n_batches=len(batches),
+                                                    eval_batch_size_prompts=batches[0].shape[0])
+        metrics, features = get_sparsity_and_variance_metrics(
+            sae_lens_sae, tl, Store(), ActivationScaler(), n_batches=len(batches), compute_l2_norms=False,
+            compute_sparsity_metrics=True, compute_variance_metrics=True, compute_featurewise_density_statistics=True,
+            eval_batch_size_prompts=batches[0].shape[0], model_kwargs={})
+    return {**out, **metrics, "feature_density": features["feature_density"]}
+
+
+@pytest.mark.parametrize("name", ["standard-resid", "topk-mlp", "head"])
+def test_evaluate_sae_equals_saelens_evals(name, made, trained_model, trained_hf_model) -> None:
+    directory, saes = made
+    spec = next(s for s in ref.SPECS if s.name == name)
+    ids = ref.docstring_ids(trained_model.tokenizer, 8, 64, skip=200)
+    got = trained_model.evaluate_sae(SAE.load(directory / name), ids, batch_size=4)
+    want = saelens_metrics(saes[name], ref.tl_model(trained_hf_model, **spec.options), [ids[:4], ids[4:]])
+    for key in ("mse", "explained_variance", "l0", "l1", "cossim", "ce_loss_without_sae", "ce_loss_with_sae",
+                "ce_loss_with_ablation", "ce_loss_score", "kl_div_with_sae", "kl_div_with_ablation", "kl_div_score"):
+        assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-6), key
+    assert got["tokens"] == ids.numel()
+    assert torch.allclose(torch.tensor(got["feature_density"]), torch.tensor(want["feature_density"]), atol=1e-6)
+    assert got["ce_loss_with_sae"] != got["ce_loss_without_sae"]
+
+
+def test_the_model_options_matter(made, trained_model) -> None:
+    """The res-jb pitfall: an SAE trained on centred residuals, fed the uncentred ones, reconstructs worse."""
+    directory, _ = made
+    sae = SAE.load(directory / "standard-resid")
+    ids = ref.docstring_ids(trained_model.tokenizer, 4, 64, skip=300)
+    right = trained_model.evaluate_sae(sae, ids)
+    blind = SAE(type(sae.config)(**{**vars(sae.config), "model_from_pretrained_kwargs": {}}),
+                {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec})
+    wrong = trained_model.evaluate_sae(blind, ids)
+    assert right["explained_variance"] > wrong["explained_variance"] + 0.01
+    assert right["ce_loss_with_sae"] < wrong["ce_loss_with_sae"]
+
+
+def edited(src: Path, dest: Path, **changes) -> Path:
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "cfg.json").read_text())
+    for key, value in changes.items():
+        target = cfg["metadata"] if key in cfg["metadata"] else cfg
+        target[key] = value
+    (dest / "cfg.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_bad_files_are_one_line_errors(made, tmp_path: Path, trained_model: GPT2) -> None:
+    directory, _ = made
+    src = directory / "standard-resid"
+    cases = [
+        (edited(src, tmp_path / "a", architecture="matryoshka"), "architecture 'matryoshka' is not supported"),
+        (edited(src, tmp_path / "b", normalize_activations="covariance_whitening"),
+         "normalize_activations 'covariance_whitening' is not supported"),
+        (tmp_path / "missing", "no such file or directory"),
+    ]
+    for path, message in cases:
+        with pytest.raises(SAEError, match=message):
+            SAE.load(path)
+    with pytest.raises(SAEError, match="model option first_n_layers=2 is not supported"):
+        SAE.load(edited(src, tmp_path / "c", model_from_pretrained_kwargs={"first_n_layers": 2})).check(trained_model.config)
+    with pytest.raises(SAEError, match=r"d_in 256 does not match blocks.0.mlp.hook_post of this model, which is 1024"):
+        SAE.load(src, hook_name="blocks.0.mlp.hook_post").check(trained_model.config)
+    with pytest.raises(SAEError, match="not a hook point of this model"):
+        SAE.load(src, hook_name="blocks.9.hook_resid_pre").check(trained_model.config)
+    from safetensors.torch import load_file, save_file
+
+    bad = edited(src, tmp_path / "d")
+    tensors = load_file(bad / "sae_weights.safetensors")
+    tensors["W_dec"] = tensors["W_dec"][:, :-1].contiguous()
+    save_file(tensors, bad / "sae_weights.safetensors")
+    with pytest.raises(SAEError, match=r"W_dec has shape \[1024, 255\], expected \[1024, 256\]"):
+        SAE.load(bad)
+    with pytest.raises(SAEError, match="does not record its hook point"):
+        SAE.load(directory / "openai-topk.pt")
+    with pytest.raises(SAEError, match="two SAEs at blocks.1.hook_resid_pre"):
+        trained_model.run_with_saes(torch.tensor([[1, 2]]), [SAE.load(src), SAE.load(src)])
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_an_openai_file_with_code_in_it_is_refused_unrun(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"encoder.weight": torch.zeros(4, 2), "activation": Payload()}, path)
+    with pytest.raises(SAEError, match="not a state dict torch can read safely"):
+        SAE.load(path, hook_name="blocks.0.hook_resid_pre")
+    assert "this ran" not in capsys.readouterr().out
+
+
+def corpus(tmp_path: Path) -> Path:
+    import argparse as a, typing as t  # noqa: E401
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(inspect.getdoc(o) or "" for m in (a, t) for o in [m, *vars(m).values()] if callable(o)))
+    return path
+
+
+def test_dashboard_top_contexts_equal_a_brute_force_pass_and_resume_after_a_kill(made, tmp_path, trained_model) -> None:
+    from gpt2_engine.inspect.sae import DashboardSettings, build_dashboard, corpus_windows, dashboard_data
+
+    directory, _ = made
+    sae = SAE.load(directory / "jumprelu-resid")
+    text = corpus(tmp_path)
+    settings = DashboardSettings(features=(0, 7, 100, 1023), top=5, context=64, batch_size=4)
+    whole = build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "a", "k")
+
+    windows = [w for w in corpus_windows(trained_model, [str(text)], 64, False)]
+    assert whole.windows == len(windows) and whole.tokens == sum(map(len, windows))
+    ids = torch.tensor([w for w in windows if len(w) == 64])
+    _, cache = trained_model.run_with_cache_with_saes(ids, [sae], names=[f"{sae.hook_name}.hook_sae_acts_post"])
+    acts = cache[f"{sae.hook_name}.hook_sae_acts_post"][..., list(settings.features)].reshape(-1, 4)  # [N, F]
+    tail = torch.tensor([windows[-1]]) if len(windows[-1]) != 64 else None
+    if tail is not None:
+        _, c2 = trained_model.run_with_cache_with_saes(tail, [sae], names=[f"{sae.hook_name}.hook_sae_acts_post"])
+        acts = torch.cat([acts, c2[f"{sae.hook_name}.hook_sae_acts_post"][..., list(settings.features)].reshape(-1, 4)])
+    want = acts.T.topk(5, dim=-1).values
+    assert torch.allclose(whole.top_acts.clamp(min=0), want.clamp(min=0), rtol=1e-5, atol=1e-6)
+    assert torch.equal(whole.fired, (acts > 0).sum(0))
+
+    class Killed(Exception):
+        pass
+
+    seen = [0]
+
+    def die_midway(n: int) -> None:
+        seen[0] += n
+        if seen[0] >= len(windows) // 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "b", "k", progress=die_midway, save_every=1)
+    resumed = build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "b", "k")
+    for name in ("top_key", "top_ids", "top_ctx", "fired", "hist"):
+        assert torch.equal(getattr(resumed, name), getattr(whole, name)), name
+    data = dashboard_data(trained_model, sae, resumed)
+    assert [f["feature"] for f in data["features"]] == [0, 7, 100, 1023]
+    assert data["features"][1]["logits"]["top"][0][1] >= data["features"][1]["logits"]["top"][-1][1]
+
+
+def test_gpt2_sae_commands(made, tmp_path, trained_dir, capsys) -> None:
+    directory, _ = made
+    weights = ["--weights", str(trained_dir)]
+    code, err = cli("sae", "features", "The json module", "--sae", str(directory / "standard-resid"), "--json", *weights)
+    assert code == 0, err
+    rows = json.loads(capsys.readouterr().out)["tokens"]
+    assert [r["token"] for r in rows] == ["The", " json", " module"]  # this SAE was trained without <|endoftext|> first
+    assert all(0 < len(r["features"]) <= 5 and r["features"][0][1] >= r["features"][-1][1] for r in rows)
+
+    code, out = cli("sae", "eval", str(corpus(tmp_path)), "--sae", str(directory / "openai-topk.pt"), "--hook",
+                    "blocks.3.hook_resid_mid", "--context", "64", "--max-windows", "8", "--json", "--quiet", *weights)
+    assert code == 0, out
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["tokens"] == 512 and metrics["l0"] == pytest.approx(32.0)
+    assert 0 < metrics["explained_variance"] < 1 and 0 < metrics["ce_loss_score"] <= 1
+
+    code, out = cli("sae", "dashboard", str(corpus(tmp_path)), "--sae", str(directory / "z"), "--features", "0-9",
+                    "--context", "64", "--out", str(tmp_path / "dash"), "--quiet", *weights)
+    assert code == 0, out
+    data = json.loads((tmp_path / "dash" / "dashboard.json").read_text())
+    assert len(data["features"]) == 10 and data["hook"] == "blocks.1.attn.hook_z"
+    assert "const DATA = {" in (tmp_path / "dash" / "dashboard.html").read_text()
+
+    for args, message in [
+        (["features", "hi", "--sae", str(directory / "openai-topk.pt")], "does not record its hook point"),
+        (["features", "hi", "--sae", str(tmp_path / "nope")], "no such file or directory"),
+        (["dashboard", str(tmp_path), "--sae", str(directory / "z"), "--features", "5-2000", "--out", str(tmp_path / "x")],
+         "feature 1024 is outside this SAE's 0..1023"),
+        (["eval", str(tmp_path / "none.txt"), "--sae", str(directory / "z")], "none.txt: no such file"),
+    ]:
+        code, out = cli("sae", *args, *weights)
+        assert code == 2 and message in out and "Traceback" not in out, out
+
+
+def test_feature_attribution_equals_autograd_through_hooked_sae_transformer(made, trained_model, trained_hf_model) -> None:
+    from gpt2_engine.inspect.sae import feature_attribution
+
+    directory, saes = made
+    spec = next(s for s in ref.SPECS if s.name == "standard-resid")
+    ids = trained_model.tokenizer.encode("Return a new list of the keys in the")
+    target = trained_model.tokenizer.encode(" dictionary")[0]
+    got = feature_attribution(trained_model, SAE.load(directory / spec.name), ids, target, k=5)
+
+    tl = ref.tl_model(trained_hf_model, **spec.options)
+    tl.add_sae(saes[spec.name], use_error_term=True)
+    kept = {}
+
+    def keep(acts, hook):
+        acts.retain_grad()
+        kept["f"] = acts
+        return acts
+
+    with torch.enable_grad():
+        logits = tl.run_with_hooks(torch.tensor([ids]), fwd_hooks=[(f"{spec.hook}.hook_sae_acts_post", keep)])
+        logprob = logits[0, -1].double().log_softmax(-1)[target]
+        logprob.backward()
+    want = (kept["f"] * kept["f"].grad)[0].detach()  # [T, d_sae]
+    assert got["logprob"] == pytest.approx(float(logprob), abs=1e-4)
+    bound = 1e-3 * want.abs().max()
+    for row in got["top"]:
+        assert abs(row["attribution"] - float(want[row["position"], row["feature"]])) <= bound + 1e-5, row
+    assert got["top"][0]["attribution"] == pytest.approx(float(want.reshape(-1)[want.abs().argmax()]), rel=1e-3)
+    assert got["sum"] == pytest.approx(float(want.sum()), rel=1e-3, abs=1e-4)
+
+
+def test_gpt2_inspect_sae_adds_the_features_that_drive_the_target(made, tmp_path, trained_dir, capsys) -> None:
+    directory, _ = made
+    code, err = cli("inspect", "Return a new list of the keys in the", "--sae", str(directory / "z"), "--json",
+                    "--weights", str(trained_dir), "--ig-steps", "8")
+    assert code == 0, err
+    report = json.loads(capsys.readouterr().out)
+    assert report["sae"]["sae"].startswith("SAE(standard, blocks.1.attn.hook_z") and len(report["sae"]["top"]) == 10
+    code, err = cli("inspect", "hi", "--sae-hook", "blocks.0.hook_resid_pre", "--weights", str(trained_dir))
+    assert code == 2 and "--sae-hook names the hook of an --sae" in err
