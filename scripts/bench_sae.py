@@ -128,7 +128,7 @@ def main() -> int:
     hf = GPT2LMHeadModel.from_pretrained(weights, dtype=torch.float32).eval()
     tl = sae_reference.tl_model(hf, center_writing_weights=True)
     ref_sae = LensSAE.load_from_disk(sae_dir).eval()
-    windows = list(corpus_windows(model, [str(corpus)], args.context, sae.config.prepend_bos))
+    windows = list(corpus_windows(model.tokenizer, [str(corpus)], args.context, sae.config.prepend_bos))
     batches: list[list[list[int]]] = []
     for w in windows:  # batches as build_dashboard makes them: a shorter last window goes alone
         if not batches or len(batches[-1]) == args.batch_size or len(w) != len(batches[-1][0]):

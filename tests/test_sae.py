@@ -219,7 +219,7 @@ def test_dashboard_top_contexts_equal_a_brute_force_pass_and_resume_after_a_kill
     settings = DashboardSettings(features=(0, 7, 100, 1023), top=5, context=64, batch_size=4)
     whole = build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "a", "k")
 
-    windows = [w for w in corpus_windows(trained_model, [str(text)], 64, False)]
+    windows = [w for w in corpus_windows(trained_model.tokenizer, [str(text)], 64, False)]
     assert whole.windows == len(windows) and whole.tokens == sum(map(len, windows))
     ids = torch.tensor([w for w in windows if len(w) == 64])
     _, cache = trained_model.run_with_cache_with_saes(ids, [sae], names=[f"{sae.hook_name}.hook_sae_acts_post"])

@@ -52,7 +52,7 @@ def run_features(args: argparse.Namespace) -> int:
 
 
 def windows_of(args: argparse.Namespace, model, sae) -> torch.Tensor:
-    windows = corpus_windows(model, expand_paths(args.data), args.context, sae.config.prepend_bos)
+    windows = corpus_windows(model.tokenizer, expand_paths(args.data), args.context, sae.config.prepend_bos)
     ids = list(itertools.islice((w for w in windows if len(w) == args.context), args.max_windows))
     if not ids:
         raise UsageError(f"the data holds fewer than {args.context} tokens; expected at least one window of --context")
@@ -82,6 +82,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_dashboard(args: argparse.Namespace) -> int:
+    if not args.ray and (args.address is not None or args.workers is not None):
+        raise UsageError("--address and --workers need --ray")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
     model, sae = load(args)
     if args.context > model.config.n_positions:
         raise UsageError(f"--context {args.context} exceeds this model's {model.config.n_positions} positions")
@@ -91,7 +95,12 @@ def run_dashboard(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tqdm(unit="window", desc="sae dashboard", disable=args.quiet, file=sys.stderr) as bar:
-        dash = build_dashboard(model, sae, paths, settings, args.out, key, progress=bar.update)
+        if args.ray:
+            from ..distributed.sae import dashboard_on_ray
+
+            dash = dashboard_on_ray(args, model, sae, paths, settings, progress=bar.update)
+        else:
+            dash = build_dashboard(model, sae, paths, settings, args.out, key, progress=bar.update)
     written = write_dashboard(dashboard_data(model, sae, dash), args.out)
     if not args.quiet:
         print(f"{len(settings.features)} features over {dash.tokens:,} tokens in {time.perf_counter() - t0:.1f} s; "
@@ -152,4 +161,12 @@ def add_sae(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--context", type=positive_int, default=128, help="tokens per window (default 128)")
     d.add_argument("--batch-size", type=positive_int, default=8, help="windows per pass (default 8)")
     d.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    ray = d.add_argument_group("scaling out on Ray (pip install 'gpt2-engine[distributed]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="spread the corpus over Ray actors that each load the model once; their parts merge to "
+                          "exactly the local result (not resumable: a killed --ray run starts again)")
+    ray.add_argument("--address", metavar="ADDR",
+                     help="a running Ray cluster to join (e.g. 10.0.0.1:6379; default: start Ray on this machine)")
+    ray.add_argument("--workers", type=int, metavar="N",
+                     help="actors (default: the cluster's CPUs divided by --threads)")
     d.set_defaults(run=run_dashboard)

@@ -27,6 +27,7 @@ from ..core.files import atomic_write
 from ..core.hooks import Recorder
 from ..core.model import logits, residual_stream
 from ..core.sae import SAE, Spliced, check_saes
+from ..core.tokenizer import Tokenizer
 from ..documents import read_documents
 from .analysis import float64_head
 
@@ -62,17 +63,17 @@ def prompt_ids(model: GPT2, sae: SAE, text: str) -> list[int]:
     return [eot, *ids] if sae.config.prepend_bos and (not ids or ids[0] != eot) else ids
 
 
-def corpus_windows(model: GPT2, paths: Sequence[str], context: int, bos: bool) -> Iterator[list[int]]:
+def corpus_windows(tokenizer: Tokenizer, paths: Sequence[str], context: int, bos: bool) -> Iterator[list[int]]:
     """Windows of `context` ids over the files in order, documents joined by <|endoftext|> (each window begins with
     it where `bos`); one file is read and tokenized at a time."""
     if context < 2:
         raise GPT2EngineError(f"--context: expected at least 2 tokens per window, got {context}")
-    eot = model.tokenizer.eot_id
+    eot = tokenizer.eot_id
     body = context - 1 if bos else context
     pending: list[int] = []
     for path in paths:
         for _, doc in read_documents([path], sys.stdin.buffer):  # a .jsonl file's "text" fields, checked
-            pending += model.tokenizer.encode(doc) + [eot]
+            pending += tokenizer.encode(doc) + [eot]
             start = 0
             while len(pending) - start >= body:
                 yield ([eot] if bos else []) + pending[start : start + body]
@@ -192,46 +193,65 @@ def run_key(sae_path: str, weights: str, paths: Sequence[str], settings: Dashboa
     return hashlib.sha256(json.dumps([sae_path, weights, sizes, asdict(settings)]).encode()).hexdigest()[:16]
 
 
+def corpus_batches(tokenizer: Tokenizer, paths: Sequence[str], settings: DashboardSettings, bos: bool,
+                   skip: int = 0) -> Iterator[tuple[int, list[list[int]]]]:
+    """(the first window's number, up to batch_size windows of one length) over the corpus, from window `skip` on."""
+    batch: list[list[int]] = []
+    first = skip
+    for n, window in enumerate(corpus_windows(tokenizer, paths, settings.context, bos)):
+        if n < skip:
+            continue
+        if batch and len(window) != len(batch[0]):  # the corpus's shorter last window goes alone
+            yield first, batch
+            first, batch = n, []
+        batch.append(window)
+        if len(batch) == settings.batch_size:
+            yield first, batch
+            first, batch = n + 1, []
+    if batch:
+        yield first, batch
+
+
+class DashboardWorker:
+    """The model and the SAE (cut down to the dashboard's features where it can be), adding batches of windows to a
+    Dashboard: the local command's one, or each Ray actor's part."""
+
+    def __init__(self, model: GPT2, sae: SAE, settings: DashboardSettings) -> None:
+        check_saes(sae, model.config)
+        self.model, self.sae = model, sae
+        self.part = sae.select(settings.features)  # only the features shown are encoded (not possible for topk)
+        self.dash = Dashboard(settings)
+
+    def add(self, first: int, windows: list[list[int]]) -> int:
+        ids = torch.tensor(windows)
+        if self.part is not None:
+            acts = feature_acts(self.model, self.part, ids)
+        else:
+            acts = feature_acts(self.model, self.sae, ids)[..., self.dash.index]
+        self.dash.add(ids, acts, first_window=first)
+        return len(windows)
+
+
 def build_dashboard(model: GPT2, sae: SAE, paths: Sequence[str], settings: DashboardSettings, out: Path, key: str,
                     progress: Callable[[int], None] | None = None, save_every: int = 16) -> Dashboard:
     """Stream the corpus into a Dashboard, resuming from out/state.pt when it belongs to the same run (`key`)."""
-    check_saes(sae, model.config)
-    dash = Dashboard(settings)
-    part = sae.select(settings.features)  # only the features shown are encoded (not possible for topk)
+    worker = DashboardWorker(model, sae, settings)
+    dash = worker.dash
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE
     if state_path.is_file():
         state = torch.load(state_path, weights_only=True)
         if state.get("key") == key:
             dash.restore(state)
-    skip = dash.windows
-    if progress is not None and skip:
-        progress(skip)
-    batch: list[list[int]] = []
-    since_save = 0
-
-    def flush() -> None:
-        nonlocal since_save
-        ids = torch.tensor(batch)
-        dash.add(ids, feature_acts(model, part, ids) if part is not None else feature_acts(model, sae, ids)[..., dash.index])
+    if progress is not None and dash.windows:
+        progress(dash.windows)
+    for n, (first, batch) in enumerate(corpus_batches(model.tokenizer, paths, settings, sae.config.prepend_bos,
+                                                      skip=dash.windows), start=1):
+        done = worker.add(first, batch)
         if progress is not None:
-            progress(len(batch))
-        batch.clear()
-        since_save += 1
-        if since_save >= save_every:
+            progress(done)
+        if n % save_every == 0:
             atomic_write(state_path, lambda tmp: torch.save(dash.state(key), tmp))
-            since_save = 0
-
-    for n, window in enumerate(corpus_windows(model, paths, settings.context, sae.config.prepend_bos)):
-        if n < skip:
-            continue
-        if batch and len(window) != len(batch[0]):
-            flush()
-        batch.append(window)
-        if len(batch) == settings.batch_size:
-            flush()
-    if batch:
-        flush()
     atomic_write(state_path, lambda tmp: torch.save(dash.state(key), tmp))
     return dash
 
