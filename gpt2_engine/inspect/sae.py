@@ -122,7 +122,9 @@ class Dashboard:
         first_window.. (default: the next ones) in the corpus."""
         B, T = ids.shape
         first = self.windows if first_window is None else first_window
-        a = acts.reshape(B * T, -1).T.contiguous().clamp(min=0)  # [F, B*T]
+        if (first + B) * self.settings.context > 0xFFFFFFFF:  # the key holds a position in 32 bits
+            raise GPT2EngineError("a dashboard reads at most 4,294,967,295 tokens of corpus; split the corpus")
+        a = acts.float().reshape(B * T, -1).T.contiguous().clamp(min=0)  # [F, B*T]
         self.fired += (a > 0).sum(-1)
         self.hist.scatter_add_(1, torch.bucketize(a, BINS), (a > 0).long())  # zeros counted in no bin
         pos = (first + torch.arange(B)[:, None]) * self.settings.context + torch.arange(T)  # [B, T] corpus positions
