@@ -18,7 +18,7 @@ from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predic
 from .core.lora import LoraAdapter, LoraSettings, attach, check_base, load_adapter
 from .core.model import forward
 from .core.quantize import FORMATS, quantize_weights
-from .core.sae import SAE, SAEError, SAEMetrics, Spliced, check_saes, sae_point_names
+from .core.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory,
                            weights_fingerprint)

@@ -74,7 +74,7 @@ def test_inspect_json_to_stdout(capsys, trained_dir: Path, tmp_path: Path, monke
 @pytest.mark.parametrize("args, message", [
     (["--target", " the file"], "--target ' the file' is 2 tokens"),
     (["--layers", "7"], "--layers '7': this model's layers are 0..3"),
-    (["--layers", "one"], "--layers 'one': expected 'all' or layers like '0,3,5-7'"),
+    (["--layers", "one"], "--layers 'one': expected 'all' or a list like '0,3,5-7'"),
     (["--ig-steps", "0"], "--ig-steps: expected a positive integer, got 0"),
 ])
 def test_inspect_errors_are_one_line_and_exit_2(capsys, trained_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:

@@ -43,7 +43,7 @@ def run_features(args: argparse.Namespace) -> int:
         print(json.dumps({"sae": repr(sae), "tokens": rows}, ensure_ascii=False))
         return 0
     if sae.config.prepend_bos:
-        print(f"(<|endoftext|> first: the SAE was trained on prompts that began with it)", file=sys.stderr)
+        print("(<|endoftext|> first: the SAE was trained on prompts that began with it)", file=sys.stderr)
     width = max(len(repr(r["token"])) for r in rows)
     for r in rows:
         feats = "  ".join(f"#{j} {v:.2f}" for j, v in r["features"]) or "-"

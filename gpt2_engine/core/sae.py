@@ -327,9 +327,8 @@ class Spliced:
         if self.replace is not None:
             out = self.replace(x)
         keep.update(hook_sae_input=x, hook_sae_acts_pre=pre, hook_sae_acts_post=f, hook_sae_recons=r)
-        if self.leaf:
-            out = out + (x - out).detach()  # the plain model's activation, with d/df through the decoder alone
-        elif self.use_error_term:
+        exact = self.leaf or self.use_error_term  # reconstruction + error: the activation itself flows on
+        if exact and not self.leaf:
             error = x - out
             keep["hook_sae_error"] = error.view(p.shape) if c.hook_head_index is None else error
             out = out + error
@@ -338,12 +337,18 @@ class Spliced:
             if self.record(f"{name}.{point}"):
                 self.seen[f"{name}.{point}"] = value
         if c.hook_head_index is None:
-            return affine.restore(out.view(p.shape))
-        p = p.clone()
-        p[..., c.hook_head_index, :] = out
-        a = a.clone()  # the other heads flow on as they were, to the bit
-        a[..., c.hook_head_index, :] = affine.restore(p)[..., c.hook_head_index, :]
-        return a
+            restored = affine.restore(out.view(p.shape))
+        else:
+            p = p.clone()
+            p[..., c.hook_head_index, :] = out
+            restored = a.clone()  # the other heads flow on as they were, to the bit
+            restored[..., c.hook_head_index, :] = affine.restore(p)[..., c.hook_head_index, :]
+        if not exact:
+            return restored
+        # reconstruction + error is the activation: `a` itself flows on, to the bit (recomputed, it would differ by a
+        # rounding, which a quantized model's int8 activations can turn into a visible change); with `leaf`, the
+        # gradient still runs through the decoder, since restored - restored.detach() is 0 in value
+        return a if not self.leaf else a + (restored - restored.detach())
 
 
 def sae_point_names(saes: Sequence[SAE]) -> list[str]:

@@ -52,20 +52,24 @@ def resolve_target(model: GPT2, target: str | None, next_logits: torch.Tensor) -
     return ids[0], "given"
 
 
-def parse_layers(text: str, n_layer: int) -> tuple[int, ...] | None:
-    """'all', or a comma list of layers and ranges ('0,3,5-7') within 0..n_layer-1."""
-    if text == "all":
-        return None
-    layers: list[int] = []
+def parse_indices(text: str, n: int, flag: str, what: str) -> tuple[int, ...]:
+    """A comma list of indices and ranges ('0,3,5-7') within 0..n-1, sorted, each once; `flag` and `what` ("layers",
+    "this SAE's features") name them in the one-line error."""
+    found: list[int] = []
     try:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
-            layers.extend(range(int(lo), int(hi or lo) + 1))
+            found.extend(range(int(lo), int(hi or lo) + 1))
     except ValueError:
-        raise GPT2EngineError(f"--layers {text!r}: expected 'all' or layers like '0,3,5-7'") from None
-    if not layers or any(not 0 <= i < n_layer for i in layers):
-        raise GPT2EngineError(f"--layers {text!r}: this model's layers are 0..{n_layer - 1}")
-    return tuple(sorted(set(layers)))
+        raise GPT2EngineError(f"{flag} {text!r}: expected 'all' or a list like '0,3,5-7'") from None
+    if not found or any(not 0 <= i < n for i in found):
+        raise GPT2EngineError(f"{flag} {text!r}: {what} are 0..{n - 1}")
+    return tuple(sorted(set(found)))
+
+
+def parse_layers(text: str, n_layer: int) -> tuple[int, ...] | None:
+    """'all' (None), or a comma list of layers and ranges ('0,3,5-7') within 0..n_layer-1."""
+    return None if text == "all" else parse_indices(text, n_layer, "--layers", "this model's layers")
 
 
 def build_report(model: GPT2, prompt: str, settings: ReportSettings = ReportSettings()) -> dict[str, Any]:

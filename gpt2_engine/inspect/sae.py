@@ -30,6 +30,7 @@ from ..core.sae import SAE, Spliced, check_saes
 from ..core.tokenizer import Tokenizer
 from ..documents import read_documents
 from .analysis import float64_head
+from .report import parse_indices
 
 BEFORE, AFTER = 12, 3  # tokens of context kept around each top activation
 BINS = torch.logspace(-3, 3, 61)  # histogram edges of nonzero activations, 1e-3 .. 1e3: fixed, so runs merge exactly
@@ -297,20 +298,7 @@ def write_dashboard(data: dict[str, Any], out: Path) -> list[Path]:
 
 def parse_features(text: str, d_sae: int) -> tuple[int, ...]:
     """'all', or a list like '0,5,10-19' -> feature indices, each checked against the SAE's width."""
-    if text == "all":
-        return tuple(range(d_sae))
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
-    except ValueError:
-        raise GPT2EngineError(f"--features: expected 'all' or a list like '0,5,10-19', got {text!r}") from None
-    if bad := [f for f in out if not 0 <= f < d_sae]:
-        raise GPT2EngineError(f"--features: feature {bad[0]} is outside this SAE's 0..{d_sae - 1}")
-    if not out:
-        raise GPT2EngineError(f"--features: no features in {text!r}")
-    return tuple(dict.fromkeys(out))
+    return tuple(range(d_sae)) if text == "all" else parse_indices(text, d_sae, "--features", "this SAE's features")
 
 
 def feature_attribution(model: GPT2, sae: SAE, ids: Sequence[int], target: int, k: int = 10) -> dict[str, Any]:
