@@ -63,6 +63,29 @@ def test_ray_data_scoring_equals_local_scoring(cluster, capsys, trained_dir: Pat
     assert distributed["total"]["nll"] == pytest.approx(local["total"]["nll"], rel=1e-6)
 
 
+def test_a_ray_dashboard_equals_the_local_one(cluster, capsys, trained_dir: Path, tmp_path: Path) -> None:
+    """Two actors of one thread take the batches as they come; their parts merge to the local run's dashboard, every
+    number and context the same (ties broken by corpus position, as locally). Before the Serve tests, whose replicas
+    hold the cluster's CPUs until the module ends."""
+    import fixtures
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(f"{n}. Return the list of keys; raise KeyError when the key is missing." for n in range(60)))
+    common = [str(text), "--sae", str(fixtures.ensure("saes") / "jumprelu-resid"), "--features", "0,7,100,1023",
+              "--top", "5", "--context", "32", "--batch-size", "2", "--weights", str(trained_dir), "--quiet"]
+    code, _, err = run(capsys, "sae", "dashboard", *common, "--out", str(tmp_path / "local"))
+    assert code == 0, err
+    code, _, err = run(capsys, "sae", "dashboard", *common, "--out", str(tmp_path / "ray"), "--ray", "--workers", "2",
+                       "--threads", "1")
+    assert code == 0, err
+    local = json.loads((tmp_path / "local" / "dashboard.json").read_text())
+    spread = json.loads((tmp_path / "ray" / "dashboard.json").read_text())
+    assert spread == local and local["windows"] > 10 and local["features"][0]["top"]
+    code, _, err = run(capsys, "sae", "dashboard", *common, "--out", str(tmp_path / "big"), "--ray", "--workers", "5",
+                       "--threads", "1")
+    assert code == 2 and "--workers 5 x --threads 1 need 5 CPUs; the Ray cluster has 2 free" in err, err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--per-token", "t.jsonl", "--ray"], "--per-token is not available with --ray; use --output"),
     (["--workers", "2"], "--address and --workers need --ray"),
@@ -134,22 +157,3 @@ def test_a_killed_replica_costs_no_request_that_the_client_retries_once(replicas
         results = [f.result() for f in futures]
     assert [text for text, _ in results] == [expected[p] for p in PROMPTS * 2]
     wait_for(lambda: running_replicas() == 2, "Ray Serve to replace the killed replica", seconds=60)
-
-
-def test_a_ray_dashboard_equals_the_local_one(cluster, capsys, trained_dir: Path, tmp_path: Path) -> None:
-    """Two actors of one thread take the batches as they come; their parts merge to the local run's dashboard, every
-    number and context the same (ties broken by corpus position, as locally)."""
-    import fixtures
-
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n\n".join(f"{n}. Return the list of keys; raise KeyError when the key is missing." for n in range(60)))
-    common = [str(text), "--sae", str(fixtures.ensure("saes") / "jumprelu-resid"), "--features", "0,7,100,1023",
-              "--top", "5", "--context", "32", "--batch-size", "2", "--weights", str(trained_dir), "--quiet"]
-    code, _, err = run(capsys, "sae", "dashboard", *common, "--out", str(tmp_path / "local"))
-    assert code == 0, err
-    code, _, err = run(capsys, "sae", "dashboard", *common, "--out", str(tmp_path / "ray"), "--ray", "--workers", "2",
-                       "--threads", "1")
-    assert code == 0, err
-    local = json.loads((tmp_path / "local" / "dashboard.json").read_text())
-    spread = json.loads((tmp_path / "ray" / "dashboard.json").read_text())
-    assert spread == local and local["windows"] > 10 and local["features"][0]["top"]

@@ -47,7 +47,11 @@ def dashboard_on_ray(args: argparse.Namespace, model, sae: SAE, paths: list[str]
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
              ignore_reinit_error=True)
     threads = args.threads or 1
-    workers = args.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
+    free = int(ray.available_resources().get("CPU", 0))
+    workers = args.workers or max(1, free // threads)
+    if workers * threads > free:  # actors that cannot be placed would wait for ever
+        raise GPT2EngineError(f"--workers {workers} x --threads {threads} need {workers * threads} CPUs; the Ray "
+                              f"cluster has {free} free (fewer workers or threads, or a larger cluster)")
     options = dataclasses.replace(ModelOptions.from_args(args), threads=threads)
     actor = ray.remote(num_cpus=threads)(DashboardActor)
     actors = [actor.remote(options, str(args.sae), args.hook, settings) for _ in range(workers)]
