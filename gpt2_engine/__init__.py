@@ -6,11 +6,13 @@ from .core.errors import DownloadError, GenerationError, GPT2EngineError, Tokeni
 from .core.lora import LoraError, LoraSettings
 from .core.model import KVCache
 from .core.sae import SAE, SAEError
+from .core.steering import Steering, SteeringError
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .runtime.constraints import Constraint
 
 __all__ = [
-    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer", "LoraSettings", "Constraint", "SAE",
+    "GPT2", "GPT2Config", "PRESETS", "KVCache", "Tokenizer", "load_tokenizer", "LoraSettings", "Constraint", "SAE", "Steering",
     "GPT2EngineError", "WeightsError", "TokenizerError", "GenerationError", "DownloadError", "LoraError", "SAEError",
+    "SteeringError",
 ]
 __version__ = "0.1.0"

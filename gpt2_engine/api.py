@@ -19,6 +19,7 @@ from .core.lora import LoraAdapter, LoraSettings, attach, check_base, load_adapt
 from .core.model import forward
 from .core.quantize import FORMATS, quantize_weights
 from .core.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
+from .core.steering import Steering, check_steering
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory,
                            weights_fingerprint)
@@ -195,22 +196,26 @@ class GPT2:
         return metrics.result()
 
     @torch.inference_mode()
-    def token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] ids -> [B, T-1]: the log-probability of each next token given the ones before it."""
+    def token_logprobs(self, ids: torch.Tensor, *, steering: Sequence[Steering] = ()) -> torch.Tensor:
+        """[B, T] ids -> [B, T-1]: the log-probability of each next token given the ones before it; `steering`:
+        edits on every position (Steering)."""
         self.check_ids(ids)
         if ids.shape[1] < 2:
             raise GPT2EngineError(f"ids: need at least 2 tokens to score a next token, got shape {list(ids.shape)}")
-        return token_logprobs(self.weights, self.config, ids.to(self.device))
+        return token_logprobs(self.weights, self.config, ids.to(self.device), check_steering(steering, self.config))
 
     def score(self, texts: Sequence[str], *, context: int | None = None, stride: int | None = None,
-              bos: bool = True, batch_size: int = 8, prefix_cache_mb: float | None = None) -> list[Score]:
+              bos: bool = True, batch_size: int = 8, prefix_cache_mb: float | None = None,
+              steering: Sequence[Steering] = ()) -> list[Score]:
         """Score each text on its own (tokens, nll, ppl, bpb), in sliding windows; see runtime/scoring.py.
-        `prefix_cache_mb`: texts that start alike (a shared preamble) reuse its keys and values (runtime/prefix.py)."""
+        `prefix_cache_mb`: texts that start alike (a shared preamble) reuse its keys and values (runtime/prefix.py);
+        `steering`: edits on every position (Steering), as lm-eval's steered model scores."""
         if isinstance(texts, str):
             raise GPT2EngineError("texts: expected a list of strings, got one string (wrap it in a list)")
         context = context if context is not None else self.config.n_positions
         stride = stride if stride is not None else context // 2
-        settings = ScoreSettings(context, stride, bos=bos, batch_size=batch_size, prefix_cache_mb=prefix_cache_mb)
+        settings = ScoreSettings(context, stride, bos=bos, batch_size=batch_size, prefix_cache_mb=prefix_cache_mb,
+                                 steering=check_steering(steering, self.config))
         return list(self.score_documents([(f"text{i}", t) for i, t in enumerate(texts)], settings))
 
     def score_documents(self, docs: Sequence[tuple[str, str]], settings: ScoreSettings,

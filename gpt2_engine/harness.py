@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from .api import GPT2
 from .core.model import KVCache
+from .core.steering import Steering, check_scoring, check_steering
 from .runtime.generate import Generation
 from .runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache, prefill
 from .runtime.requests import GenerationSettings
@@ -40,9 +41,11 @@ class EngineLM(TemplateLM):
     """A loaded GPT2 as an lm-eval model (see the module docstring). `prefix_cache_mb` None: no prefix cache."""
 
     def __init__(self, model: GPT2, *, prefix_cache_mb: float | None = DEFAULT_CAPACITY_MB, slots: int = SLOTS,
-                 seed: int = 1234) -> None:
+                 seed: int = 1234, steering: tuple[Steering, ...] = ()) -> None:
+        """`steering`: edits on every position of every request (lm-eval's steered model; `gpt2 eval --steer`)."""
         super().__init__()
         self.model, self.slots, self.seed = model, slots, seed
+        self.steering = check_steering(steering, model.config)
         self.max_length = model.config.n_positions
         self.max_gen_toks = MAX_GEN_TOKS
         self.prefix = None if prefix_cache_mb is None else PrefixCache(model.config, prefix_cache_mb)
@@ -68,6 +71,7 @@ class EngineLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
         """(cache key, context ids, continuation ids) -> (log p(continuation | context), is it the greedy one)."""
+        check_scoring(self.steering)
         order = sorted(range(len(requests)), key=lambda i: requests[i][1] + requests[i][2])  # shared contexts together
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         for i in tqdm(order, desc="loglikelihood", disable=disable_tqdm):
@@ -125,7 +129,8 @@ class EngineLM(TemplateLM):
         logits (hf feeds every token but the last)."""
         whole = (context + continuation)[-(self.max_length + 1):]
         fed, n = whole[:-1], len(continuation)
-        done = prefill(self.model.weights, self.model.config, self.view, fed, scored=True, top=1, prefix=self.prefix)
+        done = prefill(self.model.weights, self.model.config, self.view, fed, scored=True, top=1, prefix=self.prefix,
+                       steering=self.steering)
         last = torch.log_softmax(done.logits.double(), -1)  # [V]
         logprob = float(done.stats.logprob[len(fed) - n :].double().sum()) + float(last[whole[-1]])  # targets of cont
         greedy = bool((done.stats.rank[len(fed) - n :] == 0).all()) and int(done.logits.argmax()) == whole[-1]
@@ -145,4 +150,5 @@ class EngineLM(TemplateLM):
             raise ValueError(f"generation options the engine does not run: {', '.join(sorted(gen_kwargs))}; "
                              "expected until, max_gen_toks, do_sample, temperature, top_p, top_k")
         stops = tuple(s for s in until if s != eos)  # <|endoftext|> itself ends a sequence (finish reason eos)
-        return GenerationSettings(max_new_tokens=max_gen_toks, sampling=sampling, stop=stops, seed=self.seed), until
+        return GenerationSettings(max_new_tokens=max_gen_toks, sampling=sampling, stop=stops, seed=self.seed,
+                                  steering=self.steering), until

@@ -85,3 +85,51 @@ def load_model(options: ModelOptions):
         torch.set_num_threads(options.threads)
     return GPT2.from_pretrained(options.weights, dtype=options.dtype, quantize=options.quantize, lora=options.lora,
                                 force=options.force)
+
+
+def add_steer_option(p: argparse.ArgumentParser) -> None:
+    """--steer SPEC, repeatable (core/steering.py's grammar)."""
+    from .core.steering import SPEC_GRAMMAR
+
+    p.add_argument("--steer", action="append", default=[], metavar="SPEC",
+                   help=f"steer the model while it runs (repeatable, applied in order): {SPEC_GRAMMAR}. SAE is an "
+                        "SAELens directory or OpenAI .pt file; coef adds coef x the feature's decoder row (or the "
+                        "vector), clamp sets the feature (or the component along the vector) to VALUE. Or the path of "
+                        "an lm-evaluation-harness steered-model .pt file. "
+                        "E.g. --steer sae=saes/res6,feature=123,coef=8 or "
+                        "--steer vector=dir.pt,hook=blocks.6.hook_resid_pre,coef=4")
+
+
+def parse_steer_args(specs: list[str]) -> list[dict[str, str] | Path]:
+    """The --steer specs parsed (their grammar checked before a model loads): fields, or an lm-eval file's path."""
+    from .core.steering import SteeringError, parse_spec
+
+    out: list[dict[str, str] | Path] = []
+    for spec in specs:
+        if "=" in spec:
+            out.append(parse_spec(spec))
+        elif Path(spec).suffix in (".pt", ".pth") and Path(spec).is_file():
+            out.append(Path(spec))
+        else:
+            raise SteeringError(f"--steer {spec!r}: expected key=value fields or an lm-eval steered-model .pt file "
+                                f"that exists")
+    return out
+
+
+def steering_from_args(specs: list[dict[str, str] | Path], config) -> tuple:
+    """The Steering edits the parsed --steer specs name, for a model with this config (SAEs and vectors loaded
+    once per path)."""
+    from .core.sae import SAE
+    from .core.steering import check_steering, from_fields, load_lm_eval, read_vector
+
+    saes: dict[str, SAE] = {}
+
+    def sae(path: str) -> SAE:
+        if path not in saes:
+            saes[path] = SAE.load(path)
+        return saes[path]
+
+    out = []
+    for spec in specs:
+        out += load_lm_eval(spec, config) if isinstance(spec, Path) else [from_fields(spec, sae, read_vector)]
+    return check_steering(out, config)

@@ -47,9 +47,9 @@ def load_reference(weights: Path):
     return GPT2LMHeadModel.from_pretrained(weights, dtype=torch.float32).eval()
 
 
-def engine_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
+def engine_generate(model, ids: torch.Tensor, new_tokens: int, steering: tuple = ()) -> float:
     """Seconds to generate `new_tokens` greedily from ids [B, T] (prefill included)."""
-    run = model.generation(ids.tolist(), max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    run = model.generation(ids.tolist(), max_new_tokens=new_tokens, temperature=0, ignore_eos=True, steering=steering)
     t0 = time.perf_counter()
     run.run()
     return time.perf_counter() - t0
@@ -90,6 +90,33 @@ def structured_rows(model, prompt: list[int], new_tokens: int, repeats: int) -> 
         rows.append({"batch": batch, "free_tok_s": f, "json_schema_tok_s": c, "ratio": c / f})
         print(f"  structured output, batch {batch}: free {f:.1f} tok/s, JSON schema {c:.1f} tok/s ({c / f:.2f}x)",
               file=sys.stderr, flush=True)
+    return rows
+
+
+def steering_rows(model, prompt: list[int], new_tokens: int, repeats: int) -> list[dict]:
+    """Batch-1 greedy decode with one steering vector against plain decode, alternating, medians: between blocks
+    (the native block path runs on; the vector is added between two native calls) and inside a block (that block
+    runs in torch for the steered row)."""
+    from gpt2_engine import Steering
+
+    C, mid = model.config.n_embd, model.config.n_layer // 2
+    vector = torch.randn(C, generator=torch.Generator().manual_seed(0))
+    edits = {"plain": (), f"blocks.{mid}.hook_resid_pre": (Steering(f"blocks.{mid}.hook_resid_pre", vector, 4.0),),
+             f"blocks.{mid}.hook_mlp_out": (Steering(f"blocks.{mid}.hook_mlp_out", vector, 4.0),)}
+    ids = torch.tensor([prompt])
+    rates: dict[str, list[float]] = {name: [] for name in edits}
+    for name, steering in edits.items():  # warm
+        engine_generate(model, ids, 8, steering)
+    for _ in range(repeats):
+        for name, steering in edits.items():
+            t = engine_generate(model, ids, new_tokens, steering) - engine_generate(model, ids, 1, steering)
+            rates[name].append((new_tokens - 1) / t)
+    plain = statistics.median(rates["plain"])
+    rows = []
+    for name, values in rates.items():
+        r = statistics.median(values)
+        rows.append({"steering": name, "tok_s": r, "ratio": r / plain})
+        print(f"  steering, batch 1, {name}: {r:.1f} tok/s ({r / plain:.3f}x plain)", file=sys.stderr, flush=True)
     return rows
 
 
@@ -219,6 +246,8 @@ def main() -> int:
                    help="tokens for the scoring row: one run each, alternating (default 50000; 0 skips it)")
     p.add_argument("--no-structured", dest="structured", action="store_false",
                    help="leave out the structured-output rows (a JSON schema against free decoding)")
+    p.add_argument("--no-steering", dest="steering", action="store_false",
+                   help="leave out the steering rows (decode with one steering vector against plain decode)")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench.json", help="where to write the JSON")
     p.add_argument("--child", choices=["engine", "reference"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -259,6 +288,7 @@ def main() -> int:
         add(f"decode batch {batch}, {n} new (tok/s)", "higher", tokens / ref, {v: tokens / t for v, t in eng.items()})
 
     structured = structured_rows(engines[variants[0]], prompt, n, args.repeats) if args.structured else []
+    steered = steering_rows(engines[variants[0]], prompt, n, max(args.repeats, 5)) if args.steering else []
 
     if args.score_tokens:
         ids = bench_text(args.score_tokens, engines[variants[0]].tokenizer)
@@ -294,9 +324,15 @@ def main() -> int:
         print(f"{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'ratio':>6}")
         for r in structured:
             print(f"{r['batch']:>5} {r['free_tok_s']:>11.1f} {r['json_schema_tok_s']:>13.1f} {r['ratio']:>5.2f}x")
+    if steered:
+        print(f"\nsteering ({variants[0]}, batch 1, greedy, one vector of coefficient 4 against plain decode):")
+        print(f"{'hook':>26} {'tok/s':>8} {'ratio':>7}")
+        for r in steered:
+            print(f"{r['steering']:>26} {r['tok_s']:>8.1f} {r['ratio']:>6.3f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "cpu": dataclasses.asdict(cpu()), "weights": str(weights),
-                                    "repeats": args.repeats, "rows": rows, "structured": structured}, indent=2) + "\n")
+                                    "repeats": args.repeats, "rows": rows, "structured": structured,
+                                    "steering": steered}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 

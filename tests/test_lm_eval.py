@@ -98,3 +98,45 @@ def test_eval_errors_are_one_line(capsys, trained_dir: Path, args: list[str], fr
     assert main(["eval", "--weights", str(trained_dir), *args]) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
+
+
+def lls(results: dict, task: str) -> list[float]:
+    """Every sample's loglikelihoods (one per choice), in document order."""
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [float(r[0][0]) for s in samples for r in s["resps"]]
+
+
+def test_gpt2_eval_steer_moves_a_planted_choice_and_equals_lm_evals_steered_model(trained_dir: Path, trained_model: GPT2,
+                                                                                  tmp_path: Path) -> None:
+    """A task whose right answer is always " yes" over " no"; a steering file in lm-eval's steered-model format adds
+    the direction wte[yes] - wte[no] after the last block and clamps a direction of layer 1's MLP output to 0.
+    `gpt2 eval --steer FILE` scores every choice as lm-eval's `steered` model (hf_steered.py) does, within 1e-4, and
+    the accuracy rises to every document."""
+    import torch
+
+    texts = [t for t in eval_tasks.unseen() if len(t.split()) >= 30][:12]
+    rows = [{"context": eval_tasks.words(t, 0, 24) + " Is that so? Answer:", "endings": [" yes", " no"], "label": 0}
+            for t in texts]
+    task = eval_tasks._write(tmp_path, "local_planted", rows, eval_tasks.CHOICE_YAML)
+    wte, enc = trained_model.weights.wte, trained_model.tokenizer.encode
+    planted = (wte[enc(" yes")[0]] - wte[enc(" no")[0]]).float()
+    last = f"h.{trained_model.config.n_layer - 1}"
+    steer = tmp_path / "steer.pt"
+    torch.save({last: {"steering_vector": planted, "steering_coefficient": 300.0, "action": "add", "bias": None,
+                       "head_index": None},
+                "h.1.mlp": {"steering_vector": torch.randn(trained_model.config.n_embd,
+                                                           generator=torch.Generator().manual_seed(5)),
+                            "steering_coefficient": 0.0, "action": "clamp", "bias": None, "head_index": None}}, steer)
+    plain_out, steered_out = tmp_path / "plain.json", tmp_path / "steered.json"
+    assert main(["eval", "--tasks", str(task), "--weights", str(trained_dir), "--output", str(plain_out),
+                 "--log-samples"]) == 0
+    assert main(["eval", "--tasks", str(task), "--weights", str(trained_dir), "--output", str(steered_out),
+                 "--log-samples", "--steer", str(steer)]) == 0
+    plain, steered = json.loads(plain_out.read_text()), json.loads(steered_out.read_text())
+    reference = lm_eval.simple_evaluate(model="steered", tasks=[str(task)], device="cpu", log_samples=True,
+                                        model_args=f"pretrained={trained_dir},steer_path={steer},dtype=float32")
+    ours, ref = lls(steered, "local_planted"), lls(reference, "local_planted")
+    assert len(ours) == len(ref) == 2 * len(rows)
+    assert all(math.isclose(a, b, rel_tol=TOL, abs_tol=1e-4) for a, b in zip(ours, ref)), (ours, ref)
+    acc = lambda r: r["results"]["local_planted"]["acc,none"]  # noqa: E731
+    assert acc(steered) == acc(reference) == 1.0 and acc(plain) < 1.0

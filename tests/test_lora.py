@@ -538,3 +538,5 @@ def test_an_adapter_records_its_base_and_refuses_another(trained_dir: Path, tmp_
                                          f"{trained_dir.resolve()}"
     with_adapter = GPT2.from_pretrained(trained_dir, lora=tmp_path / "ad")
     assert own.stdout == with_adapter.generate("Return", max_new_tokens=6, temperature=0) + "\n"
+    served = gpt2("serve", "--weights", str(other), "--port", "0", "--lora", f"task={tmp_path / 'ad'}")
+    assert served.returncode == 2 and served.stderr.count("\n") == 1 and "trained on another base" in served.stderr

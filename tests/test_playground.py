@@ -139,3 +139,36 @@ def test_labels_keyboard_and_a_narrow_window(browser, site) -> None:
     assert browser.execute_script("return document.documentElement.scrollWidth <= document.documentElement.clientWidth")
     screenshot(browser, "playground-narrow.png")
     browser.set_window_size(1100, 1000)
+
+
+def test_the_steering_slider_steers_an_sae_feature(browser, trained_model: GPT2) -> None:
+    """With `--sae NAME=DIR`, the page lists the SAE and its slider adds (or clamps) a feature: the text is the API's
+    with the same steering, and differs from the unsteered text."""
+    import fixtures
+
+    from gpt2_engine import SAE
+    from gpt2_engine.core.steering import SteeringRegistry
+    from gpt2_engine.serve.app import ServerSettings
+
+    import torch
+
+    sae = SAE.load(fixtures.ensure("saes") / "topk-mlp")
+    ids = torch.tensor([trained_model.tokenizer.encode("The default value of the file")])
+    _, cache = trained_model.run_with_cache_with_saes(ids, [sae], names=[f"{sae.hook_name}.hook_sae_acts_post"])
+    feature = int(cache[f"{sae.hook_name}.hook_sae_acts_post"].reshape(-1, sae.d_sae).amax(0).argmax())  # one that fires
+    settings = ServerSettings(steering=SteeringRegistry(saes={"mlp": sae}))
+    with live(trained_model, parallel=2, max_queue=4, settings=settings) as (url, _):
+        browser.get(url + "/")
+        wait_for(lambda: browser.find_element("id", "steering").is_displayed(), "the steering section")
+        assert "mlp (blocks.2.hook_mlp_out" in browser.find_element("id", "steer_sae").text
+        fill(browser, prompt="The default value of", max_tokens="12", temperature="0", colour=False, steer_feature=str(feature))
+        browser.execute_script("const r = document.getElementById('steer_coef'); r.value = '100';"
+                               "r.dispatchEvent(new Event('input'));")
+        assert browser.find_element("id", "steer_coef_value").text == "100"
+        text = generate(browser)
+        ask = {"model": "gpt2", "prompt": "The default value of", "max_tokens": 12, "temperature": 0}
+        steered = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            **ask, "steering": [{"sae": "mlp", "feature": feature, "coef": 100}]}).json()["choices"][0]["text"]
+        plain = httpx.post(f"{url}/v1/completions", json=ask, timeout=60).json()["choices"][0]["text"]
+        assert text == steered != plain
+        screenshot(browser, "playground-steering.png")

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.files import atomic_write
-from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
+                       positive_int, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
 
 HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (README)"
@@ -41,6 +42,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slots", type=positive_int, default=8, metavar="N",
                    help="sequences generated together for generate_until tasks (default 8)")
     add_model_options(p)
+    add_steer_option(p)
     p.set_defaults(run=run_eval)
 
 
@@ -57,6 +59,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--include-path {args.include_path}: not a directory")
     if args.log_samples and args.output is None:
         raise UsageError("--log-samples writes the samples into --output FILE: give --output too")
+    steer = parse_steer_args(args.steer)
     tasks = [t for spec in args.tasks for t in spec.split(",") if t]
     for t in tasks:
         if t.endswith((".yaml", ".yml")) and not Path(t).is_file():
@@ -70,7 +73,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     model = load_model(ModelOptions.from_args(args))
     mb = None if args.no_prefix_cache else args.prefix_cache_mb or DEFAULT_CAPACITY_MB
-    lm = EngineLM(model, prefix_cache_mb=mb, slots=args.slots, seed=args.seed)
+    lm = EngineLM(model, prefix_cache_mb=mb, slots=args.slots, seed=args.seed,
+                  steering=steering_from_args(steer, model.config))
     manager = TaskManager(include_path=str(args.include_path) if args.include_path else None)
     limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
     try:

@@ -6,10 +6,12 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..core.errors import GenerationError
-from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
+                       positive_int, steering_from_args)
 from ..runtime.constraints import Constraint
 from ..runtime.requests import GenerationSettings
 from ..runtime.sampling import SamplingParams
@@ -52,6 +54,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-tokens", type=int, metavar="K",
                    help=f"tokens drafted per verify pass, 1..{MAX_DRAFT_TOKENS} (default: adaptive, from "
                         f"{ADAPTIVE_START} up to {ADAPTIVE_MAX} while drafts are accepted, down to none while not)")
+    add_steer_option(p)
     shape = p.add_argument_group("structured output (one of these; llguidance enforces it token by token)")
     shape.add_argument("--json-schema", type=Path, metavar="FILE", help="the text is JSON valid against this schema")
     shape.add_argument("--json-object", action="store_true", help="the text is a JSON object")
@@ -115,8 +118,11 @@ def run_generate(args: argparse.Namespace) -> int:
     check_draft_tokens(args.draft_tokens, "--draft-tokens")
     if args.draft_tokens is not None and args.speculate is None:
         raise UsageError("--draft-tokens applies to speculative decoding: give --speculate too")
+    steer = parse_steer_args(args.steer)
     t0 = time.perf_counter()
     model = load_model(ModelOptions.from_args(args))
+    if steer:
+        settings = replace(settings, steering=steering_from_args(steer, model.config))
     run = model.generation(prompt, allow_special=args.allow_special, settings=settings, speculate=args.speculate,
                            draft_tokens=args.draft_tokens)
     load_seconds = time.perf_counter() - t0  # with the draft model's

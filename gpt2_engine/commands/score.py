@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from ..core.files import temporary
 from ..documents import InputError, expand_paths, read_documents
-from ..options import ModelOptions, add_model_options, load_model
+from ..options import ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, steering_from_args
 from ..runtime.scoring import Score, ScoreSettings
 
 TOP_ALTERNATIVES = 5  # per token in --per-token output
@@ -108,13 +108,15 @@ def checked_settings(args: argparse.Namespace, config: Any) -> ScoreSettings:
     stride = args.stride if args.stride is not None else context // 2
     settings = ScoreSettings(context, stride, bos=not args.no_bos, batch_size=args.batch_size,
                              top=TOP_ALTERNATIVES if args.per_token else 0, details=args.per_token is not None,
-                             prefix_cache_mb=args.prefix_cache_mb)
+                             prefix_cache_mb=args.prefix_cache_mb,
+                             steering=steering_from_args(args.steer_specs, config))
     settings.check(config)
     return settings
 
 
 def local_scores(args: argparse.Namespace, progress: Any) -> tuple[Any, ScoreSettings, Iterator[Score]]:
     """(tokenizer, settings, scores in input order) on this machine."""
+    args.steer_specs = parse_steer_args(args.steer)  # checked before the model loads
     docs = read_documents(args.files, sys.stdin.buffer)  # every input is read and checked before the model loads
     if not docs:
         raise InputError("nothing to score: the input holds no documents")
@@ -129,6 +131,7 @@ def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[S
     from ..core.weights import CONFIG, find_weights_file
     from ..distributed.score import score_on_ray
 
+    args.steer_specs = parse_steer_args(args.steer)
     stdin_docs = read_documents(["-"], sys.stdin.buffer) if "-" in args.files else []
     find_weights_file(args.weights)  # the loader's error for a missing or empty directory, before Ray starts
     settings = checked_settings(args, GPT2Config.from_json(args.weights / CONFIG))
@@ -232,4 +235,5 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--workers", type=int, metavar="N",
                      help="scoring actors (default: the cluster's CPUs divided by --threads)")
     add_model_options(p)
+    add_steer_option(p)
     p.set_defaults(run=run_score)

@@ -9,6 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
+from ..core.steering import SteeringRegistry
 from ..options import ModelOptions, add_force_option, add_model_options, load_model
 from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
 from ..serve.app import ServeError, ServerSettings, ServerState, build_app
@@ -45,7 +46,7 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
     check_speculation(args)
     template = load_template(args.chat_template) if args.chat_template is not None else plain_template()
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
-                          args.max_body_bytes, chat_template=template)
+                          args.max_body_bytes, chat_template=template, steering=steering_registry(args))
 
 
 def check_prefix_cache(args: argparse.Namespace) -> None:
@@ -95,11 +96,56 @@ def check_speculation(args: argparse.Namespace) -> None:
             raise ServeError(f"--speculate {args.speculate}: {e}") from None
 
 
+def named(specs: list[str], flag: str, what: str) -> dict[str, str]:
+    """NAME=PATH specs as a dict; one-line errors for a malformed or repeated name."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ServeError(f"{flag} {spec!r}: expected NAME=PATH (the name requests use, and {what})")
+        if name.strip() in out:
+            raise ServeError(f"{flag} {spec!r}: the name {name.strip()!r} is given twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def steering_registry(args: argparse.Namespace) -> SteeringRegistry:
+    """The --sae and --steering-vector entries, each loaded and checked against the model's config now, so that a bad
+    one is an error at the command line rather than at a request."""
+    from ..core.config import GPT2Config
+    from ..core.sae import SAE, SAEError
+    from ..core.steering import SteeringError, read_vector
+    from ..core.weights import CONFIG
+
+    sae_paths = named(args.sae, "--sae", "an SAELens directory or OpenAI .pt file")
+    vector_paths = named(args.steering_vector, "--steering-vector", "a .pt, .safetensors or .npy vector")
+    if not sae_paths and not vector_paths:
+        return SteeringRegistry()
+    config = GPT2Config.from_json(args.weights / CONFIG)
+    saes, vectors = {}, {}
+    for name, path in sae_paths.items():
+        try:
+            saes[name] = SAE.load(path)
+            saes[name].check(config)
+        except SAEError as e:
+            raise ServeError(f"--sae {name}={path}: {e}") from None
+    for name, path in vector_paths.items():
+        try:
+            vectors[name] = read_vector(path)
+        except SteeringError as e:
+            raise ServeError(f"--steering-vector {name}={path}: {e}") from None
+        widths = {config.n_embd, config.mlp_width, config.head_size}
+        if vectors[name].numel() not in widths:
+            raise ServeError(f"--steering-vector {name}={path}: {vectors[name].numel()} values; a hook of this model "
+                             f"is {config.n_embd} (residual), {config.mlp_width} (MLP) or {config.head_size} (a head) wide")
+    return SteeringRegistry(saes, vectors)
+
+
 def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
     """The --lora NAME=DIR adapters, each read and checked against the base's config now, so that a bad one is an
     error at the command line rather than a server that never becomes ready."""
     from ..core.config import GPT2Config
-    from ..core.lora import LoraError, load_adapter
+    from ..core.lora import LoraError, check_base, load_adapter
     from ..core.weights import CONFIG
 
     adapters: list[tuple[str, Path]] = []
@@ -236,6 +282,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="also serve a LoRA adapter (PEFT's format) as model id NAME (repeatable): requests pick it with "
                         "\"model\": NAME, and requests for every adapter and the base share the batched passes")
+    p.add_argument("--sae", action="append", default=[], metavar="NAME=DIR",
+                   help="offer an SAE for steering as NAME (repeatable; SAELens directory or OpenAI .pt): a request's "
+                        "\"steering\": [{\"sae\": NAME, \"feature\": N, \"coef\": X}] adds X times the feature's "
+                        "decoder row, {..., \"clamp\": V} sets the feature to V; the playground has a slider")
+    p.add_argument("--steering-vector", action="append", default=[], metavar="NAME=FILE",
+                   help="offer a steering vector as NAME (repeatable; .pt, .safetensors or .npy): a request's "
+                        "\"steering\": [{\"vector\": NAME, \"hook\": \"blocks.6.hook_resid_pre\", \"coef\": X}]")
     p.add_argument("--prefix-cache-mb", type=float, metavar="MB",
                    help=f"memory for cached prompt blocks (default {DEFAULT_CAPACITY_MB}): a prompt that starts with "
                         f"blocks of {BLOCK_TOKENS} tokens an earlier request computed reuses their keys and values "

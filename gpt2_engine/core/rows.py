@@ -12,7 +12,7 @@ import torch
 
 from .config import GPT2Config
 from .kernels import cpu, decode_kernels
-from .model import attention, attention_mask, linear, merge_heads, split_heads
+from .model import Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
 from .projection import native_projection
 from .weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
 
@@ -39,7 +39,8 @@ class RowLayout:
 
 
 def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            layout: RowLayout, adapters: torch.Tensor | None = None) -> torch.Tensor:
+                            layout: RowLayout, adapters: torch.Tensor | None = None,
+                            tap: Tap | None = None) -> torch.Tensor:
     """[1, R, C] -> [1, R, C] for the rows of several sequences back to back; span (slot, start, n) holds n new
     tokens of the sequence in cache slot `slot` at positions [start, start + n): a running sequence's next token
     (n = 1) or a new prompt (start = 0). One projection over all R rows; each span writes its keys and values
@@ -48,15 +49,19 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
     With the native kernels all R rows are one call (kernels/attention.cpp): it writes every row's key and value
     first, then each row attends to its slot's positions up to its own, in a fixed order, so a prompt's tokens are
     rows like any other (a Python loop of ~15 torch ops per prompt and layer made a step that admitted 6 prompts
-    half again as long as a decode step). Without them, span by span in torch."""
+    half again as long as a decode step). Without them, span by span in torch. `tap` (scoped to the block): the hook
+    points attn.hook_q|hook_k|hook_v|hook_z [1, R, nh, hs], as causal_self_attention has them."""
     R, C = x.shape[1], x.shape[2]
     hs = C // n_head
     q, k, v = split_qkv(linear(x, blk.c_attn, adapters))  # 3 x [1, R, C]
+    if tap is not None:
+        q, k, v = (hooked(tap, f"attn.hook_{n}", t.view(1, R, n_head, hs)).reshape(1, R, C) for n, t in zip("qkv", (q, k, v)))
     native = decode_kernels() if k_cache.is_contiguous() else None
     if native is not None:
         out = native.decode_attention(q[0].view(R, n_head, hs), k[0].view(R, n_head, hs), v[0].view(R, n_head, hs),
                                       k_cache, v_cache, layout.slots, layout.positions, cpu().avx512)
-        return linear(out.view(1, R, C), blk.attn_c_proj, adapters)  # [1, R, C]
+        out = hooked(tap, "attn.hook_z", out.view(1, R, n_head, hs))
+        return linear(out.reshape(1, R, C), blk.attn_c_proj, adapters)  # [1, R, C]
     out = torch.empty(1, R, C)  # [1, R, C]
     for (slot, start, n), row in zip(layout.spans, layout.first_rows):
         qi, ki, vi = (split_heads(t[:, row : row + n], n_head) for t in (q, k, v))  # 3 x [1, nh, n, hs]
@@ -64,6 +69,7 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
         keys, values = k_cache[slot : slot + 1, :, : start + n], v_cache[slot : slot + 1, :, : start + n]  # [1, nh, S, hs]
         out[:, row : row + n] = merge_heads(attention(qi, keys, values, attention_mask(n, start, None, x.device),
                                                       causal=start == 0))
+    out = hooked(tap, "attn.hook_z", out.view(1, R, n_head, hs)).reshape(1, R, C)
     return linear(out, blk.attn_c_proj, adapters)  # [1, R, C]
 
 

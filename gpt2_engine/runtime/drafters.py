@@ -76,9 +76,14 @@ class ModelDrafter:
     target's. Each slot remembers the tokens it has fed, so a call feeds only what is new (after a rejection, from the
     first token that differs), then draws k tokens one pass at a time, all asks' rows sharing each pass."""
 
-    def __init__(self, weights: GPT2Weights, config: GPT2Config, slots: int, max_len: int) -> None:
+    def __init__(self, weights: GPT2Weights, config: GPT2Config, slots: int, max_len: int,
+                 steers: bool = False) -> None:
+        """`steers`: apply each sequence's steering (a draft model of the target's shape: the target quantized);
+        otherwise it drafts unsteered, which only lowers acceptance, since the target verifies every token."""
         self.runner = ModelRunner(weights, config, slots, max_len)
+        self.steers = steers
         self.fed: list[list[int]] = [[] for _ in range(slots)]
+        self.steered: list[tuple] = [() for _ in range(slots)]  # the steering each slot's keys and values were fed under
 
     def propose(self, asks: list[DraftAsk]) -> list[Draft]:
         tokens: list[list[int]] = [[] for _ in asks]
@@ -86,21 +91,25 @@ class ModelDrafter:
         try:
             segments, rows = [], []  # the first pass: each slot caught up to its context
             for i, ask in enumerate(asks):
-                fed = self.fed[ask.slot]
+                steering = ask.steering if self.steers else ()
+                fed = self.fed[ask.slot] if self.steered[ask.slot] == steering else []
                 same = common_prefix(fed, ask.context)
                 start = min(same, len(ask.context) - 1)  # at least the last token, for its logits
-                self.fed[ask.slot] = list(ask.context)
+                self.fed[ask.slot], self.steered[ask.slot] = list(ask.context), steering
                 if start == 0 and len(ask.context) > 1:  # a new sequence: its prompt as a prefill of its own
-                    logits = self.runner.prefill(ask.slot, ask.context).logits
+                    logits = self.runner.prefill(ask.slot, ask.context, steering=steering,
+                                                 prompt_len=ask.prompt_len).logits
                     self._draw(ask, logits, tokens[i], qs[i])
                 else:
-                    segments.append(Segment(ask.slot, start, ask.context[start:]))
+                    segments.append(Segment(ask.slot, start, ask.context[start:], steering=steering,
+                                            prompt_len=ask.prompt_len))
                     rows.append(i)
             if segments:
                 for i, row in zip(rows, self.runner.run(segments)):
                     self._draw(asks[i], row, tokens[i], qs[i])
             while live := [i for i, ask in enumerate(asks) if len(tokens[i]) < ask.k]:
-                segments = [Segment(asks[i].slot, len(self.fed[asks[i].slot]), [tokens[i][-1]]) for i in live]
+                segments = [Segment(asks[i].slot, len(self.fed[asks[i].slot]), [tokens[i][-1]],
+                                    steering=self.steered[asks[i].slot], prompt_len=asks[i].prompt_len) for i in live]
                 for i in live:
                     self.fed[asks[i].slot].append(tokens[i][-1])
                 for i, row in zip(live, self.runner.run(segments)):
@@ -149,7 +158,7 @@ class Speculation:
         """A drafter for a cache of `slots` sequences of up to `max_len` positions."""
         if self.weights is None:
             return NgramDrafter()
-        return ModelDrafter(self.weights, self.config, slots, max_len)
+        return ModelDrafter(self.weights, self.config, slots, max_len, steers=self.source in FORMATS)
 
 
 def load_speculation(source: str | Path, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, *,

@@ -82,8 +82,9 @@ class EngineLoop:
             yield self._forget(plan.finished)
         for seq in plan.prefill:
             try:
-                done = runner.prefill(seq.slot, seq.request.prompt, scored=seq.request.prompt_logprobs,
-                                      top=seq.request.top_logprobs, adapter=seq.request.adapter)
+                r = seq.request
+                done = runner.prefill(seq.slot, r.prompt, scored=r.prompt_logprobs, top=r.top_logprobs,
+                                      adapter=r.adapter, steering=r.steering)
             except Exception as e:  # noqa: BLE001 - contained: this prefill's sequence fails, the loop goes on
                 yield self._forget(self._failed([seq], e))
                 continue

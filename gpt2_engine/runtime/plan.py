@@ -8,23 +8,29 @@ and the runner (runner.py) and the drafters (drafters.py) execute them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from ..core.steering import Steering
+
 
 class Segment(NamedTuple):
     """A sequence's rows in a pass: `ids` are fed at positions [start, start + len(ids)) of cache slot `slot`, with
     LoRA adapter `adapter` of the weights (-1: the base; None: adapter 0, a model with one). The pass returns the
-    logits after its last `outputs` rows (a speculative verify pass needs every row's: runtime/speculation.py)."""
+    logits after its last `outputs` rows (a speculative verify pass needs every row's: runtime/speculation.py).
+    `steering`: the sequence's edits (core/steering.py), which read each row's position against `prompt_len`."""
 
     slot: int
     start: int
     ids: list[int]
     adapter: int | None = None
     outputs: int = 1
+    steering: tuple[Steering, ...] = ()
+    prompt_len: int = 0
 
 
 class Outputs(NamedTuple):
@@ -73,7 +79,8 @@ class Prefilled(NamedTuple):
 class DraftAsk(NamedTuple):
     """What a drafter is asked for one sequence: `k` tokens to follow `context`, the sequence's tokens at positions
     0 .. len(context) - 1 of cache slot `slot` (prompt, generated text, and the next token, not yet fed); `excluded`:
-    tokens the sequence may not produce (<|endoftext|> with ignore_eos), which a draft of them would only waste."""
+    tokens the sequence may not produce (<|endoftext|> with ignore_eos), which a draft of them would only waste;
+    `steering` and `prompt_len`: the sequence's (Segment's)."""
 
     slot: int
     context: list[int]
@@ -81,6 +88,8 @@ class DraftAsk(NamedTuple):
     sampling: SamplingParams
     generator: torch.Generator
     excluded: tuple[int, ...] = ()
+    steering: tuple[Steering, ...] = ()  # the sequence's edits, which a draft model of the target's shape applies too
+    prompt_len: int = 0
 
 
 class Draft(NamedTuple):

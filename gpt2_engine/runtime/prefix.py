@@ -2,7 +2,8 @@
 them (vLLM's automatic prefix caching, on the engine's slot-based KV cache).
 
 A prompt is cut into blocks of BLOCK_TOKENS tokens; a block is known by its tokens and its parent block (so by the
-whole prefix up to its end) and by the LoRA adapter the keys and values were computed under. A block holds, for its
+whole prefix up to its end), by the LoRA adapter and by the steering of prompt rows (core/steering.py's prompt_key)
+the keys and values were computed under: a prompt steered otherwise never reuses them. A block holds, for its
 positions: the keys and values of every layer, and the log-probabilities of its own tokens (the stats memo) where the
 prompt that computed them was scored. Blocks live in one preallocated pool of `capacity` blocks; when it is full the
 least recently used block that no other block extends is evicted (a parent is touched after its children, so the
@@ -32,6 +33,7 @@ from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, logits, residual_stream
 from ..core.projection import logsumexp_rows
+from ..core.steering import Steering, prompt_key, sequence_tap
 from ..core.weights import GPT2Weights
 from .plan import Prefilled, TokenStats
 from .stats import prompt_stats
@@ -83,10 +85,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def match(self, ids: list[int], adapter: int | None) -> list[CachedBlock]:
-        """The longest chain of cached whole blocks that `ids` starts with, touched as used."""
+    def match(self, ids: list[int], adapter: int | None, steered: str | None = None) -> list[CachedBlock]:
+        """The longest chain of cached whole blocks that `ids` starts with under this adapter and prompt steering
+        (`steered`: prompt_key's), touched as used."""
         chain: list[CachedBlock] = []
-        parent_key: tuple = ("adapter", adapter)
+        parent_key: tuple = ("adapter", adapter, steered)
         for b in range(len(ids) // self.block):
             blk = self.blocks.get((parent_key, tuple(ids[b * self.block : (b + 1) * self.block])))
             if blk is None:
@@ -119,7 +122,7 @@ class PrefixCache:
                           joined.top_logprobs[:n, :top] if top else None)
 
     def store(self, ids: list[int], adapter: int | None, chain: list[CachedBlock], view: KVCache,
-              stats: TokenStats | None, first_target: int) -> None:
+              stats: TokenStats | None, first_target: int, steered: str | None = None) -> None:
         """Add the whole blocks of `ids` past `chain` from the slot view that holds their keys and values; `stats`:
         the targets first_target.. of this run (None when it was not scored), memoised per block. Stops when every
         block left is an ancestor of this prompt's (nothing can be evicted)."""
@@ -127,7 +130,7 @@ class PrefixCache:
         added: list[CachedBlock] = []
         for b in range(len(chain), len(ids) // self.block):
             lo, hi = b * self.block, (b + 1) * self.block
-            key = (parent.key if parent else ("adapter", adapter), tuple(ids[lo:hi]))
+            key = (parent.key if parent else ("adapter", adapter, steered), tuple(ids[lo:hi]))
             blk = self.blocks.get(key)
             if blk is None:
                 row = self._row(keep=chain + added)
@@ -184,10 +187,16 @@ def wider(new: TokenStats, old: TokenStats) -> bool:
 
 def prefill(w: GPT2Weights, config: GPT2Config, view: KVCache, prompt: list[int], *, scored: bool = False,
             top: int = 0, details: bool = False, adapter: int | None = None,
-            prefix: PrefixCache | None = None) -> Prefilled:
-    """Run a prompt into a one-slot cache view, reusing and then extending `prefix` (see the module docstring)."""
+            prefix: PrefixCache | None = None, steering: tuple[Steering, ...] = (),
+            prompt_len: int | None = None) -> Prefilled:
+    """Run a prompt into a one-slot cache view, reusing and then extending `prefix` (see the module docstring).
+    `steering`: edits on its rows, all of them prompt rows unless `prompt_len` says fewer are (a draft model's
+    context)."""
     T = len(prompt)
-    chain = prefix.match(prompt, adapter) if prefix is not None else []
+    if prompt_len is not None and prompt_len < T:
+        prefix = None  # rows past the prompt (a draft model's context): not a prompt's keys and values
+    steered = prompt_key(steering)
+    chain = prefix.match(prompt, adapter, steered) if prefix is not None else []
     memo = None
     if chain and scored:
         memo = prefix.cached_stats(chain, min(len(chain) * prefix.block, T) - 1, top, details)
@@ -200,15 +209,17 @@ def prefill(w: GPT2Weights, config: GPT2Config, view: KVCache, prompt: list[int]
         prefix.counters.hit += s
     ids = torch.tensor([prompt[s:]])  # [1, T - s]
     adapters = None if adapter is None else torch.tensor([adapter])  # [1]
+    tap = sequence_tap(w, config, steering, s, T - s, T if prompt_len is None else prompt_len)
     with torch.inference_mode():
-        x = residual_stream(w, config, ids, cache=view, start=s, adapters=adapters)[0]  # [T - s, C]
+        x = residual_stream(w, config, ids, cache=view, start=s, adapters=adapters, tap=tap)[0]  # [T - s, C]
         stats = None
         if scored:  # targets s+1 .. T-1, and the next token's logits, in one pass of the head
-            stats, next_logits = prompt_stats(w, config, x, ids[0, 1:], top=top, details=details)
+            stats, next_logits = prompt_stats(w, config, x, ids[0, 1:], top=top, details=details, tap=tap)
         else:
-            next_logits = logits(w, config, x[-1:])[0]  # [V]
+            last = None if tap is None else tap.select(torch.tensor([T - s - 1]))
+            next_logits = logits(w, config, x[-1:], last)[0]  # [V]
         if prefix is not None:
-            prefix.store(prompt, adapter, chain, view, stats, s + 1)
+            prefix.store(prompt, adapter, chain, view, stats, s + 1, steered)
     if memo is not None:
         stats = TokenStats.cat([memo, stats])
     return Prefilled(next_logits, logsumexp_rows(next_logits[None])[0], stats, s)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
+from ..core.steering import Steering, check_steering
 from ..core.tokenizer import Tokenizer
 from .constraints import Compiled, Constraint, Grammars
 from .sampling import SamplingParams
@@ -39,6 +40,7 @@ class Request:
     prompt_logprobs: bool = False
     adapter: int | None = None  # which of the weights' LoRA adapters (-1: the base; None: the model's own)
     constraint: Compiled | None = None  # the grammar the text must match (runtime/constraints.py)
+    steering: tuple[Steering, ...] = ()  # edits on the activations while it runs (core/steering.py)
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,12 @@ class GenerationSettings:
     top_logprobs: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False  # score the prompt's tokens too
     constraint: Constraint | None = None  # structured output: a JSON schema, regex, choice or grammar to match
+    steering: tuple[Steering, ...] = ()  # directions added or SAE features clamped while generating (Steering)
 
     def __post_init__(self) -> None:
+        if isinstance(self.steering, Steering) or isinstance(self.steering, list):
+            object.__setattr__(self, "steering", (self.steering,) if isinstance(self.steering, Steering)
+                               else tuple(self.steering))
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}",
                                   param="max_new_tokens")
@@ -149,6 +155,7 @@ def build_requests(prompts: list[list[int]], settings: GenerationSettings, confi
         if token >= config.vocab_size:
             raise GenerationError(f"logit_bias token id {token} is outside the vocabulary [0, {config.vocab_size})",
                                   param="logit_bias")
+    steering = check_steering(settings.steering, config)
     seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(7), "little")
     room = limit - max(settings.max_new_tokens - 1, 0)  # the last new token is never fed back: it needs no position
     requests, truncated, limited = [], 0, 0
@@ -169,7 +176,7 @@ def build_requests(prompts: list[list[int]], settings: GenerationSettings, confi
         for j in range(settings.num_samples):
             request = Request(prompt, new, settings.sampling, settings.stop, settings.ignore_eos,
                               (seed + j) % 2**63, settings.top_logprobs, settings.prompt_logprobs,
-                              constraint=compiled)
+                              constraint=compiled, steering=steering)
             check_request(request, config)
             requests.append(request)
     return RequestSet(requests, seed, truncated, limited)

@@ -8,6 +8,12 @@ between blocks (`Pass.add`). With at most config.DECODE_ROWS rows, each block an
 (kernels/block.cpp: NativeRows), every matmul runs on the row-invariant kernels and attention stays within each
 row's cache slot, so a sequence's logits are the same bits whatever else shares the pass, and whichever block it
 joined the pass at.
+
+Steering (core/steering.py) rides on the segments: each sequence's edits apply to its own rows, at positions the
+rows carry, so a steered row gets what a whole-sequence recompute gives it and its neighbours are untouched. An edit
+between blocks (hook_resid_pre / hook_resid_post, the embeddings) is applied between the native calls; a block with
+an edit inside it runs in torch for the rows of the sequences it steers only (the same arithmetic alone or batched:
+the projections are the row-invariant kernels there too), the other rows natively as ever.
 """
 
 from __future__ import annotations
@@ -17,19 +23,41 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.config import DECODE_ROWS, GPT2Config
-from ..core.model import KVCache, Layer, block, embed, logits
+from ..core.model import KVCache, Layer, ScopedTap, block, embed, hooked, logits
 from ..core.projection import logsumexp_rows
 from ..core.rows import RowLayout, native_block, native_head, self_attention_segments
+from ..core.steering import Rows, Steering, SteeringTap, between_blocks
 from ..core.weights import GPT2Weights
 from .plan import Outputs, Prefilled, Segment
 from .prefix import PrefixCache, prefill
 
 
-def embed_rows(w: GPT2Weights, segments: list[Segment]) -> tuple[torch.Tensor, RowLayout]:
-    """Segments' tokens -> their residual stream [1, R, C] at their own positions, and the layout of their rows."""
+def embed_rows(w: GPT2Weights, segments: list[Segment], tap: SteeringTap | None = None) -> tuple[torch.Tensor, RowLayout]:
+    """Segments' tokens -> their residual stream [1, R, C] at their own positions, and the layout of their rows;
+    `tap`: their steering (hook_embed, hook_pos_embed)."""
     ids = torch.tensor([t for s in segments for t in s.ids])  # [R]
     layout = RowLayout.of([(s.slot, s.start, len(s.ids)) for s in segments])
-    return (embed(w, ids) + w.wpe[layout.positions])[None], layout  # [1, R, C]
+    tokens = hooked(tap, "hook_embed", embed(w, ids)[None])  # [1, R, C]
+    return tokens + hooked(tap, "hook_pos_embed", w.wpe[layout.positions][None]), layout  # [1, R, C]
+
+
+def steering_tap(w: GPT2Weights, config: GPT2Config, segments: list[Segment]) -> SteeringTap | None:
+    """The steering of the segments' rows, row by row (see the module docstring); None where no segment steers."""
+    groups, row = [], 0
+    for s in segments:
+        if s.steering:
+            groups.append(Rows(s.steering, torch.arange(row, row + len(s.ids)),
+                               torch.arange(s.start, s.start + len(s.ids)), s.prompt_len))
+        row += len(s.ids)
+    return SteeringTap(w, config, groups) if groups else None
+
+
+def inside_block(tap: SteeringTap, layer: int) -> torch.Tensor | None:
+    """The rows whose edits fall inside block `layer` (they run it in torch), or None where none do."""
+    prefix = f"blocks.{layer}."
+    rows = [g.rows for g in tap.groups if any(s.hook.startswith(prefix) and not between_blocks(s.hook)
+                                              for s in g.steering)]
+    return torch.cat(rows) if rows else None
 
 
 def adapter_rows(segments: list[Segment]) -> torch.Tensor | None:
@@ -59,11 +87,20 @@ def native_rows(w: GPT2Weights, config: GPT2Config) -> NativeRows | None:
 
 
 def rows_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, layout: RowLayout,
-               cache: KVCache, adapters: torch.Tensor | None = None) -> torch.Tensor:
-    """[1, R, C] -> [1, R, C] through block i in torch, each segment attending within its cache slot."""
+               cache: KVCache, adapters: torch.Tensor | None = None, tap: SteeringTap | None = None) -> torch.Tensor:
+    """[1, R, C] -> [1, R, C] through block i in torch, each segment attending within its cache slot; `tap`: the
+    rows' steering, every hook point of the block."""
     blk = w.blocks[i]
-    attend = lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout, adapters)  # noqa: E731
-    return block(x, blk, config, attend, Layer(adapters=adapters))
+    scoped = None if tap is None else ScopedTap(tap, f"blocks.{i}.")
+    attend = lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout, adapters,  # noqa: E731
+                                               scoped)
+    return block(x, blk, config, attend, Layer(tap=scoped, adapters=adapters))
+
+
+def sub_layout(layout: RowLayout, rows: torch.Tensor) -> RowLayout:
+    """The layout of a subset of the rows (whole spans, in row order)."""
+    keep = set(rows.tolist())
+    return RowLayout.of([span for span, first in zip(layout.spans, layout.first_rows) if first in keep])
 
 
 class Pass:
@@ -85,7 +122,8 @@ class Pass:
         native = native if native is not None else native_rows(w, config)
         self.native = native if cache.k.is_contiguous() and cache.v.is_contiguous() else None
         self.segments = list(segments)
-        self.x, self.layout = embed_rows(w, self.segments)  # [1, R, C]
+        self.steer = steering_tap(w, config, self.segments)
+        self.x, self.layout = embed_rows(w, self.segments, self.steer)  # [1, R, C]
         self.adapters = adapter_rows(self.segments)  # [R] or None
         self.layer = 0  # the next block to run
 
@@ -102,18 +140,20 @@ class Pass:
         """More segments, caught up to this pass's next block (see the class docstring)."""
         if not segments:
             return
-        y, layout = embed_rows(self.w, segments)  # [1, R', C]
+        steer = steering_tap(self.w, self.config, segments)
+        y, layout = embed_rows(self.w, segments, steer)  # [1, R', C]
         adapters = adapter_rows(segments)
         for j in range(self.layer):
-            y = self._block(j, y, layout, adapters)
+            y = self._block(j, y, layout, adapters, steer)
         self.segments += segments
         self.x = torch.cat([self.x, y], dim=1)  # [1, R + R', C]
         self.layout = RowLayout.of(self.layout.spans + layout.spans)
         self.adapters = adapter_rows(self.segments)
+        self.steer = steering_tap(self.w, self.config, self.segments)
 
     def run_block(self) -> None:
         """Run the next block over every row."""
-        self.x = self._block(self.layer, self.x, self.layout, self.adapters)
+        self.x = self._block(self.layer, self.x, self.layout, self.adapters, self.steer)
         self.layer += 1
 
     def logits(self) -> torch.Tensor:
@@ -122,27 +162,66 @@ class Pass:
         logits do not depend on n."""
         assert self.done, "the pass has blocks left to run"
         x = self.x[0]  # [R, C]
-        if any(s.outputs != len(s.ids) for s in self.segments):  # not every row: each segment's last `outputs`
+        every = all(s.outputs == len(s.ids) for s in self.segments)
+        rows = None
+        if not every or self.steer is not None:  # each segment's last `outputs` rows [n]
             ends = torch.tensor([len(s.ids) for s in self.segments]).cumsum(0).tolist()
-            x = x[[r for s, end in zip(self.segments, ends) for r in range(end - s.outputs, end)]]  # [n, C]
-        if self.native is not None and x.shape[0] <= DECODE_ROWS:
+            rows = torch.tensor([r for s, end in zip(self.segments, ends) for r in range(end - s.outputs, end)])
+        if not every:
+            x = x[rows]  # [n, C]
+        tap = None if self.steer is None else self.steer.select(rows)
+        steered = None if tap is None or not tap.wants("ln_final.hook_normalized") else torch.cat(
+            [g.rows for g in tap.groups if any(s.hook.startswith("ln_final.") for s in g.steering)])
+        if self.native is None or x.shape[0] > DECODE_ROWS:
+            with torch.inference_mode():
+                return logits(self.w, self.config, x, tap)  # [n, V]
+        if steered is None:
             return self.native.head(x)  # [n, V]
+        # rows steered at the final layer norm take the head in torch; the others the native call, as ever
+        out = torch.empty(x.shape[0], self.config.vocab_size)  # [n, V]
+        plain = torch.ones(x.shape[0], dtype=torch.bool)
+        plain[steered] = False
+        if bool(plain.any()):
+            out[plain] = self.native.head(x[plain].contiguous())
         with torch.inference_mode():
-            return logits(self.w, self.config, x)  # [n, V]
+            out[steered] = logits(self.w, self.config, x[steered], tap.select(steered))
+        return out
 
     def outputs(self) -> Outputs:
         """logits() and each row's logsumexp (what the scheduler reads to choose and score tokens)."""
         lg = self.logits()  # [n, V]
         return Outputs(lg, logsumexp_rows(lg))
 
-    def _block(self, i: int, x: torch.Tensor, layout: RowLayout, adapters: torch.Tensor | None) -> torch.Tensor:
+    def _block(self, i: int, x: torch.Tensor, layout: RowLayout, adapters: torch.Tensor | None,
+               steer: SteeringTap | None) -> torch.Tensor:
         """[1, R, C] -> [1, R, C] through block i: natively up to DECODE_ROWS rows (no autograd state there, so no
-        inference-mode switch either), else in torch."""
-        if self.native is not None and x.shape[1] <= DECODE_ROWS:
+        inference-mode switch either), else in torch; rows steered inside the block in torch, the rest natively."""
+        native = self.native is not None and x.shape[1] <= DECODE_ROWS
+        inside = None if steer is None or not native else inside_block(steer, i)
+        if inside is None:
+            return self._run(i, x, layout, adapters, steer, native)
+        plain = torch.ones(x.shape[1], dtype=torch.bool)
+        plain[inside] = False
+        rest = plain.nonzero()[:, 0]
+        out = torch.empty_like(x)  # [1, R, C]
+        for rows, on_native in ((rest, True), (inside, False)):
+            if len(rows):
+                out[:, rows] = self._run(i, x[:, rows], sub_layout(layout, rows),
+                                         None if adapters is None else adapters[rows], steer.select(rows), on_native)
+        return out
+
+    def _run(self, i: int, x: torch.Tensor, layout: RowLayout, adapters: torch.Tensor | None,
+             steer: SteeringTap | None, native: bool) -> torch.Tensor:
+        """Block i over rows that all take one path: the native call (edits between blocks applied around it) or
+        torch's (every edit through the tap)."""
+        if native:
+            name = f"blocks.{i}."
+            x = hooked(steer, name + "hook_resid_pre", x)
             rows = NO_ADAPTERS if adapters is None else adapters
-            return self.native.blocks[i](x, self.cache.k, self.cache.v, layout.slots, layout.positions, rows)
+            x = self.native.blocks[i](x.contiguous(), self.cache.k, self.cache.v, layout.slots, layout.positions, rows)
+            return hooked(steer, name + "hook_resid_post", x)
         with torch.inference_mode():
-            return rows_block(self.w, self.config, i, x, layout, self.cache, adapters)
+            return rows_block(self.w, self.config, i, x, layout, self.cache, adapters, steer)
 
 
 class ModelRunner:
@@ -156,13 +235,14 @@ class ModelRunner:
         self.native = native_rows(weights, config)
 
     def prefill(self, slot: int, prompt: list[int], *, scored: bool = False, top: int = 0,
-                adapter: int | None = None) -> Prefilled:
+                adapter: int | None = None, steering: tuple[Steering, ...] = (),
+                prompt_len: int | None = None) -> Prefilled:
         """Run a prompt alone into cache slot `slot`: the next token's logits [V], the prompt tokens' stats when
         `scored` (one row per prompt token after the first, with `top` alternatives), and how many of its tokens
-        the prefix cache held. `adapter`: Segment's."""
+        the prefix cache held. `adapter`, `steering`, `prompt_len`: Segment's (None: all of it is prompt)."""
         view = KVCache(self.cache.k[:, slot : slot + 1], self.cache.v[:, slot : slot + 1])
         return prefill(self.weights, self.config, view, prompt, scored=scored, top=top, adapter=adapter,
-                       prefix=self.prefix)
+                       prefix=self.prefix, steering=steering, prompt_len=prompt_len)
 
     def open(self, segments: list[Segment]) -> Pass:
         """A pass over these segments, before its first block."""

@@ -80,10 +80,12 @@ class SequenceState:
     def segment(self) -> Segment:
         """This sequence's rows in its next pass: the whole prompt from position 0, or its next token (and its
         drafted tokens, each row's logits wanted)."""
+        r = self.request
         if not self.started:
-            return Segment(self.slot, 0, self.request.prompt, self.request.adapter)
+            return Segment(self.slot, 0, r.prompt, r.adapter, steering=r.steering, prompt_len=len(r.prompt))
         ids = [self.next_token] + (self.draft.tokens if self.draft else [])
-        return Segment(self.slot, self.position, ids, self.request.adapter, outputs=len(ids))
+        return Segment(self.slot, self.position, ids, r.adapter, outputs=len(ids), steering=r.steering,
+                       prompt_len=len(r.prompt))
 
     def context(self) -> list[int]:
         """The tokens at positions 0 .. position: the prompt, the generated tokens and the next one (not yet fed)."""
@@ -166,8 +168,9 @@ class Scheduler:
             n = len(seq.segment().ids)
             if k := self._draft_length(seq):
                 excluded = (self.tokenizer.eot_id,) if seq.request.ignore_eos else ()
-                plan.asks.append((seq, DraftAsk(seq.slot, seq.context(), k, seq.request.sampling, seq.generator,
-                                                excluded)))
+                r = seq.request
+                plan.asks.append((seq, DraftAsk(seq.slot, seq.context(), k, r.sampling, seq.generator, excluded,
+                                                r.steering, len(r.prompt))))
                 n += k
             if not plan.passes or rows + n > DECODE_ROWS:
                 plan.passes.append([])

@@ -21,6 +21,7 @@ import torch
 from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, residual_stream
+from ..core.steering import Steering, batch_tap, check_scoring, check_steering
 from ..core.weights import GPT2Weights
 from .plan import TokenStats
 from .prefix import PrefixCache, prefill
@@ -51,11 +52,14 @@ def windows(n: int, context: int, stride: int) -> list[Window]:
     return out
 
 
-def token_logprobs(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor) -> torch.Tensor:
-    """ids [B, T] -> [B, T-1]: the log-probability of each next token given the tokens before it."""
+def token_logprobs(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor,
+                   steering: tuple[Steering, ...] = ()) -> torch.Tensor:
+    """ids [B, T] -> [B, T-1]: the log-probability of each next token given the tokens before it; `steering`:
+    edits on every position."""
     B, T = ids.shape
-    x = residual_stream(w, config, ids)[:, :-1]  # [B, T-1, C]
-    return token_stats(w, config, x.reshape(-1, x.shape[-1]), ids[:, 1:].reshape(-1)).logprob.view(B, T - 1)
+    x = residual_stream(w, config, ids, tap=batch_tap(w, config, steering, B * T))[:, :-1]  # [B, T-1, C]
+    return token_stats(w, config, x.reshape(-1, x.shape[-1]), ids[:, 1:].reshape(-1),
+                       tap=batch_tap(w, config, steering, B * (T - 1))).logprob.view(B, T - 1)
 
 
 @dataclass
@@ -90,6 +94,7 @@ class ScoreSettings:
     top: int = 0  # alternatives kept per token (with details)
     details: bool = False  # rank, entropy and alternatives per token
     prefix_cache_mb: float | None = None  # run windows one at a time, reusing shared prefixes (runtime/prefix.py)
+    steering: tuple[Steering, ...] = ()  # edits on every position (core/steering.py), as lm-eval's steered model
 
     def check(self, config: GPT2Config) -> None:
         if not 2 <= self.context <= config.n_positions:
@@ -100,6 +105,8 @@ class ScoreSettings:
             raise GPT2EngineError(f"batch size must be at least 1, got {self.batch_size}")
         if self.prefix_cache_mb is not None and self.prefix_cache_mb <= 0:
             raise GPT2EngineError(f"prefix cache size must be a positive number of MB, got {self.prefix_cache_mb}")
+        check_steering(self.steering, config)
+        check_scoring(self.steering)
 
 
 @dataclass
@@ -136,7 +143,7 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
         for d, i in jobs:
             win = d.windows[i]
             done = prefill(w, config, view, d.seq[win.begin : win.end], scored=True, top=settings.top,
-                           details=settings.details, prefix=prefix)
+                           details=settings.details, prefix=prefix, steering=settings.steering)
             # stats row j is the target at local index j + 1: the scored positions [first, end)
             lo, hi = win.first - win.begin - 1, win.end - win.begin - 1
             d.results[i] = done.stats.rows(lo, hi)
@@ -156,9 +163,11 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
             rows.append(b * L + torch.arange(win.first - win.begin - 1, win.end - win.begin - 1))
             targets.extend(d.seq[win.first : win.end])
         with torch.inference_mode():
-            x = residual_stream(w, config, ids).view(-1, config.n_embd)  # [B * L, C]
-            stats = token_stats(w, config, x[torch.cat(rows)], torch.tensor(targets), top=settings.top,
-                                details=settings.details)
+            tap = batch_tap(w, config, settings.steering, ids.numel())
+            x = residual_stream(w, config, ids, tap=tap).view(-1, config.n_embd)  # [B * L, C]
+            picked = torch.cat(rows)
+            stats = token_stats(w, config, x[picked], torch.tensor(targets), top=settings.top,
+                                details=settings.details, tap=None if tap is None else tap.select(picked))
         offset = 0
         for d, i in jobs:
             n = d.windows[i].end - d.windows[i].first

@@ -26,6 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.errors import GPT2EngineError
+from ..core.steering import SteeringRegistry
 from .async_engine import AsyncEngine
 from .chat import ChatTemplate, plain_template
 from .metrics import CONTENT_TYPE
@@ -53,6 +54,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     replica: str | None = None  # under Ray Serve: this replica's id, sent as the x-gpt2-replica response header
     chat_template: ChatTemplate = field(default_factory=plain_template)
+    steering: SteeringRegistry = field(default_factory=SteeringRegistry)  # --sae, --steering-vector: by name
 
 
 @dataclass
@@ -207,6 +209,11 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         return {"object": "list", "data": [base] + [{**base, "id": name, "root": str(path), "parent": settings.model_name}
                                                     for name, path in settings.adapters]}
 
+    @app.get("/v1/steering")
+    async def steering() -> dict:
+        """The SAEs and vectors requests may steer with (their "steering" field names them)."""
+        return {"object": "steering", **settings.steering.describe()}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         if state.engine is None:
@@ -249,7 +256,8 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         adapter = check_model(body.model)
         model, engine = ready()
         run = CompletionRun(engine, model.tokenizer, body, body.model or settings.model_name,
-                            engine_requests(body, model.tokenizer, model.config, adapter, model.grammars))
+                            engine_requests(body, model.tokenizer, model.config, adapter, model.grammars,
+                                            settings.steering))
         return await respond(run, body.stream, request)
 
     @app.post("/v1/chat/completions")
@@ -259,7 +267,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         model, engine = ready()
         run = ChatRun(engine, model.tokenizer, body, body.model or settings.model_name,
                       chat_requests(body, settings.chat_template, model.tokenizer, model.config, adapter,
-                                    model.grammars))
+                                    model.grammars, settings.steering))
         return await respond(run, body.stream, request)
 
     @app.get("/", response_class=HTMLResponse)

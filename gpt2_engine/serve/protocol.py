@@ -44,6 +44,9 @@ def unsupported(field: str, what: str) -> APIError:
                     code="unsupported_parameter")
 
 
+MAX_STEERING = 16  # edits one request may ask for
+
+
 class SamplingFields(BaseModel):
     """The fields both APIs share. OpenAI's defaults (temperature 1, top_p 1); extras top_k, repetition_penalty,
     ignore_eos as in vLLM. `model` may be left out: it is the served model, as vLLM and llama-server take it. The
@@ -73,6 +76,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     structured_outputs: dict[str, Any] | None = None  # vLLM's: one of choice, regex, json, grammar, json_object
+    # the engine's: edits while generating, naming the server's --sae / --steering-vector entries (core/steering.py)
+    steering: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_STEERING)
 
     @field_validator("stop")
     @classmethod

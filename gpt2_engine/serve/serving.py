@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
+from ..core.steering import SteeringRegistry
 from ..core.tokenizer import Tokenizer
 from ..runtime.constraints import Grammars
 from ..runtime.plan import Event
@@ -41,20 +42,23 @@ def api_error(e: GenerationError, status: int = 400, req: SamplingFields | None 
 
 
 def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config,
-                    adapter: int | None = None, grammars: Grammars | None = None) -> list[Request]:
+                    adapter: int | None = None, grammars: Grammars | None = None,
+                    registry: SteeringRegistry | None = None) -> list[Request]:
     """The request's sequences, through the engine's one request builder: n per prompt, choice j of a prompt drawing
-    with seed + j (a random seed when none is given), each with the LoRA adapter its `model` named. Every bad value
-    is a 400 that names its field."""
+    with seed + j (a random seed when none is given), each with the LoRA adapter its `model` named and the steering
+    its "steering" field names (`registry`: the server's SAEs and vectors). Every bad value is a 400 that names its
+    field."""
     try:
         prompts = encode_prompts(req.prompt, tokenizer)
     except GenerationError as e:
         raise api_error(e) from None
     return sequences(req, prompts, req.new_tokens(16), req.logprobs, req.echo and req.logprobs is not None, (),
-                     tokenizer, config, adapter, grammars)
+                     tokenizer, config, adapter, grammars, registry)
 
 
 def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, config: GPT2Config,
-                  adapter: int | None = None, grammars: Grammars | None = None) -> list[Request]:
+                  adapter: int | None = None, grammars: Grammars | None = None,
+                  registry: SteeringRegistry | None = None) -> list[Request]:
     """The conversation rendered by the chat template as one prompt, continued up to the context unless
     max_completion_tokens says fewer, stopping also at the template's end of turn. The rendered text is tokenized
     as transformers does a chat template's output: an <|endoftext|> in it is the special token."""
@@ -67,20 +71,21 @@ def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer:
     top = (req.top_logprobs or 0) if req.logprobs else None
     stops = template.stops if req.constraint() is None else ()  # a grammar decides where a structured reply ends
     return sequences(req, [ids], req.new_tokens(config.n_positions), top, False, stops, tokenizer, config, adapter,
-                     grammars)
+                     grammars, registry)
 
 
 def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int | None,
               prompt_logprobs: bool, more_stops: tuple[str, ...], tokenizer: Tokenizer, config: GPT2Config,
-              adapter: int | None, grammars: Grammars | None) -> list[Request]:
+              adapter: int | None, grammars: Grammars | None, registry: SteeringRegistry | None) -> list[Request]:
     try:
+        steering = (registry or SteeringRegistry()).build(req.steering, config) if req.steering else ()
         bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
                                   req.presence_penalty, req.frequency_penalty, bias)
         settings = GenerationSettings(max_new_tokens=max_new_tokens, sampling=sampling, stop=req.stops + more_stops,
                                       ignore_eos=req.ignore_eos, seed=req.seed, num_samples=req.n,
                                       top_logprobs=top_logprobs or 0, prompt_logprobs=prompt_logprobs,
-                                      constraint=req.constraint())
+                                      constraint=req.constraint(), steering=steering)
         requests = build_requests(prompts, settings, config, tokenizer.eot_id, grammars).requests
     except GenerationError as e:
         raise api_error(e, req=req) from None
