@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .core.checkpoints import read_checkpoint
 from .core.config import GPT2Config
 from .core.errors import GenerationError, GPT2EngineError, WeightsError
 from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
@@ -21,7 +22,7 @@ from .core.quantize import FORMATS, quantize_weights
 from .core.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
 from .core.steering import Steering, check_steering
 from .core.tokenizer import Tokenizer, load_tokenizer
-from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory,
+from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory, weights_from_tensors,
                            weights_fingerprint)
 from .documents import expand_paths, read_documents
 from .runtime.constraints import Grammars
@@ -56,7 +57,8 @@ class GPT2:
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
                         device: torch.device | str = "cpu", quantize: str | None = None,
                         lora: str | Path | None = None, force: bool = False) -> GPT2:
-        """Load the official-format checkpoint in `directory` (config.json, weights, BPE files); "demo": the demo model.
+        """Load the official-format checkpoint in `directory` (config.json, weights, BPE files); "demo": the demo model;
+        or a checkpoint file of nanoGPT (ckpt.pt) or llm.c (its model .bin), told apart by content, with GPT-2's BPE.
 
         dtype: float32 (default) or bfloat16 weight matrices (bfloat16 is widened to float32 right before each
         matmul). quantize="int8" or "int4": the projections in blockwise int8 or int4 and the output head in int8,
@@ -75,10 +77,14 @@ class GPT2:
         device = torch.device(device)
         if device.type != "cpu":  # the int8 kernel, the cache and the sampling loop are written and tested for CPU
             raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
-        find_weights_file(directory)  # a missing path, a file, or no weights: the loader's error, before the config's
-        config = GPT2Config.from_json(directory / CONFIG)
+        converted = None
+        if directory.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (core/checkpoints.py), told by content
+            config, converted = read_checkpoint(directory)
+        else:
+            find_weights_file(directory)  # a missing path or no weights: the loader's error, before the config's
+            config = GPT2Config.from_json(directory / CONFIG)
         # the tokenizer first: it is quick to check, and its load's transient peak then sits below the weights'
-        tokenizer = load_tokenizer(directory)
+        tokenizer = load_tokenizer(None if converted is not None else directory)
         if tokenizer.n_vocab > config.vocab_size:
             raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")
         adapter = None
@@ -87,9 +93,12 @@ class GPT2:
             if not force:
                 check_base(adapter, Path(lora), directory)
         # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read)
-        weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32)
+        if converted is not None:
+            weights = weights_from_tensors(converted, config, directory, dtype)
+        else:
+            weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32)
         if quantize:
-            weights = quantize_weights(weights, quantize, find_weights_file(directory))
+            weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
         if adapter is not None:
             weights = attach(weights, [adapter])
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .commands.compare import add_compare
+from .commands.convert import add_convert
 from .commands.download import add_download
 from .commands.eval import add_eval
 from .commands.finetune import add_finetune
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval(sub)
     add_finetune(sub)
     add_merge_lora(sub)
+    add_convert(sub)
     add_serve(sub)
     add_inspect(sub)
     add_sae(sub)

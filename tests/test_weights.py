@@ -80,10 +80,13 @@ def test_name_table_has_the_official_names() -> None:
 
 def test_config_rejects_options_that_change_the_math(tmp_path: Path, tiny_dir: Path) -> None:
     cfg = json.loads((tiny_dir / "config.json").read_text())
-    cfg["activation_function"] = "gelu"
+    cfg["activation_function"] = "relu"  # "gelu" (the exact erf form, nanoGPT's) and "gelu_new" are read
     d = variant(tiny_dir, tmp_path / "c")
     (d / "config.json").write_text(json.dumps(cfg))
-    assert "activation_function='gelu' is not supported (expected 'gelu_new')" in load_error(d)
+    assert "activation_function 'relu' is not supported (expected 'gelu_new' or 'gelu')" in load_error(d)
+    cfg["activation_function"], cfg["scale_attn_weights"] = "gelu", False
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert "scale_attn_weights=False is not supported (expected True)" in load_error(d)
 
 
 def test_config_rejects_heads_that_do_not_divide_channels(tmp_path: Path, tiny_dir: Path) -> None:

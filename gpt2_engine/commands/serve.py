@@ -9,6 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
+from ..core.checkpoints import checkpoint_config
 from ..core.steering import SteeringRegistry
 from ..options import ModelOptions, add_force_option, add_model_options, load_model
 from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
@@ -40,7 +41,7 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
         raise ServeError(f"--queue-timeout must be a positive number of seconds, got {args.queue_timeout}")
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
-    if not args.weights.is_dir():
+    if not args.weights.exists():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights`, or `make demo` offline, or pass --weights DIR)")
     check_prefix_cache(args)
     check_speculation(args)
@@ -51,7 +52,6 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
 
 def check_prefix_cache(args: argparse.Namespace) -> None:
     """--prefix-cache-mb and --no-prefix-cache: one of them, and a bound that holds a block of this model."""
-    from ..core.config import GPT2Config
     from ..core.weights import CONFIG
 
     mb = args.prefix_cache_mb
@@ -60,8 +60,8 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
                          "cache off)")
     if mb is not None and args.no_prefix_cache:
         raise ServeError("--prefix-cache-mb and --no-prefix-cache contradict each other: give one")
-    if mb is not None and (args.weights / CONFIG).is_file():
-        need = block_mb(GPT2Config.from_json(args.weights / CONFIG))
+    if mb is not None and (args.weights.is_file() or (args.weights / CONFIG).is_file()):
+        need = block_mb(checkpoint_config(args.weights))
         if mb < need:
             raise ServeError(f"--prefix-cache-mb {mb} holds no block: a block of {BLOCK_TOKENS} tokens of this model "
                              f"takes {need:.2f} MB")
@@ -70,10 +70,8 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
 def check_speculation(args: argparse.Namespace) -> None:
     """--speculate and --draft-tokens, a draft checkpoint's config and tokenizer against the base's (its weights are
     read when the model loads)."""
-    from ..core.config import GPT2Config
     from ..core.errors import GPT2EngineError
     from ..core.tokenizer import load_tokenizer
-    from ..core.weights import CONFIG
     from ..runtime.drafters import check_draft_checkpoint
     from ..runtime.speculation import check_draft_tokens
 
@@ -90,7 +88,7 @@ def check_speculation(args: argparse.Namespace) -> None:
                          f"{args.quantize or args.dtype} (use ngram or a draft checkpoint)")
     if args.speculate not in ("int4", "int8", "ngram"):
         try:
-            check_draft_checkpoint(Path(args.speculate), GPT2Config.from_json(args.weights / CONFIG),
+            check_draft_checkpoint(Path(args.speculate), checkpoint_config(args.weights),
                                    load_tokenizer(args.weights))
         except GPT2EngineError as e:
             raise ServeError(f"--speculate {args.speculate}: {e}") from None
@@ -112,16 +110,14 @@ def named(specs: list[str], flag: str, what: str) -> dict[str, str]:
 def steering_registry(args: argparse.Namespace) -> SteeringRegistry:
     """The --sae and --steering-vector entries, each loaded and checked against the model's config now, so that a bad
     one is an error at the command line rather than at a request."""
-    from ..core.config import GPT2Config
     from ..core.sae import SAE, SAEError
     from ..core.steering import SteeringError, read_vector
-    from ..core.weights import CONFIG
 
     sae_paths = named(args.sae, "--sae", "an SAELens directory or OpenAI .pt file")
     vector_paths = named(args.steering_vector, "--steering-vector", "a .pt, .safetensors or .npy vector")
     if not sae_paths and not vector_paths:
         return SteeringRegistry()
-    config = GPT2Config.from_json(args.weights / CONFIG)
+    config = checkpoint_config(args.weights)
     saes, vectors = {}, {}
     for name, path in sae_paths.items():
         try:
@@ -144,9 +140,7 @@ def steering_registry(args: argparse.Namespace) -> SteeringRegistry:
 def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
     """The --lora NAME=DIR adapters, each read and checked against the base's config now, so that a bad one is an
     error at the command line rather than a server that never becomes ready."""
-    from ..core.config import GPT2Config
     from ..core.lora import LoraError, check_base, load_adapter
-    from ..core.weights import CONFIG
 
     adapters: list[tuple[str, Path]] = []
     for spec in args.lora:
@@ -160,7 +154,7 @@ def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
                              + (" by the base (--model-name)" if name == args.model_name else ""))
         adapters.append((name, Path(path)))
     if adapters:
-        config = GPT2Config.from_json(args.weights / CONFIG)
+        config = checkpoint_config(args.weights)
         for name, path in adapters:
             try:
                 adapter = load_adapter(path, config)

@@ -24,6 +24,9 @@ class GPT2Config:
     n_head: int = 12  # nh
     n_inner: int | None = None  # MLP width; None means 4 * n_embd
     layer_norm_epsilon: float = 1e-5
+    # GPT-2's GELU is the tanh approximation ("gelu_new", Hugging Face's name); nanoGPT's models use the exact erf
+    # form (nn.GELU(), Hugging Face's "gelu"), and a checkpoint converted from one keeps it
+    activation_function: str = "gelu_new"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -34,6 +37,14 @@ class GPT2Config:
             raise ValueError(f"config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
             raise ValueError(f"config: n_inner must be a positive integer or null, got {self.n_inner!r}")
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(f"config: activation_function {self.activation_function!r} is not supported (expected "
+                             f"{' or '.join(map(repr, ACTIVATIONS))})")
+
+    @property
+    def exact_gelu(self) -> bool:
+        """Whether the MLP's GELU is the exact erf form (nanoGPT's) rather than GPT-2's tanh approximation."""
+        return self.activation_function == "gelu"
 
     @property
     def head_size(self) -> int:  # hs
@@ -46,7 +57,7 @@ class GPT2Config:
     def to_json_dict(self) -> dict[str, object]:
         """This config as the official checkpoints' config.json writes it (transformers reads it back as is)."""
         raw: dict[str, object] = {
-            "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+            "activation_function": self.activation_function, "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
             "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
             "layer_norm_epsilon": self.layer_norm_epsilon, "model_type": "gpt2", "n_ctx": self.n_positions,
             "n_embd": self.n_embd, "n_head": self.n_head, "n_inner": self.n_inner, "n_layer": self.n_layer,
@@ -81,8 +92,9 @@ class GPT2Config:
             raise WeightsError(f"{path}: {e}") from None
 
 
+ACTIVATIONS = ("gelu_new", "gelu")  # tanh-approximated (GPT-2's), exact erf (nanoGPT's)
+
 UNSUPPORTED_OPTIONS: dict[str, object] = {
-    "activation_function": "gelu_new",  # GPT-2's tanh-approximated GELU
     "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False,

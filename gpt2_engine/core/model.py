@@ -134,17 +134,19 @@ def lm_head(x: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tens
     return flat.view(*x.shape[:-1], flat.shape[-1])
 
 
-def gelu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gelu(x: torch.Tensor, out: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
     """GPT-2's GELU is the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), not the erf form.
     The native kernel's (kernels/block.cpp, what a decode step's blocks compute) where it applies: float32 with
-    nothing to differentiate; elsewhere torch's. Written into `out` where given (the training step's buffer)."""
-    native = decode_kernels()
+    nothing to differentiate; elsewhere torch's. Written into `out` where given (the training step's buffer).
+    `exact`: the erf form 0.5 x (1 + erf(x / sqrt 2)) instead, for models trained with it (nanoGPT's nn.GELU())."""
+    how = "none" if exact else "tanh"
+    native = None if exact else decode_kernels()
     if (native is not None and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad)
             and (out is None or (out.dtype == torch.float32 and out.is_contiguous()))):
         return native.gelu(x, out)
     if out is None:
-        return F.gelu(x, approximate="tanh")
-    return torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
+        return F.gelu(x, approximate=how)
+    return torch.ops.aten.gelu.out(x, approximate=how, out=out)
 
 
 def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -278,10 +280,10 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, at: Layer) -
     return linear(merge_heads(y), blk.attn_c_proj, at.adapters)  # [B, T, C]
 
 
-def mlp(x: torch.Tensor, blk: Block, at: Layer) -> torch.Tensor:
+def mlp(x: torch.Tensor, blk: Block, at: Layer, exact_gelu: bool = False) -> torch.Tensor:
     """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer; hook points mlp.hook_pre|hook_post [B, T, 4C]."""
     h = at.hook("mlp.hook_pre", linear(x, blk.c_fc, at.adapters))  # [B, T, 4C]
-    h = at.hook("mlp.hook_post", gelu(h))  # [B, T, 4C]
+    h = at.hook("mlp.hook_post", gelu(h, exact=exact_gelu))  # [B, T, 4C]
     return linear(h, blk.mlp_c_proj, at.adapters)  # [B, T, C]
 
 
@@ -297,7 +299,7 @@ def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[tor
     x = at.hook("hook_resid_pre", x)
     a = at.hook("hook_attn_out", attend(layer_norm(x, blk.ln_1, eps, at.tap, "ln1.")))  # [B, T, C]
     x = at.hook("hook_resid_mid", x + a)
-    m = at.hook("hook_mlp_out", mlp(layer_norm(x, blk.ln_2, eps, at.tap, "ln2."), blk, at))  # [B, T, C]
+    m = at.hook("hook_mlp_out", mlp(layer_norm(x, blk.ln_2, eps, at.tap, "ln2."), blk, at, config.exact_gelu))  # [B, T, C]
     return at.hook("hook_resid_post", x + m)
 
 

@@ -77,7 +77,7 @@ def native_block(blk: Block, config: GPT2Config, layer: int) -> Any | None:
     """Block `blk` (number `layer`) as one native call for the rows of a decode-sized pass: kernels/block.cpp's
     RowBlock, which does block() around self_attention_segments() on the same row-invariant kernels, with its own
     layer norm and GELU (see its header). None without the native kernels, or where a weight's format has none."""
-    native = decode_kernels()
+    native = None if config.exact_gelu else decode_kernels()  # the kernel's GELU is GPT-2's tanh form
     parts = [native_projection(p) for p in (blk.c_attn, blk.attn_c_proj, blk.c_fc, blk.mlp_c_proj)]
     norms = [blk.ln_1.weight, blk.ln_1.bias, blk.ln_2.weight, blk.ln_2.bias]
     if native is None or None in parts or any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):

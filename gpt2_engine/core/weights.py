@@ -229,7 +229,7 @@ def weights_fingerprint(directory: Path) -> str:
     import hashlib
 
     digest = hashlib.sha256()
-    with open(find_weights_file(directory), "rb") as f:
+    with open(directory if directory.is_file() else find_weights_file(directory), "rb") as f:  # or a checkpoint file
         while chunk := f.read(8 << 20):
             digest.update(chunk)
     return digest.hexdigest()[:16]
@@ -304,7 +304,12 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
     checking read are released again (release_pages), for a caller that quantizes the matrices one at a time.
     """
     path = find_weights_file(Path(directory))
-    raw = read_tensors(path)
+    return weights_from_tensors(read_tensors(path), config, path, dtype, resident)
+
+
+def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path: Path,
+                         dtype: torch.dtype = torch.float32, resident: bool = True) -> GPT2Weights:
+    """load_weights' checks and assembly, on tensors by official name (read from `path`, which errors name)."""
     expected = expected_shapes(config)
 
     tensors: dict[str, torch.Tensor] = {}

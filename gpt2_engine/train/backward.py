@@ -129,18 +129,20 @@ GELU_C = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 
 
-def gelu_forward(x: torch.Tensor, out: torch.Tensor) -> None:
-    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh form: model.gelu, into the step's buffer."""
-    gelu(x, out)
+def gelu_forward(x: torch.Tensor, out: torch.Tensor, exact: bool = False) -> None:
+    """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh form: model.gelu, into the step's buffer
+    (`exact`: the erf form, a nanoGPT model's)."""
+    gelu(x, out, exact)
 
 
-def gelu_backward(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Tensor) -> None:
+def gelu_backward(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Tensor, exact: bool = False) -> None:
     """d_x = d_out * gelu'(x), written. With u = sqrt(2/pi) (x + a x^3) and t = tanh(u):
         gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 a x^2).
     Written out in torch ops that line is nine passes over [N, 4C] with temporaries, a tenth of a training step at
     T = 512, so the step runs it as torch's fused elementwise kernel for this derivative (one pass);
-    gelu_backward_reference is the line itself, and the tests hold the two to rounding of each other."""
-    torch.ops.aten.gelu_backward.grad_input(d_out, x, approximate="tanh", grad_input=d_x)
+    gelu_backward_reference is the line itself, and the tests hold the two to rounding of each other. `exact`: the
+    erf form's derivative, Phi(x) + x phi(x), by the same fused kernel."""
+    torch.ops.aten.gelu_backward.grad_input(d_out, x, approximate="none" if exact else "tanh", grad_input=d_x)
 
 
 def gelu_backward_reference(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Tensor) -> None:

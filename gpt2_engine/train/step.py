@@ -249,7 +249,7 @@ def block_forward(x_out: torch.Tensor, a: LayerActivations, blk: Block, config: 
     _residual_add(a.x.view(n, C), buf.branch, a.attn_keep if train else None, buf.dropout, generator, a.x_mid.view(n, C))
     layer_norm_forward(a.x_mid.view(n, C), blk.ln_2, eps, a.ln2, a.ln2_mean, a.ln2_rstd)
     _project(a, "c_fc", blk.c_fc, a.ln2, a.pre, buf, train, generator)
-    gelu_forward(a.pre, buf.act)
+    gelu_forward(a.pre, buf.act, config.exact_gelu)
     _project(a, "mlp_c_proj", blk.mlp_c_proj, buf.act, buf.branch, buf, train, generator)
     _residual_add(a.x_mid.view(n, C), buf.branch, a.mlp_keep if train else None, buf.dropout, generator, x_out.view(n, C))
 
@@ -303,9 +303,9 @@ def block_backward(a: LayerActivations, blk: Block, grad: Block, config: GPT2Con
     n, C = buf.batch * buf.context, config.n_embd
     # x_out = x_mid + mlp(ln_2(x_mid)) * k_m: d_res reaches x_mid directly and through the MLP
     d_branch = buf.d_res if a.mlp_keep is None else torch.mul(buf.d_res, a.mlp_keep.view(n, C), out=buf.branch)
-    gelu_forward(a.pre, buf.act)  # recomputed: cheaper than keeping [N, 4C] per layer
+    gelu_forward(a.pre, buf.act, config.exact_gelu)  # recomputed: cheaper than keeping [N, 4C] per layer
     _project_backward(a, "mlp_c_proj", blk.mlp_c_proj, grad.mlp_c_proj, d_branch, buf.act, buf.d_act, buf)
-    gelu_backward(buf.d_act, a.pre, buf.d_act)
+    gelu_backward(buf.d_act, a.pre, buf.d_act, config.exact_gelu)
     _project_backward(a, "c_fc", blk.c_fc, grad.c_fc, buf.d_act, a.ln2, buf.d_ln, buf)
     layer_norm_backward(buf.d_ln, a.x_mid.view(n, C), a.ln2_mean, a.ln2_rstd, blk.ln_2, grad.ln_2,
                         buf.d_res, buf.xhat)

@@ -1,0 +1,73 @@
+"""`gpt2 convert SRC DST --to hf|llmc`: a checkpoint from any format the engine reads (a Hugging Face directory,
+nanoGPT's ckpt.pt, llm.c's model file) written as a Hugging Face directory (transformers and every `gpt2` command
+load it) or as llm.c's model file (llm.c's train_gpt2.c loads it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..core.checkpoints import checkpoint_kind, read_checkpoint, write_llmc
+from ..core.config import GPT2Config
+from ..core.tokenizer import load_tokenizer
+from ..core.weights import CONFIG, GPT2Weights, load_weights, named_tensors, save_checkpoint, weights_from_tensors
+from ..options import UsageError
+
+TARGETS = {"hf": ("f32",), "llmc": ("f32", "bf16")}
+LLMC_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+KINDS = {"hf": "a Hugging Face directory", "nanogpt": "nanoGPT's ckpt.pt", "llmc": "llm.c's model file"}
+
+
+def read_any(src: Path) -> tuple[str, GPT2Config, GPT2Weights]:
+    """(the source's kind, its config, its float32 weights), whatever format it is in."""
+    kind = checkpoint_kind(src)
+    if kind == "hf":
+        config = GPT2Config.from_json(src / CONFIG)
+        return kind, config, load_weights(src, config)
+    config, tensors = read_checkpoint(src)
+    return kind, config, weights_from_tensors(tensors, config, src)
+
+
+def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:
+    """Write `src` as `to` at `dst`; returns the source's kind."""
+    if to not in TARGETS:
+        raise UsageError(f"--to {to}: expected one of {', '.join(TARGETS)}")
+    if dtype not in TARGETS[to]:
+        raise UsageError(f"--type {dtype}: a {to} checkpoint is written as {' or '.join(TARGETS[to])}")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise UsageError(f"{dst}: is the source itself; write the converted checkpoint somewhere else")
+    if to == "llmc" and dst.is_dir():
+        raise UsageError(f"{dst}: a directory; llm.c's model is one file (e.g. {dst / 'gpt2_124M.bin'})")
+    if to == "hf" and dst.is_file():
+        raise UsageError(f"{dst}: a file; a Hugging Face checkpoint is a directory")
+    kind, config, weights = read_any(src)
+    if to == "hf":
+        save_checkpoint(dst, config, weights, load_tokenizer(src if kind == "hf" else None).source)
+    else:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write_llmc(dst, config, named_tensors(weights), LLMC_DTYPES[dtype])
+    return kind
+
+
+def add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert a checkpoint between Hugging Face, nanoGPT and llm.c formats",
+                       description="Read a checkpoint in any format the engine reads (a Hugging Face directory, "
+                                   "nanoGPT's ckpt.pt, llm.c's model .bin; told apart by content) and write it as a "
+                                   "Hugging Face directory or llm.c's model file.",
+                       epilog="examples:\n  gpt2 convert out/ckpt.pt gpt2-nano --to hf\n"
+                              "  gpt2 convert weights gpt2_124M.bin --to llmc\n"
+                              "  gpt2 convert gpt2_124M_bf16.bin hf-out --to hf",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", type=Path, metavar="SRC", help="the checkpoint to read")
+    p.add_argument("dst", type=Path, metavar="DST", help="where to write (a directory for hf, a file for llmc)")
+    p.add_argument("--to", required=True, choices=sorted(TARGETS), help="the format to write")
+    p.add_argument("--type", default="f32", choices=["f32", "bf16"],
+                   help="the stored dtype (default f32; llmc also bf16, llm.c's version 5 file)")
+    p.set_defaults(run=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    kind = convert(args.src, args.dst, args.to, args.type)
+    print(f"gpt2 convert: {args.src} ({KINDS[kind]}) written to {args.dst} as {args.to} ({args.type})", file=sys.stderr)
+    return 0
