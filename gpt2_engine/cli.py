@@ -20,6 +20,7 @@ from .commands.merge import add_merge_lora
 from .commands.sae import add_sae
 from .commands.score import add_score
 from .commands.serve import add_serve
+from .commands.tokenize import add_tokenize
 from .core.errors import GPT2EngineError
 from .core.lora import recorded_base
 from .core.weights import weights_directory
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_finetune(sub)
     add_merge_lora(sub)
     add_convert(sub)
+    add_tokenize(sub)
     add_serve(sub)
     add_inspect(sub)
     add_sae(sub)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Iterator
 from typing import IO
 
 from .core.errors import GPT2EngineError
@@ -40,25 +41,35 @@ def read_bytes(path: str, stdin: IO[bytes]) -> bytes:
 
 def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:
     """(name, text) of every document, in input order: `PATH:N` for line N of a .jsonl file, `-` for stdin."""
-    docs: list[tuple[str, str]] = []
+    return list(iter_documents(paths, stdin))
+
+
+def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, str]]:
+    """read_documents' documents one at a time: a .jsonl file is read line by line, so a corpus of any size costs
+    one document's memory (gpt2 tokenize)."""
     for path in paths:
-        data = read_bytes(path, stdin)
-        if not path.endswith(".jsonl"):
-            docs.append((path, decode_utf8(data, path)))
+        if not path.endswith(".jsonl") or path == "-":
+            yield path, decode_utf8(read_bytes(path, stdin), path)
             continue
-        offset = 0
-        for n, line in enumerate(data.split(b"\n"), start=1):
-            where, base, offset = f"{path}:{n}", offset, offset + len(line) + 1
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(decode_utf8(line, path, base))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise InputError(f"{where}: expected a JSON object with a string \"text\" field")
-            docs.append((where, record["text"]))
-    return docs
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such file") from None
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+        with f:
+            offset = 0
+            for n, line in enumerate(f, start=1):
+                where, base, offset = f"{path}:{n}", offset, offset + len(line)
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(decode_utf8(line, path, base))
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise InputError(f"{where}: expected a JSON object with a string \"text\" field")
+                yield where, record["text"]
 
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".text")

@@ -21,6 +21,7 @@ import torch
 
 from ..core.checkpoints import read_checkpoint
 from ..core.config import PRESETS, GPT2Config
+from ..core.shards import TokenStream, shard_files
 from ..core.errors import WeightsError
 from ..core.lora import ALL_TARGETS, LoraSettings, parse_targets
 from ..core.quantize import FORMATS, quantize_weights
@@ -72,9 +73,10 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
         description="Fine-tune GPT-2 on text files, .jsonl files (one {\"text\": ...} per line), folders of them or "
                     "stdin (-), with the engine's own backward pass and AdamW. Writes the best validation checkpoint "
                     "to --out in the official layout (transformers and gpt2 --weights both load it), the latest to "
-                    "--out/last with the state that --resume continues from exactly.",
+                    "--out/last with the state that --resume continues from exactly. Token shards (gpt2 tokenize, "
+                    "llm.c's .bin) are read memory-mapped, as the token stream they hold.",
         epilog="example: gpt2 finetune notes/ --weights weights --out runs/notes --steps 300 --sample-every 100")
-    p.add_argument("data", nargs="+", metavar="DATA", help="text or .jsonl files, folders of them, or - for stdin")
+    p.add_argument("data", nargs="+", metavar="DATA", help="text or .jsonl files, folders of them, or - for stdin; or llm.c token shards (.bin files or a folder of them, e.g. from gpt2 tokenize), memory-mapped")
     p.add_argument("--weights", type=Path, metavar="DIR",
                    help="checkpoint to start from (default weights/, or the demo model when weights/ holds none; "
                         "`demo` names it); with --init, only its BPE files are used")
@@ -180,10 +182,20 @@ def lora_from_args(args: argparse.Namespace) -> LoraSettings | None:
 def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
     settings = settings_from_args(args)
     lora = lora_from_args(args)
-    docs = read_documents(expand_paths(args.data), stdin)
-    if not docs:
-        raise UsageError("no documents: DATA named no files with text")
-    val = [text for _, text in read_documents(expand_paths(args.val), stdin)] if args.val else None
+    shards = shard_files(args.data)  # llm.c's token shards: memory-mapped, trained on as the stream they hold
+    if shards is not None:
+        docs: list[tuple[str, str]] | TokenStream = TokenStream.of(shards)
+        val_shards = shard_files(args.val) if args.val else None
+        if args.val and val_shards is None:
+            raise UsageError("--val: give token shards too when DATA is token shards")
+        val: list[str] | TokenStream | None = TokenStream.of(val_shards) if val_shards else None
+    else:
+        docs = read_documents(expand_paths(args.data), stdin)
+        if not docs:
+            raise UsageError("no documents: DATA named no files with text")
+        val = [text for _, text in read_documents(expand_paths(args.val), stdin)] if args.val else None
+        if args.val and shard_files(args.val) is not None:
+            raise UsageError("--val: give text too when DATA is text")
     if args.init:
         config = init_config(args.init)
         tokenizer = load_tokenizer(args.weights if args.weights.is_dir() else None)
@@ -214,7 +226,8 @@ def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
                 base += f":{args.quantize}"
     if tokenizer.n_vocab > config.vocab_size:
         raise UsageError(f"the tokenizer has {tokenizer.n_vocab} tokens, more than the model's vocab_size {config.vocab_size}")
-    return Trainer(weights, config, tokenizer, [text for _, text in docs], settings, val_texts=val, out=args.out,
+    data = docs if isinstance(docs, TokenStream) else [text for _, text in docs]
+    return Trainer(weights, config, tokenizer, data, settings, val_texts=val, out=args.out,
                    base=base, resume=args.resume, overwrite=args.overwrite, lora=lora,
                    base_name=str(args.weights.resolve()) if lora else "", base_fingerprint=fingerprint if lora else "",
                    sampler=functools.partial(two_samples, config=config, tokenizer=tokenizer))

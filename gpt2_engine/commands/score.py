@@ -14,13 +14,17 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
+
+import numpy as np
 
 from ..core.files import temporary
 from ..documents import InputError, expand_paths, read_documents
 from ..options import ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, steering_from_args
-from ..runtime.scoring import Score, ScoreSettings
+from ..core.shards import documents, read_shard, shard_files
+from ..runtime.scoring import Score, ScoreSettings, score_documents
 
 TOP_ALTERNATIVES = 5  # per token in --per-token output
 
@@ -114,9 +118,29 @@ def checked_settings(args: argparse.Namespace, config: Any) -> ScoreSettings:
     return settings
 
 
+def shard_documents(shards: list[Path], tokenizer: Any) -> Iterator[tuple[str, list[int], int]]:
+    """(name, ids, UTF-8 bytes) of each document of the token shards, one at a time (`SHARD:N` for the N-th): each
+    opens with its <|endoftext|>, which the scoring reads as context, as it would a prepended one."""
+    eot = tokenizer.eot_id
+    nbytes = np.array([0 if i == eot else len(tokenizer.token_bytes(i)) for i in range(tokenizer.n_vocab)])
+    for path in shards:
+        tokens = read_shard(path)
+        for n, (lo, hi) in enumerate(documents(tokens, eot), start=1):
+            ids = tokens[lo:hi]
+            if len(ids) > 1 or ids[0] != eot:
+                yield f"{path}:{n}", ids.astype(np.int64).tolist(), int(nbytes[ids].sum())
+
+
 def local_scores(args: argparse.Namespace, progress: Any) -> tuple[Any, ScoreSettings, Iterator[Score]]:
     """(tokenizer, settings, scores in input order) on this machine."""
     args.steer_specs = parse_steer_args(args.steer)  # checked before the model loads
+    shards = shard_files(args.files)
+    if shards is not None:  # llm.c's token shards: read memory-mapped, document by document, nothing prepended
+        model = load_model(ModelOptions.from_args(args))
+        settings = replace(checked_settings(args, model.config), bos=False)
+        return model.tokenizer, settings, score_documents(model.weights, model.config, model.tokenizer.eot_id,
+                                                          shard_documents(shards, model.tokenizer), settings,
+                                                          progress=progress.update)
     docs = read_documents(args.files, sys.stdin.buffer)  # every input is read and checked before the model loads
     if not docs:
         raise InputError("nothing to score: the input holds no documents")
@@ -132,6 +156,8 @@ def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[S
     from ..distributed.score import score_on_ray
 
     args.steer_specs = parse_steer_args(args.steer)
+    if shard_files(args.files) is not None:
+        raise InputError("--ray scores text; score token shards without --ray (they are read memory-mapped)")
     stdin_docs = read_documents(["-"], sys.stdin.buffer) if "-" in args.files else []
     find_weights_file(args.weights)  # the loader's error for a missing or empty directory, before Ray starts
     settings = checked_settings(args, GPT2Config.from_json(args.weights / CONFIG))
@@ -149,7 +175,8 @@ def run_score(args: argparse.Namespace) -> int:
         raise InputError("--per-token is not available with --ray; use --output for one line per document")
     if str(args.per_token) == str(args.output) == "-":
         raise InputError("--per-token and --output cannot both be - (stdout): give one of them a file")
-    args.files = expand_paths(args.files)  # a folder is the text files under it, as gpt2 finetune reads it
+    if shard_files(args.files) is None:  # token shards (a folder of them, too) are read as they are
+        args.files = expand_paths(args.files)  # a folder is the text files under it, as gpt2 finetune reads it
     writers = {name: open_writer(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
                if dest is not None}
     out = sys.stderr if any(isinstance(w, StdoutWriter) for w in writers.values()) else sys.stdout  # the report

@@ -46,6 +46,7 @@ from ..core.lora import (
     save_adapter,
     trainable,
 )
+from ..core.shards import TokenStream
 from ..core.tokenizer import Tokenizer
 from ..core.weights import SAFETENSORS, GPT2Weights, QuantizedMatrix, WeightsError, named_tensors, save_checkpoint
 from .optim import AdamW, AdamWSettings, clip_factor, learning_rate
@@ -223,13 +224,13 @@ def window_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
-def batch_windows(stream: torch.Tensor, context: int, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_windows(stream: torch.Tensor | TokenStream, context: int, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """ids and targets [len(windows), context] of the given training windows."""
     rows = torch.stack([stream[w * context : w * context + context + 1] for w in windows])  # [B, T + 1]
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def eval_batches(stream: torch.Tensor, context: int, batch: int, pad: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(stream: torch.Tensor | TokenStream, context: int, batch: int, pad: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The validation stream in consecutive windows, all of it scored once; the last window and the last batch are
     filled out with unscored rows (target -1)."""
     starts = list(range(0, max(1, len(stream) - 1), context))
@@ -254,16 +255,19 @@ def recover_last(out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def fingerprint(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()[:16]
+def fingerprint(tokens: torch.Tensor | TokenStream) -> str:
+    """Which tokens a run trains on (a resumed run checks it): the sha256 of the ids as int64."""
+    if isinstance(tokens, TokenStream):
+        return tokens.digest()
+    return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16]
 
 
 class Trainer:
     """One run: the parameters (owned float32 copies, or a LoRA adapter on a frozen base), their gradients, the
     optimizer and the buffers, set up once."""
 
-    def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, texts: list[str],
-                 settings: TrainSettings, *, val_texts: list[str] | None = None, out: Path | None = None,
+    def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, texts: list[str] | TokenStream,
+                 settings: TrainSettings, *, val_texts: list[str] | TokenStream | None = None, out: Path | None = None,
                  bpe_source: Path | None = None, base: str = "", resume: bool = False,
                  overwrite: bool = False, lora: LoraSettings | None = None, base_name: str = "", base_fingerprint: str = "",
                  sampler: Sampler | None = None) -> None:
@@ -277,12 +281,20 @@ class Trainer:
         self.settings = settings = replace(settings, context=context)
         self.config, self.tokenizer, self.out, self.base = config, tokenizer, out, base
         self.bpe_source = bpe_source or tokenizer.source
-        if not any(t.strip() for t in texts):
-            raise TrainError("no training text: every document is empty")
-        if val_texts is None:
-            texts, val_texts = split_validation(texts, settings.val_fraction)
-        self.train = token_stream(texts, tokenizer)
-        self.val = token_stream(val_texts, tokenizer) if val_texts else torch.zeros(0, dtype=torch.long)
+        if isinstance(texts, TokenStream):  # token shards (core/shards.py), read as they are: nothing is added
+            if val_texts is None:
+                texts, val_texts = texts.split(settings.val_fraction)
+            self.train: torch.Tensor | TokenStream = texts
+        else:
+            if not any(t.strip() for t in texts):
+                raise TrainError("no training text: every document is empty")
+            if val_texts is None:
+                texts, val_texts = split_validation(texts, settings.val_fraction)
+            self.train = token_stream(texts, tokenizer)
+        if isinstance(val_texts, TokenStream):
+            self.val: torch.Tensor | TokenStream = val_texts
+        else:
+            self.val = token_stream(val_texts, tokenizer) if val_texts else torch.zeros(0, dtype=torch.long)
         self.windows = (len(self.train) - 1) // context
         if self.windows < 1:
             raise TrainError(f"the training text is {len(self.train)} tokens, shorter than one window of "
