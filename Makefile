@@ -13,7 +13,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-eval serve fixtures clean
+.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-eval check-gguf serve fixtures clean
 
 install: $(STAMP)
 
@@ -80,6 +80,10 @@ bench-train: install
 # make bench-serve ARGS="--speculate int4 --weights trained --clients 1,8 --rounds 3".
 bench-speculative: install
 	$(PY) scripts/bench_speculative.py $(ARGS)
+
+# gpt2 convert --to gguf checked by llama.cpp itself: the same greedy ids from the f32 files, q8_0/f16 agreement.
+check-gguf: install
+	$(PY) scripts/check_gguf.py $(ARGS)
 
 # The engine beside llama.cpp on the same weights (f32 / q8_0 / q4_0 / f16 against float32 / int8 / int4 / bfloat16):
 # decode tg128 and prefill pp512, alternating; ARGS=--serve: gpt2 serve against llama-server -np 8, 1 and 8 clients.

@@ -240,3 +240,47 @@ def test_gpt2_finetune_trains_a_nanogpt_checkpoint(tmp_path: Path) -> None:
     assert code == 0, err
     tuned = GPT2.from_pretrained(tmp_path / "run")  # the best checkpoint, in the official layout
     assert tuned.config.activation_function == "gelu"  # the exported checkpoint keeps nanoGPT's GELU
+
+
+def test_gguf_files_carry_llamacpps_names_and_tokenizer_and_read_back(trained_dir: Path, trained_model: GPT2,
+                                                                     tmp_path: Path) -> None:
+    """gpt2 convert --to gguf writes what llama.cpp's gpt2 loader reads (checked with gguf-py's own reader: the
+    architecture, hyperparameters, tokenizer metadata, tensor names, types and shapes); the engine reads the file
+    back: f32 to the bit, f16 and q8_0 with the float32 model's top-1 token at >= 99% of positions."""
+    gguf = pytest.importorskip("gguf", reason="gguf (llama.cpp's gguf-py) is part of the test extra")
+    c = trained_model.config
+    ids = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(3))
+    want = trained_model(ids)
+    for qtype in ("f32", "f16", "q8_0"):
+        path = tmp_path / f"m-{qtype}.gguf"
+        assert cli("convert", str(trained_dir), str(path), "--to", "gguf", "--type", qtype)[0] == 0
+        reader = gguf.GGUFReader(str(path))
+        field = lambda key: reader.get_field(key).contents()  # noqa: E731
+        assert field("general.architecture") == "gpt2"
+        assert (field("gpt2.context_length"), field("gpt2.embedding_length"), field("gpt2.block_count"),
+                field("gpt2.attention.head_count"), field("gpt2.feed_forward_length")) == (
+                    c.n_positions, c.n_embd, c.n_layer, c.n_head, 4 * c.n_embd)
+        assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
+        tokens = field("tokenizer.ggml.tokens")
+        assert len(tokens) == VOCAB and tokens[50256] == "<|endoftext|>" and tokens[262] == "Ġthe"
+        assert field("tokenizer.ggml.merges")[0] == "Ġ t"
+        assert field("tokenizer.ggml.eos_token_id") == field("tokenizer.ggml.bos_token_id") == 50256
+        tensors = {t.name: t for t in reader.tensors}
+        assert set(tensors) == {"token_embd.weight", "position_embd.weight", "output_norm.weight", "output_norm.bias",
+                                "output.weight"} | {f"blk.{i}.{n}.{p}" for i in range(c.n_layer) for n in (
+                                    "attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
+                                    for p in ("weight", "bias")}
+        assert list(tensors["blk.0.attn_qkv.weight"].shape) == [c.n_embd, 3 * c.n_embd]  # ggml's ne: (in, out)
+        matrix = tensors["blk.0.ffn_up.weight"].tensor_type.name
+        assert matrix == qtype.upper() and tensors["blk.0.ffn_up.bias"].tensor_type.name == "F32"
+        got = GPT2.from_pretrained(path)(ids)
+        if qtype == "f32":
+            assert torch.equal(got, want)
+        else:
+            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.99
+    back = tmp_path / "back"
+    assert cli("convert", str(tmp_path / "m-f32.gguf"), str(back), "--to", "hf")[0] == 0
+    assert torch.equal(GPT2.from_pretrained(back)(ids), want)
+    nanogpt_checkpoint(tmp_path / "ckpt.pt", steps=1)
+    code, err = cli("convert", str(tmp_path / "ckpt.pt"), str(tmp_path / "n.gguf"), "--to", "gguf")
+    assert code == 2 and "llama.cpp's gpt2 computes the tanh GELU" in err

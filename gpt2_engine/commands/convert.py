@@ -1,6 +1,6 @@
-"""`gpt2 convert SRC DST --to hf|llmc`: a checkpoint from any format the engine reads (a Hugging Face directory,
-nanoGPT's ckpt.pt, llm.c's model file) written as a Hugging Face directory (transformers and every `gpt2` command
-load it) or as llm.c's model file (llm.c's train_gpt2.c loads it)."""
+"""`gpt2 convert SRC DST --to hf|llmc|gguf`: a checkpoint from any format the engine reads (a Hugging Face directory,
+nanoGPT's ckpt.pt, llm.c's model file, a GGUF) written as a Hugging Face directory (transformers and every `gpt2`
+command load it), llm.c's model file (llm.c's train_gpt2.c loads it) or a GGUF (llama.cpp runs it)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..core.checkpoints import checkpoint_kind, read_checkpoint, write_llmc
+from ..core.checkpoints import checkpoint_kind, read_checkpoint, write_gguf, write_llmc
 from ..core.config import GPT2Config
 from ..core.tokenizer import load_tokenizer
 from ..core.weights import CONFIG, GPT2Weights, load_weights, named_tensors, save_checkpoint, weights_from_tensors
 from ..options import UsageError
 
-TARGETS = {"hf": ("f32",), "llmc": ("f32", "bf16")}
+TARGETS = {"hf": ("f32",), "llmc": ("f32", "bf16"), "gguf": ("f32", "f16", "q8_0")}
 LLMC_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
-KINDS = {"hf": "a Hugging Face directory", "nanogpt": "nanoGPT's ckpt.pt", "llmc": "llm.c's model file"}
+KINDS = {"hf": "a Hugging Face directory", "nanogpt": "nanoGPT's ckpt.pt", "llmc": "llm.c's model file",
+         "gguf": "a GGUF file"}
 
 
 def read_any(src: Path) -> tuple[str, GPT2Config, GPT2Weights]:
@@ -37,33 +38,39 @@ def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:
         raise UsageError(f"--type {dtype}: a {to} checkpoint is written as {' or '.join(TARGETS[to])}")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UsageError(f"{dst}: is the source itself; write the converted checkpoint somewhere else")
-    if to == "llmc" and dst.is_dir():
-        raise UsageError(f"{dst}: a directory; llm.c's model is one file (e.g. {dst / 'gpt2_124M.bin'})")
+    if to in ("llmc", "gguf") and dst.is_dir():
+        raise UsageError(f"{dst}: a directory; a{'n llm.c model' if to == 'llmc' else ' GGUF'} is one file")
     if to == "hf" and dst.is_file():
         raise UsageError(f"{dst}: a file; a Hugging Face checkpoint is a directory")
     kind, config, weights = read_any(src)
+    bpe = load_tokenizer(src if kind == "hf" else None).source
     if to == "hf":
-        save_checkpoint(dst, config, weights, load_tokenizer(src if kind == "hf" else None).source)
-    else:
+        save_checkpoint(dst, config, weights, bpe)
+    elif to == "llmc":
         dst.parent.mkdir(parents=True, exist_ok=True)
         write_llmc(dst, config, named_tensors(weights), LLMC_DTYPES[dtype])
+    else:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(dst, config, named_tensors(weights), bpe, dtype)
     return kind
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert a checkpoint between Hugging Face, nanoGPT and llm.c formats",
+    p = sub.add_parser("convert", help="convert a checkpoint between Hugging Face, nanoGPT, llm.c and GGUF formats",
                        description="Read a checkpoint in any format the engine reads (a Hugging Face directory, "
-                                   "nanoGPT's ckpt.pt, llm.c's model .bin; told apart by content) and write it as a "
-                                   "Hugging Face directory or llm.c's model file.",
+                                   "nanoGPT's ckpt.pt, llm.c's model .bin, a GGUF; told apart by content) and write it "
+                                   "as a Hugging Face directory, llm.c's model file or a GGUF that llama.cpp runs.",
                        epilog="examples:\n  gpt2 convert out/ckpt.pt gpt2-nano --to hf\n"
                               "  gpt2 convert weights gpt2_124M.bin --to llmc\n"
+                              "  gpt2 convert weights gpt2-q8_0.gguf --to gguf --type q8_0\n"
                               "  gpt2 convert gpt2_124M_bf16.bin hf-out --to hf",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path, metavar="SRC", help="the checkpoint to read")
     p.add_argument("dst", type=Path, metavar="DST", help="where to write (a directory for hf, a file for llmc)")
     p.add_argument("--to", required=True, choices=sorted(TARGETS), help="the format to write")
-    p.add_argument("--type", default="f32", choices=["f32", "bf16"],
-                   help="the stored dtype (default f32; llmc also bf16, llm.c's version 5 file)")
+    p.add_argument("--type", default="f32", choices=["f32", "bf16", "f16", "q8_0"],
+                   help="the stored type (default f32; llmc also bf16, llm.c's version 5 file; gguf also f16 and "
+                        "q8_0, llama.cpp's)")
     p.set_defaults(run=run_convert)
 
 
