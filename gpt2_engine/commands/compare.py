@@ -189,6 +189,9 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.lora and engines != ["torch"]:
         raise GPT2EngineError("--lora applies to the torch engine; the NumPy reference has no adapters")
     min_top1 = args.min_top1 if args.min_top1 is not None else DEFAULT_MIN_TOP1.get(variant or "")
+    if args.weights is not None and args.weights.is_file():
+        raise GPT2EngineError(f"{args.weights}: gpt2 compare holds the engine to transformers, which reads a Hugging "
+                              f"Face directory; convert the file first (gpt2 convert {args.weights} DIR --to hf)")
     prompts = collect_prompts(args)
     model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize, lora=args.lora,
                                  force=args.force)

@@ -151,16 +151,15 @@ def local_scores(args: argparse.Namespace, progress: Any) -> tuple[Any, ScoreSet
 
 def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[Score]]:
     """(None, settings, scores in input order) from Ray Data actors (distributed/score.py)."""
-    from ..core.config import GPT2Config
-    from ..core.weights import CONFIG, find_weights_file
+    from ..core.checkpoints import checkpoint_config
     from ..distributed.score import score_on_ray
 
     args.steer_specs = parse_steer_args(args.steer)
     if shard_files(args.files) is not None:
         raise InputError("--ray scores text; score token shards without --ray (they are read memory-mapped)")
     stdin_docs = read_documents(["-"], sys.stdin.buffer) if "-" in args.files else []
-    find_weights_file(args.weights)  # the loader's error for a missing or empty directory, before Ray starts
-    settings = checked_settings(args, GPT2Config.from_json(args.weights / CONFIG))
+    # the loader's error for a missing or empty checkpoint, before Ray starts
+    settings = checked_settings(args, checkpoint_config(args.weights))
     return None, settings, score_on_ray(args, args.files, stdin_docs, settings)
 
 
