@@ -40,7 +40,7 @@ from .config import GPT2Config
 from .errors import WeightsError
 from .files import atomic_write
 from .tokenizer import load_tokenizer
-from .weights import CONFIG, expected_shapes, find_weights_file
+from .weights import CONFIG, PYTORCH_BIN, SAFETENSORS, expected_shapes, find_weights_file
 
 GPT2_VOCAB = 50257
 LLMC_MAGIC = 20240326
@@ -63,6 +63,9 @@ def checkpoint_kind(path: Path) -> str:
                            f"llm.c model .bin)")
     if path.is_dir():
         return "hf"
+    if path.name in (SAFETENSORS, PYTORCH_BIN) or path.suffix == ".safetensors":  # a Hugging Face folder's file
+        raise WeightsError(f"{path}: a weights file; expected a directory holding config.json and it (pass "
+                           f"{path.parent})")
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:4] == b"GGUF":
