@@ -227,14 +227,10 @@ class Steering:
     def _digest(self) -> str:
         h = hashlib.sha256(repr((self.hook, self.action, self.coef, self.positions, self.head, self.feature,
                                  self.value)).encode())
-        tensors = [self.vector, self.bias]
-        if self.sae is not None:  # what the edit reads of the SAE: its config, and its weights (one latent's if it can)
-            one = self.sae.select([self.feature]) if self.action == "clamp" else None
-            src = one or self.sae
-            h.update(repr(self.sae.config).encode())
-            tensors += [src.W_enc, src.b_enc, src.W_dec, src.b_dec, src.threshold, src.b_gate, src.b_mag, src.r_mag]
-        for t in tensors:
-            h.update(b"-" if t is None else t.detach().float().contiguous().numpy().tobytes())
+        if self.sae is not None:  # the SAE's own digest, made once when it was loaded
+            h.update(self.sae.digest.encode())
+        for t in (self.vector, self.bias):
+            h.update(b"-" if t is None else memoryview(t.detach().float().contiguous().numpy()))
         return h.hexdigest()[:32]
 
 
@@ -415,14 +411,15 @@ class SteeringTap:
     def select(self, rows: torch.Tensor) -> SteeringTap | None:
         """The tap for a subset of the rows (indices into this tap's rows, renumbered from 0 in that order); None
         where no edit reaches them."""
-        where = torch.full((int(rows.max()) + 1 if len(rows) else 0,), -1, dtype=torch.long)
+        size = max([int(rows.max()) + 1 if len(rows) else 0] + [int(g.rows.max()) + 1 for g in self.groups if len(g.rows)])
+        where = torch.full((size,), -1, dtype=torch.long)  # each old row's new number, -1 where it is left out
         where[rows] = torch.arange(len(rows))
         groups = []
         for g in self.groups:
-            inside = g.rows < len(where)
-            inside[inside.clone()] = where[g.rows[inside]] >= 0
-            if bool(inside.any()):
-                groups.append(Rows(g.steering, where[g.rows[inside]], g.positions[inside], g.prompt_len))
+            new = where[g.rows]
+            keep = new >= 0
+            if bool(keep.any()):
+                groups.append(Rows(g.steering, new[keep], g.positions[keep], g.prompt_len))
         return SteeringTap(self.weights, self.config, groups) if groups else None
 
 
