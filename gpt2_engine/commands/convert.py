@@ -66,7 +66,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
                               "  gpt2 convert gpt2_124M_bf16.bin hf-out --to hf",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path, metavar="SRC", help="the checkpoint to read")
-    p.add_argument("dst", type=Path, metavar="DST", help="where to write (a directory for hf, a file for llmc)")
+    p.add_argument("dst", type=Path, metavar="DST", help="where to write (a directory for hf, a file for llmc and gguf)")
     p.add_argument("--to", required=True, choices=sorted(TARGETS), help="the format to write")
     p.add_argument("--type", default="f32", choices=["f32", "bf16", "f16", "q8_0"],
                    help="the stored type (default f32; llmc also bf16, llm.c's version 5 file; gguf also f16 and "
