@@ -13,7 +13,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-eval check-gguf serve fixtures clean
+.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-memory bench-eval check-gguf serve fixtures clean
 
 install: $(STAMP)
 
@@ -86,10 +86,15 @@ check-gguf: install
 	$(PY) scripts/check_gguf.py $(ARGS)
 
 # The engine beside llama.cpp on the same weights (f32 / q8_0 / q4_0 / f16 against float32 / int8 / int4 / bfloat16):
-# decode tg128 and prefill pp512, alternating; ARGS=--serve: gpt2 serve against llama-server -np 8, 1 and 8 clients.
+# decode tg128 and prefill pp512, alternating, with the memory read ceiling and each decode's GB/s; ARGS=--serve: gpt2 serve against llama-server -np 8, 1 and 8 clients.
 # Builds llama.cpp once into .cache/llamacpp/ from the llama-cpp-python sdist on PyPI (about 12 minutes).
 bench-llamacpp: install
 	$(PY) scripts/bench_llamacpp.py $(ARGS)
+
+# The memory read ceiling the decode rows are measured against: T threads streaming a 1 GiB buffer with each load
+# width, plain or non-temporal, at several prefetch distances (about a minute; bench-llamacpp measures it too).
+bench-memory: install
+	$(PY) scripts/bench_memory.py $(ARGS)
 
 # An OpenAI-compatible server on 127.0.0.1:8000 (gpt2 serve --help for the options).
 serve: install

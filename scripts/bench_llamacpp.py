@@ -14,7 +14,11 @@ Rows, each format beside the engine's own (f32 / float32, q8_0 / int8, q4_0 / in
 formats each engine has), alternating which runs first,
 --rounds times, medians: decode at batch 1, 128 tokens after a one-token prompt (llama-bench's tg128; the engine's
 generate_ids timed as t(129) - t(1)), and prefill of 512 tokens (llama-bench's pp512; the engine's prompt of 512
-random ids to its first token). One table, the CPU in its header, ratio = engine / llama.cpp.
+random ids to its first token). One table, the CPU and the memory read ceiling in its header (scripts/bench_memory.py:
+the best read variant found once, then measured again in every round, alternating with the rows; median), ratio =
+engine / llama.cpp. Decode rows also give each engine's GB/s moved per token (the bytes a decode step reads x tokens/s)
+and its share of the ceiling: llama.cpp's bytes are its file's tensors, the engine's its blocks' and head's, each
+with one row of the embeddings it looks up.
 
 --serve: instead, `gpt2 serve` against `llama-server -np 8` on the same weights (each with --parallel / -np 8 and
 2 threads), streaming clients of --requests requests x 64 greedy tokens (ignore_eos), 1 and 8 clients, alternating
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import shutil
 import socket
@@ -111,6 +116,45 @@ def convert_f32(weights: Path, src: Path, out: Path, target: Path) -> None:
     run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(plain), "--outtype", "f32", "--outfile", str(target)],
         out / "convert.log", env=env)
     shutil.rmtree(plain)
+
+
+def engine_bytes(w) -> int:
+    """Bytes a decode step of the engine reads: every block's tensors and the head's (quantized forms as stored),
+    ln_f, and one row of each embedding."""
+    seen: set[int] = set()
+
+    def size(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            if obj.data_ptr() in seen:
+                return 0
+            seen.add(obj.data_ptr())
+            return obj.numel() * obj.element_size()
+        if dataclasses.is_dataclass(obj):
+            return sum(size(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        if isinstance(obj, (tuple, list)):
+            return sum(size(o) for o in obj)
+        return 0
+
+    rows = w.wte[0].numel() * w.wte.element_size() + w.wpe[0].numel() * w.wpe.element_size()
+    if w.head is w.wte:
+        rows -= w.wte[0].numel() * w.wte.element_size()
+    return size(w.blocks) + size(w.ln_f) + size(w.head) + rows
+
+
+def gguf_bytes(path: Path) -> int:
+    """Bytes a llama.cpp decode step reads from this GGUF: every tensor, but one row of position_embd, and one row of
+    token_embd where an output matrix of its own is the head."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    total = 0
+    for name, t in tensors.items():
+        rows = int(t.shape[-1]) if len(t.shape) > 1 else 1  # gguf-py's shape is ggml's: ne0 first
+        if name == "position_embd.weight" or (name == "token_embd.weight" and "output.weight" in tensors):
+            total += int(t.n_bytes) // rows
+        else:
+            total += int(t.n_bytes)
+    return total
 
 
 def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int) -> float:
@@ -224,34 +268,59 @@ def main() -> int:
     machine = f"{cpu().summary()}, {args.threads} threads, torch {torch.__version__}, llama.cpp from llama-cpp-python {VERSION}"
     if args.serve:
         return serve_rows(args, weights, bin_dir, files, machine)
+    import bench_memory
+
     formats = args.formats.split(",")
+    found = bench_memory.measure(args.threads, rounds=1)  # the best read variant, timed again in every round below
+    width, ahead, nt = found.key
+    read = bench_memory.kernel()
+    buf = bench_memory.buffer(1.0)
+    ceilings: list[float] = []
     runs: dict[tuple[str, str, str], list[float]] = {}
+    moved = {fmt: gguf_bytes(files[fmt]) for fmt in formats}
     for fmt in formats:
         model = GPT2.from_pretrained(weights, **ENGINE_FORMAT[fmt][1])
         engine_decode(model, 8)  # kernels built and warm
+        moved[fmt, "engine"] = engine_bytes(model.weights)
         sides = {"llama.cpp": {"decode": lambda: llama_bench(bin_dir, files[fmt], args.threads, 0, 128),
                                "prefill": lambda: llama_bench(bin_dir, files[fmt], args.threads, 512, 0)},
                  "engine": {"decode": lambda: engine_decode(model, 128), "prefill": lambda: engine_prefill(model, 512)}}
         for r in range(args.rounds):
+            ceilings.append(read.read_rate(buf, width, ahead, nt, args.threads, 5)[0])
             for row in ("decode", "prefill"):
                 order = ["llama.cpp", "engine"] if r % 2 == 0 else ["engine", "llama.cpp"]
                 for side in order:
                     runs.setdefault((fmt, row, side), []).append(sides[side][row]())
                     print(f"  {fmt} {row} round {r + 1} {side}: {runs[fmt, row, side][-1]:.1f} tok/s", file=sys.stderr,
                           flush=True)
-    print(f"\nengine vs llama.cpp on {weights.name} ({machine}); medians of {args.rounds} alternating rounds, "
-          "ratio = engine / llama.cpp")
-    print("| format | row | llama.cpp tok/s | engine tok/s | ratio |")
-    print("|---|---|---|---|---|")
+    ceiling = statistics.median(ceilings)
+    print(f"\nengine vs llama.cpp on {weights.name} ({machine}); memory read ceiling {ceiling:.1f} GB/s "
+          f"({found.variant}; median of {len(ceilings)} measurements between the rounds, "
+          f"{min(ceilings):.1f}-{max(ceilings):.1f}); medians of {args.rounds} alternating rounds, "
+          "ratio = engine / llama.cpp; GB/s = bytes a decode step reads x tokens/s")
+    print("| format | row | llama.cpp tok/s | engine tok/s | ratio | llama.cpp GB/s (of ceiling) | engine GB/s (of ceiling) |")
+    print("|---|---|---|---|---|---|---|")
     table = []
     for fmt in formats:
         for row, label in (("decode", "decode tg128, batch 1"), ("prefill", "prefill pp512")):
             a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, "engine"])
-            table.append({"format": fmt, "row": row, "llama.cpp": a, "engine": b, "ratio": b / a,
-                          "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", "engine")}})
-            print(f"| {fmt} / {ENGINE_FORMAT[fmt][0]} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+            entry = {"format": fmt, "row": row, "llama.cpp": a, "engine": b, "ratio": b / a,
+                     "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", "engine")}}
+            rates = ""
+            if row == "decode":
+                ga, gb = moved[fmt] * a / 1e9, moved[fmt, "engine"] * b / 1e9
+                entry |= {"bytes_per_token": {"llama.cpp": moved[fmt], "engine": moved[fmt, "engine"]},
+                          "gbs": {"llama.cpp": ga, "engine": gb}}
+                rates = f" {ga:.1f} ({ga / ceiling:.0%}) | {gb:.1f} ({gb / ceiling:.0%}) |"
+            else:
+                rates = " | |"
+            table.append(entry)
+            print(f"| {fmt} / {ENGINE_FORMAT[fmt][0]} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |{rates}")
+    print("bytes a decode step reads: " + ", ".join(
+        f"{fmt} {moved[fmt] / 1e6:.0f} MB / {ENGINE_FORMAT[fmt][0]} {moved[fmt, 'engine'] / 1e6:.0f} MB" for fmt in formats))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "rows": table}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "ceiling_gbs": ceiling,
+                                    "ceilings": ceilings, "ceiling_read": found.variant, "rows": table}, indent=2) + "\n")
     return 0
 
 

@@ -14,7 +14,7 @@ import torch
 from gpt2_engine import GPT2
 from gpt2_engine.core.kernels import decode_kernels
 from gpt2_engine.core.model import KVCache, embed, logits
-from gpt2_engine.core.projection import logsumexp_rows
+from gpt2_engine.core.projection import reduce_rows
 from gpt2_engine.core.rows import RowLayout
 from gpt2_engine.runtime.plan import Segment
 from gpt2_engine.runtime.runner import NO_ADAPTERS, Pass, native_rows, rows_block
@@ -90,19 +90,81 @@ def test_a_rows_logits_do_not_depend_on_its_neighbours(models: dict[str, GPT2], 
         assert torch.equal(one.logits()[0], rows[s])
 
 
-def test_logsumexp_rows_matches_torch() -> None:
+@pytest.mark.parametrize("name", ["float32", "int4"])
+def test_a_pass_writes_logits_only_for_segments_that_read_them(models: dict[str, GPT2], name: str) -> None:
+    """Pass.outputs: a greedy segment's rows come back as picks only (token, logit, logsumexp), equal to reducing the
+    pass's own logits; a sampling segment's rows also as logits, the same bits as Pass.logits()."""
+    model = models[name]
+    w, cfg = model.weights, model.config
+    segments = [Segment(0, 0, [464, 2068, 7586], greedy=True, banned=50256), Segment(1, 0, [15496, 11], outputs=2),
+                Segment(2, 0, [40, 716], outputs=2, greedy=True)]
+
+    def run() -> Pass:
+        p = Pass(w, cfg, KVCache.allocate(cfg, 3, 32), segments)
+        while not p.done:
+            p.run_block()
+        return p
+
+    full = run().logits()  # [5, V]
+    out = run().outputs()
+    assert torch.equal(out.logits, full[1:3])
+    assert out.picks == reduce_rows(full, [50256, -1, -1, -1, -1])
+    assert out.picks.tokens[2:] == full[2:].argmax(-1).tolist()
+    greedy_only = Pass(w, cfg, KVCache.allocate(cfg, 3, 32), [segments[0], segments[2]])
+    while not greedy_only.done:
+        greedy_only.run_block()
+    only = greedy_only.outputs()
+    assert only.logits.shape == (0, cfg.vocab_size) and only.picks.tokens == out.picks.tokens[:1] + out.picks.tokens[3:]
+
+
+def test_reduce_rows_matches_torch() -> None:
+    """Each row's logsumexp within float32 rounding of torch's in float64, its argmax torch's (the first of equal
+    maxima) with the banned token skipped, and the same values for a row alone as among others, strided or not."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 50257, generator=g) * 4
-    got = logsumexp_rows(x)
+    x[1, 300] = x[1, 40000] = x[1].max() + 1  # a tie: the first wins
+    x[2, 50256] = x[2].max() + 1  # the banned token holds the max: the next largest wins
+    picks = reduce_rows(x, [-1, -1, 50256, 7])
     expected = torch.logsumexp(x.double(), -1)
-    # measured up to 1.7e-7 of |lse| (~19 here, where a float32 step is 1.9e-6)
-    assert all(abs(a - b) <= 4e-7 * abs(b) for a, b in zip(got, expected.tolist()))
+    # measured up to 1.2e-7 of |lse| (~19 here, where a float32 step is 1.9e-6)
+    assert all(abs(a - b) <= 4e-7 * abs(b) for a, b in zip(picks.lse, expected.tolist()))
+    allowed = x.clone()
+    allowed[2, 50256] = allowed[3, 7] = -math.inf
+    assert picks.tokens == allowed.argmax(-1).tolist() and picks.tokens[1] == 300
+    assert picks.logit == [float(x[i, t]) for i, t in enumerate(picks.tokens)]
+    alone = [reduce_rows(r[None], [b]) for r, b in zip(x, [-1, -1, 50256, 7])]
+    assert [a.lse[0] for a in alone] == picks.lse and [a.tokens[0] for a in alone] == picks.tokens
     strided = torch.randn(50257, 3, generator=g).t()  # rows of a transposed tensor: stride (1, 3)
-    assert logsumexp_rows(strided) == [logsumexp_rows(r[None].contiguous())[0] for r in strided]
+    assert reduce_rows(strided) == reduce_rows(strided.contiguous())
     edge = torch.tensor([[-math.inf] * 40, [0.0] * 39 + [math.nan], [1.0] * 37 + [math.inf] * 3])
-    lse = logsumexp_rows(edge)
-    assert lse[0] == -math.inf and math.isnan(lse[1]) and lse[2] == math.inf
-    assert logsumexp_rows(torch.tensor([[2.5]])) == [2.5]
+    e = reduce_rows(edge)
+    assert e.lse[0] == -math.inf and math.isnan(e.lse[1]) and e.lse[2] == math.inf
+    assert e.tokens[0] == -1 and e.tokens[1] == -1 and e.tokens[2] == 37
+    assert reduce_rows(torch.tensor([[2.5]])) == ([0], [2.5], [2.5])
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_heads_greedy_picks_are_its_logits_reduced(models: dict[str, GPT2], name: str) -> None:
+    """RowHead.select: the kept rows' logits are the head's own bits, every row's picks those of reduce_rows over
+    the head's logits, whatever rows share the call and however many threads run it; greedy rows' logits unwritten."""
+    model = models[name]
+    head = native_rows(model.weights, model.config).head
+    x = torch.randn(6, model.config.n_embd, generator=torch.Generator().manual_seed(5))
+    full = head(x)  # [6, V]
+    banned = torch.tensor([-1, 50256, -1, -1, 50256, -1])
+    keep = torch.tensor([-1, 0, -1, 1, -1, -1])
+    tokens, best, lse, kept = head.select(x, banned, keep, 2)
+    assert torch.equal(kept, full[[1, 3]])
+    assert (tokens.tolist(), best.tolist(), lse) == reduce_rows(full, banned.tolist())
+    one = head.select(x[4:5].contiguous(), banned[4:5], torch.tensor([-1]), 0)
+    assert one[3].shape == (0, model.config.vocab_size)
+    assert (one[0].tolist(), one[2]) == ([tokens[4].item()], [lse[4]])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert head.select(x, banned, keep, 2)[2] == lse
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_argmax_is_torchs() -> None:

@@ -19,6 +19,9 @@ native kernels have no autograd.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from .config import DECODE_ROWS
@@ -192,11 +195,36 @@ def dequantize_columns(m: QuantizedMatrix, first: int, end: int, out: torch.Tens
     return panels[:, : end - first]
 
 
-def logsumexp_rows(logits: torch.Tensor) -> list[float]:
-    """[n, V] -> each row's logsumexp, each row reduced alone in a fixed order (kernels/block.cpp), so that a row's
-    value, and with it a token's logprob, never depends on what else shares the pass; torch's, row by row, where the
-    native kernels are missing."""
+class Picks(NamedTuple):
+    """What a greedy step needs of each row of logits: the argmax (skipping a banned token; -1 where the row has no
+    value above -inf, or a NaN), that logit, and the logsumexp of the whole row (NaN where the row holds one)."""
+
+    tokens: list[int]
+    logit: list[float]
+    lse: list[float]
+
+
+def reduce_rows(logits: torch.Tensor, banned: list[int] | None = None) -> Picks:
+    """[n, V] -> each row's Picks, reduced alone in fixed pieces of the vocabulary (kernels/decode.cpp, the same
+    reduction as the native head's greedy picks), so that a row's values, and with them a token's logprob, never
+    depend on what else shares the pass; torch's, row by row, where the native kernels are missing. `banned`: a
+    token per row the argmax skips (-1: none)."""
+    n = logits.shape[0]
+    banned = [-1] * n if banned is None else banned
     native = decode_kernels()
     if native is not None and logits.dtype == torch.float32:
-        return native.logsumexp_rows(logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous())
-    return [float(torch.logsumexp(row, -1)) for row in logits]
+        rows = logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous()
+        tokens, best, lse = native.reduce_rows(rows, torch.tensor(banned, dtype=torch.long))
+        return Picks(tokens.tolist(), best.tolist(), lse)
+    tokens, best, lse = [], [], []
+    for row, ban in zip(logits.float(), banned):
+        total = float(torch.logsumexp(row, -1))
+        allowed = row.clone()
+        if ban >= 0:
+            allowed[ban] = -math.inf
+        t = int(allowed.argmax())
+        ok = not math.isnan(total) and float(allowed[t]) > -math.inf
+        tokens.append(t if ok else -1)
+        best.append(float(allowed[t]) if ok else math.nan if math.isnan(total) else -math.inf)
+        lse.append(total)
+    return Picks(tokens, best, lse)

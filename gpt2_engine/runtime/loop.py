@@ -110,7 +110,7 @@ class EngineLoop:
                             run.add([s.segment() for s in joined])
                             seqs = seqs + joined
                     run.run_block()
-                out = run.outputs()  # logits [n, V] and their logsumexps
+                out = run.outputs()  # each row's greedy pick and logsumexp, the logits wanted
             except Exception as e:  # noqa: BLE001 - contained: this pass's sequences fail, the loop goes on
                 yield self._forget(self._failed(seqs, e))
                 continue

@@ -15,6 +15,7 @@ import torch
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from ..core.projection import Picks
     from ..core.steering import Steering
 
 
@@ -22,7 +23,9 @@ class Segment(NamedTuple):
     """A sequence's rows in a pass: `ids` are fed at positions [start, start + len(ids)) of cache slot `slot`, with
     LoRA adapter `adapter` of the weights (-1: the base; None: adapter 0, a model with one). The pass returns the
     logits after its last `outputs` rows (a speculative verify pass needs every row's: runtime/speculation.py).
-    `steering`: the sequence's edits (core/steering.py), which read each row's position against `prompt_len`."""
+    `steering`: the sequence's edits (core/steering.py), which read each row's position against `prompt_len`.
+    `greedy`: the sequence needs only each output row's argmax (skipping token `banned`, -1: none) and logsumexp,
+    not its logits, which the pass then never writes (projection.Picks)."""
 
     slot: int
     start: int
@@ -31,15 +34,18 @@ class Segment(NamedTuple):
     outputs: int = 1
     steering: tuple[Steering, ...] = ()
     prompt_len: int = 0
+    greedy: bool = False
+    banned: int = -1
 
 
 class Outputs(NamedTuple):
-    """A pass's results: the logits after each segment's last `outputs` rows [n, V], and each row's logsumexp,
-    reduced row by row in a fixed order (projection.logsumexp_rows), so that a token's logprob never depends on what
-    else shared the pass."""
+    """A pass's results for its n output rows (each segment's last `outputs` rows, segment by segment): the logits
+    of the rows of segments that are not `greedy` [k, V], in order, and for every row its Picks (the argmax skipping
+    its segment's banned token, that logit, and the logsumexp), each row reduced alone in a fixed order
+    (projection.reduce_rows), so that a token and its logprob never depend on what else shared the pass."""
 
     logits: torch.Tensor
-    lse: list[float]
+    picks: Picks
 
 
 @dataclass
@@ -71,7 +77,7 @@ class Prefilled(NamedTuple):
     and how many of its tokens' keys and values came from the prefix cache."""
 
     logits: torch.Tensor
-    lse: float  # the logits' logsumexp (projection.logsumexp_rows), for the next token's logprob
+    lse: float  # the logits' logsumexp (projection.reduce_rows), for the next token's logprob
     stats: TokenStats | None
     cached: int
 

@@ -32,7 +32,7 @@ import torch
 from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, logits, residual_stream
-from ..core.projection import logsumexp_rows
+from ..core.projection import reduce_rows
 from ..core.steering import Steering, prompt_key, sequence_tap
 from ..core.weights import GPT2Weights
 from .plan import Prefilled, TokenStats
@@ -222,4 +222,4 @@ def prefill(w: GPT2Weights, config: GPT2Config, view: KVCache, prompt: list[int]
             prefix.store(prompt, adapter, chain, view, stats, s + 1, steered)
     if memo is not None:
         stats = TokenStats.cat([memo, stats])
-    return Prefilled(next_logits, logsumexp_rows(next_logits[None])[0], stats, s)
+    return Prefilled(next_logits, reduce_rows(next_logits[None]).lse[0], stats, s)

@@ -24,7 +24,7 @@ import torch
 
 from ..core.config import DECODE_ROWS, GPT2Config
 from ..core.model import KVCache, Layer, ScopedTap, block, embed, hooked, logits
-from ..core.projection import logsumexp_rows
+from ..core.projection import Picks, reduce_rows
 from ..core.rows import RowLayout, native_block, native_head, self_attention_segments
 from ..core.steering import Rows, Steering, SteeringTap, between_blocks
 from ..core.weights import GPT2Weights
@@ -160,18 +160,7 @@ class Pass:
         """[n, V]: the logits after each segment's last `outputs` rows, segment by segment (every block must have
         run). The head is row-invariant too (NativeRows.head, or projection.head_logits past DECODE_ROWS), so a row's
         logits do not depend on n."""
-        assert self.done, "the pass has blocks left to run"
-        x = self.x[0]  # [R, C]
-        every = all(s.outputs == len(s.ids) for s in self.segments)
-        rows = None
-        if not every or self.steer is not None:  # each segment's last `outputs` rows [n]
-            ends = torch.tensor([len(s.ids) for s in self.segments]).cumsum(0).tolist()
-            rows = torch.tensor([r for s, end in zip(self.segments, ends) for r in range(end - s.outputs, end)])
-        if not every:
-            x = x[rows]  # [n, C]
-        tap = None if self.steer is None else self.steer.select(rows)
-        steered = None if tap is None or not tap.wants("ln_final.hook_normalized") else torch.cat(
-            [g.rows for g in tap.groups if any(s.hook.startswith("ln_final.") for s in g.steering)])
+        x, tap, steered = self._last_rows()
         if self.native is None or x.shape[0] > DECODE_ROWS:
             with torch.inference_mode():
                 return logits(self.w, self.config, x, tap)  # [n, V]
@@ -188,9 +177,37 @@ class Pass:
         return out
 
     def outputs(self) -> Outputs:
-        """logits() and each row's logsumexp (what the scheduler reads to choose and score tokens)."""
+        """What the scheduler reads to choose and score tokens: every output row's Picks, and the logits of the rows
+        of segments that are not `greedy`. Where the native head runs every row, greedy rows' logits are never
+        written (RowHead.select); elsewhere the logits are made whole and reduced the same way (the same bits)."""
+        banned = [s.banned for s in self.segments for _ in range(s.outputs)]
+        wanted = [not s.greedy for s in self.segments for _ in range(s.outputs)]
+        x, _, steered = self._last_rows()
+        if self.native is not None and x.shape[0] <= DECODE_ROWS and steered is None:
+            keep = torch.tensor(wanted, dtype=torch.long).cumsum(0) - 1  # each kept row's place in the logits
+            keep[~torch.tensor(wanted)] = -1
+            tokens, best, lse, kept = self.native.head.select(x, torch.tensor(banned, dtype=torch.long), keep,
+                                                              sum(wanted))
+            return Outputs(kept, Picks(tokens.tolist(), best.tolist(), lse))
         lg = self.logits()  # [n, V]
-        return Outputs(lg, logsumexp_rows(lg))
+        return Outputs(lg if all(wanted) else lg[torch.tensor(wanted)], reduce_rows(lg, banned))
+
+    def _last_rows(self) -> tuple[torch.Tensor, SteeringTap | None, torch.Tensor | None]:
+        """The final hidden rows the head reads [n, C] (each segment's last `outputs`), their steering tap, and which
+        of them are steered at the final layer norm (None: none)."""
+        assert self.done, "the pass has blocks left to run"
+        x = self.x[0]  # [R, C]
+        every = all(s.outputs == len(s.ids) for s in self.segments)
+        rows = None
+        if not every or self.steer is not None:  # each segment's last `outputs` rows [n]
+            ends = torch.tensor([len(s.ids) for s in self.segments]).cumsum(0).tolist()
+            rows = torch.tensor([r for s, end in zip(self.segments, ends) for r in range(end - s.outputs, end)])
+        if not every:
+            x = x[rows]  # [n, C]
+        tap = None if self.steer is None else self.steer.select(rows)
+        steered = None if tap is None or not tap.wants("ln_final.hook_normalized") else torch.cat(
+            [g.rows for g in tap.groups if any(s.hook.startswith("ln_final.") for s in g.steering)])
+        return x, tap, steered
 
     def _block(self, i: int, x: torch.Tensor, layout: RowLayout, adapters: torch.Tensor | None,
                steer: SteeringTap | None) -> torch.Tensor:

@@ -7,15 +7,17 @@ here loads the model, the runner or the native kernels.
 and scored ones) and the passes to run, each a list of sequences whose rows share one pass over the weights (every
 running sequence's next token at its own position, and the whole text of each new short prompt; at most
 DECODE_ROWS rows a pass). `join(layer, rows)` says which waiting prompts may still join a pass that is open before
-block `layer`. The runner (runner.py) executes; `update` and `after_prefill` consume its outputs (logits and their
-logsumexps): they choose each sequence's next token and return the Events, as data, to whoever drives the loop
-(loop.py). A finished or cancelled sequence frees its slot at once.
+block `layer`. The runner (runner.py) executes; `update` and `after_prefill` consume its outputs (each row's greedy
+pick and logsumexp, and the logits of the sequences that read them): they choose each sequence's next token and
+return the Events, as data, to whoever drives the loop (loop.py). A finished or cancelled sequence frees its slot at
+once. A plain greedy sequence (no penalty, bias, grammar or top logprobs) marks its segments `greedy`: its token is
+the row's argmax and its logprob that logit less the logsumexp, so the runner never writes its logits.
 
 Choosing tokens stays here, unlike vLLM's scheduler, whose sampler runs in the model runner on the GPU: a choice
 decides what the plan does next (an accepted draft moves the sequence's position; a stop string or <|endoftext|>
 frees its slot before the next admission), it reads per-sequence state the scheduler owns (penalty counts, the
 seeded generator), and on the CPU it costs no device round trip. The detokenizer rides along for the same reason:
-stop strings end sequences. What the model computes (the head and the row logsumexps) comes from the runner.
+stop strings end sequences. What the model computes (the head, the argmaxes and the logsumexps) comes from the runner.
 
 Speculative decoding (speculation.py): with a SpeculationPolicy, the plan also asks a drafter for K tokens for each
 running sequence (`Plan.asks`, K adaptive per sequence unless fixed); the loop hands the drafts back (`drafted`),
@@ -30,7 +32,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,16 +78,26 @@ class SequenceState:
         # into a fresh copy (an allocation of 200 KB, and its page faults, every token)
         self.processed = torch.empty(vocab) if request.ignore_eos else None
         self.guide = request.constraint.guide() if request.constraint is not None else None  # its grammar's state
+        self.banned = tokenizer.eot_id if request.ignore_eos else -1  # the token its argmax skips
 
     def segment(self) -> Segment:
         """This sequence's rows in its next pass: the whole prompt from position 0, or its next token (and its
         drafted tokens, each row's logits wanted)."""
         r = self.request
         if not self.started:
-            return Segment(self.slot, 0, r.prompt, r.adapter, steering=r.steering, prompt_len=len(r.prompt))
+            return Segment(self.slot, 0, r.prompt, r.adapter, steering=r.steering, prompt_len=len(r.prompt),
+                           greedy=self.argmax_only, banned=self.banned)
         ids = [self.next_token] + (self.draft.tokens if self.draft else [])
         return Segment(self.slot, self.position, ids, r.adapter, outputs=len(ids), steering=r.steering,
-                       prompt_len=len(r.prompt))
+                       prompt_len=len(r.prompt), greedy=self.argmax_only, banned=self.banned)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether each token is the raw logits' argmax (skipping `banned`), its logprob all else it reports: greedy,
+        with no penalty, logit bias, grammar or top logprobs reshaping or reading the logits."""
+        r, s = self.request, self.request.sampling
+        return (s.greedy and not s.logit_bias and self.seen is None and self.counts is None and self.guide is None
+                and not r.top_logprobs)
 
     def context(self) -> list[int]:
         """The tokens at positions 0 .. position: the prompt, the generated tokens and the next one (not yet fed)."""
@@ -93,6 +105,22 @@ class SequenceState:
 
 
 Output = tuple[SequenceState, Event]
+
+
+class Row(NamedTuple):
+    """One output row of a pass, as the scheduler reads it: the raw logits [V] (None for a greedy segment's row), the
+    argmax skipping the sequence's banned token, that logit, and the logsumexp of the raw logits."""
+
+    raw: torch.Tensor | None
+    token: int
+    logit: float
+    lse: float
+
+    def pick(self) -> int:
+        """The greedy token; an error where the row had none (a NaN among its logits)."""
+        if self.token < 0 or math.isnan(self.lse):
+            raise ValueError("the model's logits hold NaN or no finite value; no token can be chosen")
+        return self.token
 
 
 @dataclass
@@ -201,18 +229,20 @@ class Scheduler:
         return joined
 
     def update(self, seqs: list[SequenceState], out: Outputs) -> list[Output]:
-        """Consume a pass's outputs (logits [n, V], row i for seqs[i], and their logsumexps): choose each next
-        token. A sequence whose sampling fails ends with an 'error' event; the others go on."""
-        result, first = [], 0
+        """Consume a pass's outputs (row i for seqs[i]: its Picks, and its logits unless the segment was greedy):
+        choose each next token. A sequence whose sampling fails ends with an 'error' event; the others go on."""
+        result, first, kept = [], 0, 0
         for seq in seqs:
             seg = seq.segment()
-            rows, row_lses = out.logits[first : first + seg.outputs], out.lse[first : first + seg.outputs]
-            first += seg.outputs
+            n, picks = seg.outputs, out.picks
+            rows: list[Row] = [Row(None if seg.greedy else out.logits[kept + i], picks.tokens[first + i],
+                                   picks.logit[first + i], picks.lse[first + i]) for i in range(n)]
+            first, kept = first + n, kept + (0 if seg.greedy else n)
             if seq.draft is not None:
-                result += self._verify(seq, seg, rows, row_lses)
+                result += self._verify(seq, seg, rows)
                 continue
             seq.started, seq.position = True, seg.start + len(seg.ids)
-            result.append(self._advance_or_fail(seq, rows[-1], row_lses[-1]))
+            result.append(self._advance_or_fail(seq, rows[-1]))
         return result
 
     def after_prefill(self, seq: SequenceState, done: Prefilled) -> Output:
@@ -222,7 +252,7 @@ class Scheduler:
         if seq.request.max_new_tokens == 0:
             out = self._finish(seq, "length", Event(None, "", prompt_stats=done.stats))
         else:
-            out = self._advance_or_fail(seq, done.logits, done.lse, done.stats)
+            out = self._advance_or_fail(seq, Row(done.logits, -1, math.nan, done.lse), done.stats)
         out[1].cached_tokens = done.cached
         return out
 
@@ -253,18 +283,18 @@ class Scheduler:
         event.finish_reason = reason
         return seq, event
 
-    def _advance_or_fail(self, seq: SequenceState, raw: torch.Tensor, lse: float,
-                         prompt_stats: TokenStats | None = None) -> Output:
+    def _advance_or_fail(self, seq: SequenceState, row: Row, prompt_stats: TokenStats | None = None) -> Output:
         try:
-            return self._advance(seq, raw, lse, prompt_stats)
+            return self._advance(seq, row, prompt_stats)
         except Exception as e:  # noqa: BLE001 - one sequence's failure (a NaN row, a sampler bug) ends only it
             log.exception("choosing the next token of a sequence failed")
             return self._finish(seq, "error", Event(None, "", error=describe(e)))
 
-    def _advance(self, seq: SequenceState, raw: torch.Tensor, lse: float, prompt_stats: TokenStats | None) -> Output:
-        """Choose the next token from raw logits [V] (lse: their logsumexp), and finish the sequence if it is done."""
-        return self._emit(seq, choose(self._processed(seq, raw), seq.request.sampling, seq.generator), raw, lse,
-                          prompt_stats)
+    def _advance(self, seq: SequenceState, row: Row, prompt_stats: TokenStats | None) -> Output:
+        """Choose the next token from a row (its raw logits, or its greedy pick), and finish the sequence if done."""
+        token = row.pick() if row.raw is None else choose(self._processed(seq, row.raw), seq.request.sampling,
+                                                          seq.generator)
+        return self._emit(seq, token, row, prompt_stats)
 
     def _processed(self, seq: SequenceState, raw: torch.Tensor) -> torch.Tensor:
         """Raw logits [V] -> what the sampler reads: a grammar's mask first (so that the penalties, the temperature
@@ -279,21 +309,23 @@ class Scheduler:
             processed[self.tokenizer.eot_id] = -math.inf
         return processed
 
-    def _verify(self, seq: SequenceState, seg: Segment, rows: torch.Tensor, lses: list[float]) -> list[Output]:
-        """A verify pass's logits [K + 1, V] for the next token and K drafts: the accepted drafts and one token of
-        the target's own, each an Output (speculation.accept's rule; fewer where the sequence finishes first)."""
+    def _verify(self, seq: SequenceState, seg: Segment, rows: list[Row]) -> list[Output]:
+        """A verify pass's rows for the next token and K drafts: the accepted drafts and one token of the target's
+        own, each an Output (speculation.accept's rule; fewer where the sequence finishes first)."""
         draft, seq.draft = seq.draft, None
         out, accepted = [], 0
         seq.started = True
         try:
-            for i, (raw, lse) in enumerate(zip(rows, lses)):
-                processed = self._processed(seq, raw)
-                if i < len(draft.tokens):
+            for i, row in enumerate(rows):
+                if row.raw is None:  # greedy: a draft is accepted iff it is the argmax
+                    token = row.pick()
+                elif i < len(draft.tokens):
                     q = None if draft.q is None else draft.q[i]
-                    token = accept(processed, seq.request.sampling, draft.tokens[i], q, seq.generator)
+                    token = accept(self._processed(seq, row.raw), seq.request.sampling, draft.tokens[i], q,
+                                   seq.generator)
                 else:
-                    token = choose(processed, seq.request.sampling, seq.generator)
-                out.append(self._emit(seq, token, raw, lse, None))
+                    token = choose(self._processed(seq, row.raw), seq.request.sampling, seq.generator)
+                out.append(self._emit(seq, token, row, None))
                 if seq.finished or i == len(draft.tokens) or token != draft.tokens[i]:
                     break
                 accepted += 1
@@ -321,11 +353,10 @@ class Scheduler:
             seq.k = 1
         return min(seq.k, seq.request.max_new_tokens - len(seq.tokens) - 1)
 
-    def _emit(self, seq: SequenceState, token: int, raw: torch.Tensor, lse: float,
-              prompt_stats: TokenStats | None) -> Output:
-        """Record the chosen token (raw logits [V] and their lse for its logprobs) and finish the sequence if done."""
-        r, eot = seq.request, self.tokenizer.eot_id
-        logprob = float(raw[token]) - lse
+    def _emit(self, seq: SequenceState, token: int, row: Row, prompt_stats: TokenStats | None) -> Output:
+        """Record the chosen token (its row for the logprobs) and finish the sequence if done."""
+        r, eot, raw, lse = seq.request, self.tokenizer.eot_id, row.raw, row.lse
+        logprob = (row.logit if raw is None else float(raw[token])) - lse
         top = rank = None
         if r.top_logprobs:
             values, ids = raw.topk(r.top_logprobs)

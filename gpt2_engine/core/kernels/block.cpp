@@ -15,12 +15,17 @@
 
 #include <algorithm>
 #include <array>
+#include <tuple>
 #include <cmath>
 #include <vector>
 
 // decode.cpp, quant.cpp, attention.cpp (its exp8 and sum8 too), lora.cpp
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
+using Selected = std::tuple<torch::Tensor, torch::Tensor, std::vector<double>>;  // (argmax [R], its logit [R], lse)
+Selected dot_rows_select(torch::Tensor x, torch::Tensor w, torch::Tensor banned, torch::Tensor keep, torch::Tensor out,
+                         bool avx512);
+Selected reduce_rows(torch::Tensor logits, torch::Tensor banned);
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
@@ -81,27 +86,6 @@ __attribute__((target("avx2,fma"))) void gelu_to(const float* x, float* y, int64
 }
 
 void gelu_inplace(float* x, int64_t n) { gelu_to(x, x, n); }
-
-// log(sum(exp(x))) over one row of V floats (see logsumexp_rows).
-__attribute__((target("avx2,fma"))) float row_logsumexp(const float* x, int64_t V) {
-  const int64_t whole = V / 32 * 32;
-  __m256 m8 = _mm256_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < whole; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m8);
-  float m = -INFINITY;
-  for (float v : lanes) m = std::max(m, v);
-  for (int64_t i = whole; i < V; ++i) m = std::max(m, x[i]);
-  if (!std::isfinite(m)) return m;  // a row of -inf (nothing possible), or one holding inf or NaN
-  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t i = 0; i < whole; i += 32)
-    for (int j = 0; j < 4; ++j)
-      acc[j] = _mm256_add_ps(acc[j], exp8(_mm256_max_ps(lo, _mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * j), mv))));
-  float sum = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-  for (int64_t i = whole; i < V; ++i) sum += std::exp(x[i] - m);
-  return m + std::log(sum);
-}
 
 // One projection's tensors: a float32/bfloat16 weight (K, N), or a packed int8/int6/int4 one with its scales (bits 8/6/4),
 // the bias, and the LoRA stack (a, b, scale) where it has one.
@@ -216,25 +200,35 @@ class RowHead {
     return dot_rows(h, head_, avx512_);
   }
 
+  // What a pass's rows need of the head, without writing every row's logits: each row's argmax skipping banned[r]
+  // (<|endoftext|> under ignore_eos; -1: none), that logit and the logsumexp of all V, and the logits of the rows
+  // with keep[r] >= 0 as out[keep[r]] (out [kept, V]; keep numbers the kept rows in order). decode.cpp's greedy
+  // picks; a packed head's logits are made whole first (its kernel runs whole panels of the vocabulary) and reduced
+  // the same way.
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<double>, torch::Tensor> select(torch::Tensor x,
+                                                                                      torch::Tensor banned,
+                                                                                      torch::Tensor keep,
+                                                                                      int64_t kept) const {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == ln_w_.numel(), "RowHead: x must be float32 [R, C]");
+    x = x.contiguous();
+    auto h = torch::empty_like(x);  // [R, C]
+    norm_rows(x, ln_w_, ln_b_, eps_, h);
+    if (bits_) {
+      const torch::Tensor all = packed_rows(h, head_, scales_, torch::empty({0}, x.options()), vocab_, bits_, vnni_);
+      auto [at, best, lse] = reduce_rows(all, banned);
+      return {at, best, lse, all.index_select(0, keep.ge(0).nonzero().select(1, 0))};
+    }
+    auto out = torch::empty({kept, vocab_}, x.options());
+    auto [at, best, lse] = dot_rows_select(h, head_, banned, keep, out, avx512_);
+    return {at, best, lse, out};
+  }
+
  private:
   torch::Tensor ln_w_, ln_b_, head_, scales_;
   int64_t bits_, vocab_;
   float eps_;
   bool avx512_, vnni_;
 };
-
-// The logsumexp of each row of logits [n, V] (rows may be strided, columns contiguous), each row alone in a fixed
-// order: the max, then the sum of exp(x - max) in 4 x 8 lanes, combined pairwise; max + log(sum). torch's
-// logsumexp splits a row over the threads and took ~60 us for GPT-2's 50,257 logits, most of it thread start-up;
-// this is one thread at ~15 us, and a row's value never depends on the other rows.
-std::vector<double> logsumexp_rows(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && (x.size(1) <= 1 || x.stride(1) == 1),
-              "logsumexp_rows: expected float32 [n, V] with contiguous rows");
-  const int64_t n = x.size(0), V = x.size(1);
-  std::vector<double> out(n);
-  for (int64_t r = 0; r < n; ++r) out[r] = row_logsumexp(x.data_ptr<float>() + r * x.stride(0), V);
-  return out;
-}
 
 // GELU of a whole tensor (a prompt's MLP), the same function as the blocks' above: elementwise, split over the
 // threads in chunks, so each element's bits are those of a decode step's; one exp and a division where torch's
@@ -262,9 +256,9 @@ void bind_row_block(py::module& m) {
   py::class_<RowHead>(m, "RowHead")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, bool, bool>())
       .def("__call__", &RowHead::operator(), "x [R, C] -> logits [R, V] (see block.cpp)",
-           py::call_guard<py::gil_scoped_release>());
-  m.def("logsumexp_rows", &logsumexp_rows, "each row's logsumexp, row by row (block.cpp)",
-        py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("select", &RowHead::select, "x [R, C], banned [R], keep [R], kept -> (argmax, its logit, lse, kept "
+           "logits) (see block.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("gelu", &gelu, "GPT-2's GELU (tanh form) of a float32 tensor, into out where given (block.cpp)", py::arg("x"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

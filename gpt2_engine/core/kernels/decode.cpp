@@ -19,8 +19,15 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <tuple>
+#include <vector>
 #include <type_traits>
+
+// attention.cpp's exp and lane sum, for the greedy picks below
+__attribute__((target("avx2,fma"))) __m256 exp8(__m256 v);
+__attribute__((target("avx2,fma"))) float sum8(__m256 v);
 
 namespace {
 
@@ -302,7 +309,8 @@ inline void prefetch_next(const typename W::T* w, int64_t C, int64_t v0, int64_t
 
 template <int R, int NV, typename W>
 __attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, const typename W::T* w, float* y,
-                                                              int64_t C, int64_t V, int64_t m0, int64_t v0) {
+                                                              int64_t C, int64_t ldy, int64_t y0, int64_t m0,
+                                                              int64_t v0) {
   __m512 acc[NV][R];
   for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -324,13 +332,13 @@ __attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, co
     for (int r = 0; r < R; ++r) {
       float t = _mm512_reduce_add_ps(acc[i][r]);
       for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
-      y[(m0 + r) * V + v0 + i] = t;
+      y[(m0 + r) * ldy + v0 - y0 + i] = t;
     }
 }
 
 template <int R, int NV, typename W>
 __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const typename W::T* w, float* y, int64_t C,
-                                                         int64_t V, int64_t m0, int64_t v0) {
+                                                         int64_t ldy, int64_t y0, int64_t m0, int64_t v0) {
   __m256 acc[NV][R];
   for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
@@ -356,24 +364,26 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const t
       __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
       float t = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
       for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
-      y[(m0 + r) * V + v0 + i] = t;
+      y[(m0 + r) * ldy + v0 - y0 + i] = t;
     }
 }
 
-// Vocabulary rows [v0, v0 + nv), nv <= VB, for input rows [m0, m0 + R): whole blocks, then single rows. AVX-512
+// Vocabulary rows [v0, v0 + nv) for input rows [m0, m0 + R), into y (row stride ldy, its column 0 at vocabulary
+// row y0): whole blocks, then single rows. AVX-512
 // blocks are 8 wide at every R (at R = 4 the 32 accumulators spill a little, which measured faster than 4 wide and
 // re-reading x); AVX2's 16 registers take 8, 4, 2 and 2 at R = 1..4.
 template <int R, typename W>
-void head_rows(const float* x, const typename W::T* w, float* y, int64_t C, int64_t V, int64_t m0, int64_t v0,
-               int64_t nv, bool avx512) {
+void head_rows(const float* x, const typename W::T* w, float* y, int64_t C, int64_t ldy, int64_t y0, int64_t m0,
+               int64_t v0, int64_t nv, bool avx512) {
   constexpr int N512 = 8;
   constexpr int N256 = R == 1 ? 8 : R == 2 ? 4 : 2;
   const int64_t n = avx512 ? N512 : N256;
   int64_t v = v0;
   for (; v + n <= v0 + nv; v += n)
-    avx512 ? head_block_avx512<R, N512, W>(x, w, y, C, V, m0, v) : head_block_avx2<R, N256, W>(x, w, y, C, V, m0, v);
+    avx512 ? head_block_avx512<R, N512, W>(x, w, y, C, ldy, y0, m0, v)
+           : head_block_avx2<R, N256, W>(x, w, y, C, ldy, y0, m0, v);
   for (; v < v0 + nv; ++v)
-    avx512 ? head_block_avx512<R, 1, W>(x, w, y, C, V, m0, v) : head_block_avx2<R, 1, W>(x, w, y, C, V, m0, v);
+    avx512 ? head_block_avx512<R, 1, W>(x, w, y, C, ldy, y0, m0, v) : head_block_avx2<R, 1, W>(x, w, y, C, ldy, y0, m0, v);
 }
 
 template <typename W>
@@ -386,13 +396,178 @@ torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, bool avx5
   at::parallel_for(0, (V + VB - 1) / VB, 64, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t v0 = blk * VB, nv = std::min<int64_t>(VB, V - v0);
-      for_rows(M, [&](auto R, int64_t m0) { head_rows<decltype(R)::value, W>(xp, w, yp, C, V, m0, v0, nv, avx512); });
+      for_rows(M, [&](auto R, int64_t m0) { head_rows<decltype(R)::value, W>(xp, w, yp, C, V, 0, m0, v0, nv, avx512); });
     }
   });
   return y;
 }
 
+// ---- greedy picks: each row's argmax and logsumexp, with the logits written only where wanted ------------------
+// A greedy step needs each row's argmax (its token) and logsumexp (that token's logprob), not its V logits. The
+// head is computed SUB vocabulary rows at a time into a buffer that stays in L1, each piece reduced at once to a
+// Pick, the pieces merged in vocabulary order; the [R, V] logits are written only for the rows that want them
+// (sampling, penalties, top logprobs, grammars). The pieces are fixed, SUB-aligned ranges of the vocabulary, so a
+// row's argmax and logsumexp do not depend on the thread count or on the other rows, and reduce_rows gives the same
+// bits over logits computed elsewhere (the packed heads, torch's head for steered rows, a prompt's last row).
+
+constexpr int64_t SUB = 256;  // vocabulary rows per piece (a multiple of VB)
+
+struct Pick {        // one row over one piece of the vocabulary
+  float max = -INFINITY;   // its largest logit (NaN where one is NaN)
+  float sum = 0.0f;        // sum of exp(logit - max), each term at least exp(-87)
+  float best = -INFINITY;  // the largest logit other than the banned token's
+  int64_t at = -1;         // that logit's vocabulary index, the first of equal maxima; -1: none above -inf
+};
+
+// The Pick of y[0, n), vocabulary rows [v0, v0 + n). The argmax is found after the max, by a scan to the first equal
+// value, unless the banned token holds the max (then by a scan of the rest), so the common case is two vector passes.
+__attribute__((target("avx2,fma"))) Pick reduce_piece(const float* y, int64_t n, int64_t v0, int64_t banned) {
+  Pick p;
+  const int64_t whole = n / 8 * 8;
+  __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 v = _mm256_loadu_ps(y + i);
+    m8 = _mm256_max_ps(m8, v);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  float m = -INFINITY;
+  for (float v : lanes) m = std::max(m, v);
+  bool nan = _mm256_movemask_ps(nan8) != 0;
+  for (int64_t i = whole; i < n; ++i) {
+    m = std::max(m, y[i]);
+    nan |= std::isnan(y[i]);
+  }
+  if (nan) {
+    p.max = p.best = NAN;
+    return p;
+  }
+  p.max = m;
+  const int64_t b = banned - v0;  // the banned token's place in this piece, if it is here
+  if (m > -INFINITY && !(0 <= b && b < n && y[b] == m)) {
+    int64_t i = 0;
+    while (y[i] != m) ++i;
+    p.best = m, p.at = v0 + i;
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      if (i != b && y[i] > p.best) p.best = y[i], p.at = v0 + i;
+  }
+  if (!std::isfinite(m)) return p;  // all -inf (sum 0), or +inf (the logsumexp is inf)
+  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 8)
+    acc = _mm256_add_ps(acc, exp8(_mm256_max_ps(lo, _mm256_sub_ps(_mm256_loadu_ps(y + i), mv))));
+  p.sum = sum8(acc);
+  for (int64_t i = whole; i < n; ++i) p.sum += std::exp(std::max(-87.0f, y[i] - m));
+  return p;
+}
+
+// One row's pieces, in vocabulary order -> its argmax (-1: none), that logit, and the logsumexp over every logit.
+struct Picked {
+  int64_t at;
+  float best;
+  double lse;
+};
+
+Picked merge_picks(const Pick* picks, int64_t count, int64_t stride) {
+  Picked out{-1, -INFINITY, 0.0};
+  float m = -INFINITY;
+  bool nan = false;
+  for (int64_t i = 0; i < count; ++i) {
+    const Pick& p = picks[i * stride];
+    nan |= std::isnan(p.max);
+    m = std::max(m, p.max);
+    if (p.at >= 0 && p.best > out.best) out.best = p.best, out.at = p.at;
+  }
+  if (nan) return {-1, NAN, NAN};
+  if (!std::isfinite(m)) return {out.at, out.best, static_cast<double>(m)};
+  double sum = 0.0;
+  for (int64_t i = 0; i < count; ++i) sum += static_cast<double>(picks[i * stride].sum) * std::exp(double(picks[i * stride].max) - m);
+  out.lse = m + std::log(sum);
+  return out;
+}
+
+using Selected = std::tuple<torch::Tensor, torch::Tensor, std::vector<double>>;  // (argmax [M], its logit [M], lse)
+
+Selected merged(const std::vector<Pick>& picks, int64_t M, int64_t P) {
+  auto at = torch::empty({M}, torch::kLong);
+  auto best = torch::empty({M}, torch::kFloat);
+  std::vector<double> lse(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const Picked r = merge_picks(picks.data() + m, P, M);
+    at.data_ptr<int64_t>()[m] = r.at, best.data_ptr<float>()[m] = r.best, lse[m] = r.lse;
+  }
+  return {at, best, lse};
+}
+
+// The head's logits SUB rows of the vocabulary at a time, each piece reduced as it is made; row m's logits copied
+// to out[keep[m]] where keep[m] >= 0. Each logit is dot_rows' own bits (the same blocks, in the same order).
+template <typename W>
+Selected head_select(torch::Tensor x, const typename W::T* w, int64_t V, const int64_t* banned, const int64_t* keep,
+                     torch::Tensor out, bool avx512) {
+  x = x.contiguous();
+  const int64_t M = x.size(0), C = x.size(1), P = (V + SUB - 1) / SUB;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<Pick> picks(P * M);
+  at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(M * SUB);
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t v0 = piece * SUB, n = std::min(SUB, V - v0);
+      for (int64_t b = v0; b < v0 + n; b += VB) {
+        const int64_t nv = std::min<int64_t>(VB, v0 + n - b);
+        for_rows(M, [&](auto R, int64_t m0) {
+          head_rows<decltype(R)::value, W>(xp, w, buf.data(), C, SUB, v0, m0, b, nv, avx512);
+        });
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        picks[piece * M + m] = reduce_piece(buf.data() + m * SUB, n, v0, banned[m]);
+        if (keep[m] >= 0) std::memcpy(op + keep[m] * V + v0, buf.data() + m * SUB, n * sizeof(float));
+      }
+    }
+  });
+  return merged(picks, M, P);
+}
+
 }  // namespace
+
+// Each row's argmax (skipping banned[m]; -1: none), its logit and the logsumexp, of logits computed elsewhere [M, V]
+// (rows may be strided, columns contiguous): the same pieces and merge as head_select, so the same bits.
+Selected reduce_rows(torch::Tensor logits, torch::Tensor banned) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && (logits.size(1) <= 1 || logits.stride(1) == 1),
+              "reduce_rows: expected float32 [M, V] with contiguous rows");
+  TORCH_CHECK(banned.scalar_type() == at::kLong && banned.dim() == 1 && banned.size(0) == logits.size(0) &&
+                  banned.is_contiguous(), "reduce_rows: banned must be int64 [M]");
+  const int64_t M = logits.size(0), V = logits.size(1), P = (V + SUB - 1) / SUB;
+  std::vector<Pick> picks(P * M);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t piece = 0; piece < P; ++piece)
+      picks[piece * M + m] = reduce_piece(logits.data_ptr<float>() + m * logits.stride(0) + piece * SUB,
+                                          std::min(SUB, V - piece * SUB), piece * SUB, banned.data_ptr<int64_t>()[m]);
+  return merged(picks, M, P);
+}
+
+// dot_rows, reduced as reduce_rows does, with row m's logits written to out[keep[m]] only where keep[m] >= 0.
+Selected dot_rows_select(torch::Tensor x, torch::Tensor w, torch::Tensor banned, torch::Tensor keep, torch::Tensor out,
+                         bool avx512) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "dot_rows_select: float32 x, float32 or bfloat16 w only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
+              "dot_rows_select: expected x [M, C], a contiguous w [V, C]");
+  const int64_t M = x.size(0), V = w.size(0);
+  for (const auto& t : {banned, keep})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == M && t.is_contiguous(),
+                "dot_rows_select: banned and keep must be int64 [M]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(1) == V && out.is_contiguous(),
+              "dot_rows_select: out must be a contiguous float32 [n, V]");
+  const int64_t* kp = keep.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) TORCH_CHECK(kp[m] < out.size(0), "dot_rows_select: keep indexes past out");
+  if (w.scalar_type() == at::kBFloat16)
+    return head_select<BF16>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), V,
+                             banned.data_ptr<int64_t>(), kp, out, avx512);
+  return head_select<F32>(x, w.data_ptr<float>(), V, banned.data_ptr<int64_t>(), kp, out, avx512);
+}
 
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
 
@@ -446,6 +621,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order", release());
   m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order", release());
+  m.def("dot_rows_select", &dot_rows_select,
+        "each row's argmax, its logit and logsumexp of x @ w^T, the logits kept for some rows only", release());
+  m.def("reduce_rows", &reduce_rows, "each row's argmax (skipping a banned token), its logit and logsumexp",
+        release());
   m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",
         release());
   m.def("prefill_attention", &prefill_attention, "a prompt's causal attention, AVX-512, hs 64 (attention.cpp)",

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The memory ceiling the decode kernels read against (`make bench-memory`; `make bench-llamacpp` prints it too).
+
+    python scripts/bench_memory.py [--threads 2] [--gib 1] [--passes 5] [--rounds 3]
+
+A STREAM-like read (scripts/memory_read.cpp): T threads each sum their contiguous part of a float32 buffer far larger
+than the last-level cache, with native loads of each width this CPU has (32 bytes AVX2, 64 AVX-512), plain or
+non-temporal (vmovntdqa), with software prefetch 0 / 512 / 2,048 / 8,192 bytes ahead. Every variant runs --passes
+timed passes, best kept, and the variants alternate for --rounds rounds (a shared host's bandwidth moves by the
+minute: the table is the median round's best per variant). The ceiling is the best variant's median: the rate a
+decode step that reads each weight once could reach on these threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS.parent))
+from gpt2_engine.core.kernels import cpu  # noqa: E402
+
+AHEAD = (0, 512, 2048, 8192)  # prefetch distances, bytes
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The measured read ceiling: GB/s, the variant that reached it, and every variant's median."""
+
+    gbs: float
+    variant: str
+    key: tuple[int, int, bool]  # (load width in bytes, prefetch distance, non-temporal): read_rate's arguments
+    threads: int
+    table: dict[str, float]
+
+    def header(self) -> str:
+        return f"memory read ceiling {self.gbs:.1f} GB/s on {self.threads} threads ({self.variant})"
+
+
+def kernel():
+    from torch.utils.cpp_extension import load
+
+    source = SCRIPTS / "memory_read.cpp"
+    name = "gpt2_engine_memory_read_" + hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                verbose=False)
+
+
+def buffer(gib: float) -> torch.Tensor:
+    """A 64-byte aligned float32 buffer of `gib` GiB, written once (so its pages exist before they are timed)."""
+    n = int(gib * 2**30) // 4
+    raw = torch.ones(n + 16)
+    off = (-raw.data_ptr() % 64) // 4
+    return raw[off : off + n]
+
+
+def measure(threads: int = 2, gib: float = 1.0, passes: int = 5, rounds: int = 3) -> Ceiling:
+    """Every variant, alternating, `rounds` rounds of `passes` passes each: medians of the per-round bests."""
+    mod, buf = kernel(), buffer(gib)
+    widths = [32] + ([64] if cpu().avx512 else [])
+    variants = [(w, a, nt) for w in widths for nt in (False, True) for a in AHEAD]
+    names = {v: f"{v[0] * 8}-bit {'non-temporal' if v[2] else 'plain'} loads, prefetch {v[1]} B ahead"
+             for v in variants}
+    seen: dict[tuple[int, int, bool], list[float]] = {}
+    for _ in range(rounds):
+        for v in variants:
+            seen.setdefault(v, []).append(mod.read_rate(buf, *v, threads, passes)[0])
+    medians = {v: statistics.median(rates) for v, rates in seen.items()}
+    best = max(medians, key=medians.get)
+    return Ceiling(medians[best], names[best], best, threads, {names[v]: m for v, m in medians.items()})
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2, help="reading threads (default 2, as the decode benchmarks)")
+    p.add_argument("--gib", type=float, default=1.0, help="buffer size in GiB (default 1; keep it far above the L3)")
+    p.add_argument("--passes", type=int, default=5, help="timed passes per variant per round, best kept (default 5)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians (default 3)")
+    args = p.parse_args()
+    if not 1 <= args.threads <= 256 or args.gib <= 0 or args.passes < 1 or args.rounds < 1:
+        p.error("--threads in [1, 256], --gib > 0, --passes and --rounds >= 1")
+    c = measure(args.threads, args.gib, args.passes, args.rounds)
+    print(f"# {cpu().summary()}, {args.threads} threads, {args.gib:g} GiB buffer, best of {args.passes} passes, "
+          f"medians of {args.rounds} alternating rounds")
+    print(f"# {c.header()}")
+    print("| read | GB/s |")
+    print("|---|---|")
+    for name, gbs in c.table.items():
+        print(f"| {name} | {gbs:.1f}{' (ceiling)' if name == c.variant else ''} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
