@@ -70,7 +70,12 @@ def measure(threads: int = 2, gib: float = 1.0, passes: int = 5, rounds: int = 3
     seen: dict[tuple[int, int, bool], list[float]] = {}
     for _ in range(rounds):
         for v in variants:
-            seen.setdefault(v, []).append(mod.read_rate(buf, *v, threads, passes)[0])
+            gbs, total = mod.read_rate(buf, *v, threads, passes)
+            # the buffer holds ones: every pass must have summed (nearly: whole steps per thread) all of it
+            if not 0.999 <= total / (passes * buf.numel()) <= 1.0:
+                raise SystemExit(f"bench-memory: the {names[v]} read summed {total:.0f}, expected about "
+                                 f"{passes * buf.numel()}: the kernel skipped loads")
+            seen.setdefault(v, []).append(gbs)
     medians = {v: statistics.median(rates) for v, rates in seen.items()}
     best = max(medians, key=medians.get)
     return Ceiling(medians[best], names[best], best, threads, {names[v]: m for v, m in medians.items()})

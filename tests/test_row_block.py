@@ -16,7 +16,7 @@ from gpt2_engine.core.kernels import decode_kernels
 from gpt2_engine.core.model import KVCache, embed, logits
 from gpt2_engine.core.projection import reduce_rows
 from gpt2_engine.core.rows import RowLayout
-from gpt2_engine.runtime.plan import Segment
+from gpt2_engine.runtime.plan import Picks, Segment
 from gpt2_engine.runtime.runner import NO_ADAPTERS, Pass, native_rows, rows_block
 from gpt2_engine.runtime.sampling import argmax
 
@@ -124,7 +124,7 @@ def test_reduce_rows_matches_torch() -> None:
     x = torch.randn(4, 50257, generator=g) * 4
     x[1, 300] = x[1, 40000] = x[1].max() + 1  # a tie: the first wins
     x[2, 50256] = x[2].max() + 1  # the banned token holds the max: the next largest wins
-    picks = reduce_rows(x, [-1, -1, 50256, 7])
+    picks = Picks(*reduce_rows(x, [-1, -1, 50256, 7]))
     expected = torch.logsumexp(x.double(), -1)
     # measured up to 1.2e-7 of |lse| (~19 here, where a float32 step is 1.9e-6)
     assert all(abs(a - b) <= 4e-7 * abs(b) for a, b in zip(picks.lse, expected.tolist()))
@@ -132,12 +132,12 @@ def test_reduce_rows_matches_torch() -> None:
     allowed[2, 50256] = allowed[3, 7] = -math.inf
     assert picks.tokens == allowed.argmax(-1).tolist() and picks.tokens[1] == 300
     assert picks.logit == [float(x[i, t]) for i, t in enumerate(picks.tokens)]
-    alone = [reduce_rows(r[None], [b]) for r, b in zip(x, [-1, -1, 50256, 7])]
+    alone = [Picks(*reduce_rows(r[None], [b])) for r, b in zip(x, [-1, -1, 50256, 7])]
     assert [a.lse[0] for a in alone] == picks.lse and [a.tokens[0] for a in alone] == picks.tokens
     strided = torch.randn(50257, 3, generator=g).t()  # rows of a transposed tensor: stride (1, 3)
     assert reduce_rows(strided) == reduce_rows(strided.contiguous())
     edge = torch.tensor([[-math.inf] * 40, [0.0] * 39 + [math.nan], [1.0] * 37 + [math.inf] * 3])
-    e = reduce_rows(edge)
+    e = Picks(*reduce_rows(edge))
     assert e.lse[0] == -math.inf and math.isnan(e.lse[1]) and e.lse[2] == math.inf
     assert e.tokens[0] == -1 and e.tokens[1] == -1 and e.tokens[2] == 37
     assert reduce_rows(torch.tensor([[2.5]])) == ([0], [2.5], [2.5])

@@ -20,7 +20,6 @@ native kernels have no autograd.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -195,27 +194,19 @@ def dequantize_columns(m: QuantizedMatrix, first: int, end: int, out: torch.Tens
     return panels[:, : end - first]
 
 
-class Picks(NamedTuple):
-    """What a greedy step needs of each row of logits: the argmax (skipping a banned token; -1 where the row has no
-    value above -inf, or a NaN), that logit, and the logsumexp of the whole row (NaN where the row holds one)."""
-
-    tokens: list[int]
-    logit: list[float]
-    lse: list[float]
-
-
-def reduce_rows(logits: torch.Tensor, banned: list[int] | None = None) -> Picks:
-    """[n, V] -> each row's Picks, reduced alone in fixed pieces of the vocabulary (kernels/decode.cpp, the same
-    reduction as the native head's greedy picks), so that a row's values, and with them a token's logprob, never
-    depend on what else shares the pass; torch's, row by row, where the native kernels are missing. `banned`: a
-    token per row the argmax skips (-1: none)."""
+def reduce_rows(logits: torch.Tensor, banned: list[int] | None = None) -> tuple[list[int], list[float], list[float]]:
+    """[n, V] -> each row's argmax skipping its `banned` token (-1: none; the argmax is -1 where the row has no
+    value above -inf, or holds a NaN), that logit, and the logsumexp of the whole row (NaN where it holds one):
+    runtime/plan.py's Picks. Each row is reduced alone in fixed pieces of the vocabulary (kernels/decode.cpp, the
+    same reduction as the native head's greedy picks), so that a row's values, and with them a token's logprob,
+    never depend on what else shares the pass; torch's, row by row, where the native kernels are missing."""
     n = logits.shape[0]
     banned = [-1] * n if banned is None else banned
     native = decode_kernels()
     if native is not None and logits.dtype == torch.float32:
         rows = logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous()
         tokens, best, lse = native.reduce_rows(rows, torch.tensor(banned, dtype=torch.long))
-        return Picks(tokens.tolist(), best.tolist(), lse)
+        return tokens.tolist(), best.tolist(), lse
     tokens, best, lse = [], [], []
     for row, ban in zip(logits.float(), banned):
         total = float(torch.logsumexp(row, -1))
@@ -227,4 +218,4 @@ def reduce_rows(logits: torch.Tensor, banned: list[int] | None = None) -> Picks:
         tokens.append(t if ok else -1)
         best.append(float(allowed[t]) if ok else math.nan if math.isnan(total) else -math.inf)
         lse.append(total)
-    return Picks(tokens, best, lse)
+    return tokens, best, lse

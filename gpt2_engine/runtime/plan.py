@@ -15,7 +15,6 @@ import torch
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from ..core.projection import Picks
     from ..core.steering import Steering
 
 
@@ -25,7 +24,7 @@ class Segment(NamedTuple):
     logits after its last `outputs` rows (a speculative verify pass needs every row's: runtime/speculation.py).
     `steering`: the sequence's edits (core/steering.py), which read each row's position against `prompt_len`.
     `greedy`: the sequence needs only each output row's argmax (skipping token `banned`, -1: none) and logsumexp,
-    not its logits, which the pass then never writes (projection.Picks)."""
+    not its logits, which the pass then never writes (Picks)."""
 
     slot: int
     start: int
@@ -38,11 +37,21 @@ class Segment(NamedTuple):
     banned: int = -1
 
 
+class Picks(NamedTuple):
+    """What a greedy step needs of each output row of a pass: the argmax (skipping its banned token; -1 where the row
+    has no value above -inf, or a NaN), that logit, and the logsumexp of the whole row (NaN where the row holds one)."""
+
+    tokens: list[int]
+    logit: list[float]
+    lse: list[float]
+
+
 class Outputs(NamedTuple):
     """A pass's results for its n output rows (each segment's last `outputs` rows, segment by segment): the logits
     of the rows of segments that are not `greedy` [k, V], in order, and for every row its Picks (the argmax skipping
     its segment's banned token, that logit, and the logsumexp), each row reduced alone in a fixed order
-    (projection.reduce_rows), so that a token and its logprob never depend on what else shared the pass."""
+    (projection.reduce_rows, RowHead.select), so that a token and its logprob never depend on what else shared the
+    pass."""
 
     logits: torch.Tensor
     picks: Picks

@@ -222,4 +222,4 @@ def prefill(w: GPT2Weights, config: GPT2Config, view: KVCache, prompt: list[int]
             prefix.store(prompt, adapter, chain, view, stats, s + 1, steered)
     if memo is not None:
         stats = TokenStats.cat([memo, stats])
-    return Prefilled(next_logits, reduce_rows(next_logits[None]).lse[0], stats, s)
+    return Prefilled(next_logits, reduce_rows(next_logits[None])[2][0], stats, s)

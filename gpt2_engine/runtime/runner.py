@@ -24,11 +24,11 @@ import torch
 
 from ..core.config import DECODE_ROWS, GPT2Config
 from ..core.model import KVCache, Layer, ScopedTap, block, embed, hooked, logits
-from ..core.projection import Picks, reduce_rows
+from ..core.projection import reduce_rows
 from ..core.rows import RowLayout, native_block, native_head, self_attention_segments
 from ..core.steering import Rows, Steering, SteeringTap, between_blocks
 from ..core.weights import GPT2Weights
-from .plan import Outputs, Prefilled, Segment
+from .plan import Outputs, Picks, Prefilled, Segment
 from .prefix import PrefixCache, prefill
 
 
@@ -190,7 +190,7 @@ class Pass:
                                                               sum(wanted))
             return Outputs(kept, Picks(tokens.tolist(), best.tolist(), lse))
         lg = self.logits()  # [n, V]
-        return Outputs(lg if all(wanted) else lg[torch.tensor(wanted)], reduce_rows(lg, banned))
+        return Outputs(lg if all(wanted) else lg[torch.tensor(wanted)], Picks(*reduce_rows(lg, banned)))
 
     def _last_rows(self) -> tuple[torch.Tensor, SteeringTap | None, torch.Tensor | None]:
         """The final hidden rows the head reads [n, C] (each segment's last `outputs`), their steering tap, and which
