@@ -3,10 +3,10 @@
 decode.cpp holds float32/bfloat16 matmuls for decode-sized inputs whose results do not depend on the number of rows;
 quant.cpp the blockwise int8/int6/int4 matmul with integer dot products; attention.cpp one decode step's attention
 over many cache slots, and a prompt's causal attention; block.cpp a whole block (and the final layer norm with the
-head) of a decode-sized pass as one call on those kernels, and the per-row logsumexp the sampler reads; training.cpp
-the optimizer's one-pass AdamW update; lora.cpp the per-row LoRA term of multi-adapter passes (see their headers).
-All are compiled on first use, as one module, by torch's cpp_extension (with ninja) into torch's extension cache,
-and loaded from there afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the
+head) of a decode-sized pass as one call on those kernels, and each row's greedy pick (argmax and logsumexp) the
+sampler reads; training.cpp the optimizer's one-pass AdamW update; lora.cpp the per-row LoRA term of multi-adapter
+passes (see their headers); module.cpp binds them all as one Python module. All are compiled on first use, as one
+module, by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from there afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the
 build fails, one warning line says so and the model runs on torch's kernels (correct; float32 decoding is then not
 batch-invariant, and the quantized reference is slow).
 """
@@ -81,7 +81,8 @@ def decode_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import get_default_build_root, load
 
-        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp", "block.cpp", "training.cpp", "lora.cpp")]
+        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp", "block.cpp", "training.cpp",
+                                                 "lora.cpp", "module.cpp")]
         # -fno-math-errno: sqrt never sets errno here, and without the flag the compiler keeps training.cpp's loop scalar
         # -fopenmp: without it at::parallel_for compiles to a plain serial call (ATen/Parallel-inl.h), and every
         # kernel ran on one thread. With it, the kernels' OpenMP calls bind to the libgomp.so.1 torch has already

@@ -15,17 +15,16 @@
 
 #include <algorithm>
 #include <array>
-#include <tuple>
 #include <cmath>
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 // decode.cpp, quant.cpp, attention.cpp (its exp8 and sum8 too), lora.cpp
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
-using Selected = std::tuple<torch::Tensor, torch::Tensor, std::vector<double>>;  // (argmax [R], its logit [R], lse)
-Selected dot_rows_select(torch::Tensor x, torch::Tensor w, torch::Tensor banned, torch::Tensor keep, torch::Tensor out,
-                         bool avx512);
-Selected reduce_rows(torch::Tensor logits, torch::Tensor banned);
+void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, int64_t n, float* y, int64_t ldy,
+                    bool avx512);
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
@@ -86,6 +85,117 @@ __attribute__((target("avx2,fma"))) void gelu_to(const float* x, float* y, int64
 }
 
 void gelu_inplace(float* x, int64_t n) { gelu_to(x, x, n); }
+
+// ---- greedy picks: each row's argmax and logsumexp -------------------------------------------------------------
+// A greedy step needs each row's argmax (its token) and logsumexp (that token's logprob), not its V logits. They are
+// reduced SUB vocabulary rows at a time, each piece to a Pick while its logits are in L1 (decode.cpp's
+// dot_rows_slice), and the pieces merged in vocabulary order. The pieces are fixed, SUB-aligned ranges, so a row's
+// argmax and logsumexp do not depend on the thread count or on the other rows, and reduce_rows gives the same bits
+// over logits made elsewhere (the packed heads, torch's head for steered rows, a prompt's last row).
+
+constexpr int64_t SUB = 256;  // vocabulary rows per piece (a multiple of decode.cpp's VB)
+
+struct Pick {              // one row over one piece of the vocabulary
+  float max = -INFINITY;   // its largest logit (NaN where one is NaN)
+  float sum = 0.0f;        // sum of exp(logit - max), each term at least exp(-87)
+  float best = -INFINITY;  // the largest logit other than the banned token's
+  int64_t at = -1;         // that logit's vocabulary index, the first of equal maxima; -1: none above -inf
+};
+
+// The Pick of y[0, n), vocabulary rows [v0, v0 + n). The argmax is found after the max, by a scan to the first equal
+// value, unless the banned token holds the max (then by a scan of the rest), so the common case is two vector passes.
+__attribute__((target("avx2,fma"))) Pick reduce_piece(const float* y, int64_t n, int64_t v0, int64_t banned) {
+  Pick p;
+  const int64_t whole = n / 8 * 8;
+  __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 v = _mm256_loadu_ps(y + i);
+    m8 = _mm256_max_ps(m8, v);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  float m = -INFINITY;
+  for (float v : lanes) m = std::max(m, v);
+  bool nan = _mm256_movemask_ps(nan8) != 0;
+  for (int64_t i = whole; i < n; ++i) {
+    m = std::max(m, y[i]);
+    nan |= std::isnan(y[i]);
+  }
+  if (nan) {
+    p.max = p.best = NAN;
+    return p;
+  }
+  p.max = m;
+  const int64_t b = banned - v0;  // the banned token's place in this piece, if it is here
+  if (m > -INFINITY && !(0 <= b && b < n && y[b] == m)) {
+    int64_t i = 0;
+    while (y[i] != m) ++i;
+    p.best = m, p.at = v0 + i;
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      if (i != b && y[i] > p.best) p.best = y[i], p.at = v0 + i;
+  }
+  if (!std::isfinite(m)) return p;  // all -inf (sum 0), or +inf (the logsumexp is inf)
+  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 8)
+    acc = _mm256_add_ps(acc, exp8(_mm256_max_ps(lo, _mm256_sub_ps(_mm256_loadu_ps(y + i), mv))));
+  p.sum = sum8(acc);
+  for (int64_t i = whole; i < n; ++i) p.sum += std::exp(std::max(-87.0f, y[i] - m));
+  return p;
+}
+
+using Selected = std::tuple<torch::Tensor, torch::Tensor, std::vector<double>>;  // (argmax [M], its logit [M], lse)
+
+// picks [P pieces][M rows], in vocabulary order -> each row's argmax (-1: none), that logit, and the logsumexp over
+// all its logits: the largest max, then the pieces' sums rescaled to it, in float64.
+Selected merge_picks(const std::vector<Pick>& picks, int64_t M, int64_t P) {
+  auto at = torch::empty({M}, torch::kLong);
+  auto best = torch::empty({M}, torch::kFloat);
+  std::vector<double> lse(M);
+  for (int64_t r = 0; r < M; ++r) {
+    int64_t a = -1;
+    float b = -INFINITY, m = -INFINITY;
+    bool nan = false;
+    for (int64_t i = 0; i < P; ++i) {
+      const Pick& p = picks[i * M + r];
+      nan |= std::isnan(p.max);
+      m = std::max(m, p.max);
+      if (p.at >= 0 && p.best > b) b = p.best, a = p.at;
+    }
+    double l = m;
+    if (nan) {
+      a = -1, b = NAN, l = NAN;
+    } else if (std::isfinite(m)) {
+      double sum = 0.0;
+      for (int64_t i = 0; i < P; ++i) sum += double(picks[i * M + r].sum) * std::exp(double(picks[i * M + r].max) - m);
+      l = m + std::log(sum);
+    }
+    at.data_ptr<int64_t>()[r] = a, best.data_ptr<float>()[r] = b, lse[r] = l;
+  }
+  return {at, best, lse};
+}
+
+}  // namespace
+
+// Each row's argmax (skipping banned[m]; -1: none), its logit and the logsumexp, of logits computed elsewhere [M, V]
+// (rows may be strided, columns contiguous): the same pieces and merge as RowHead::select, so the same bits.
+Selected reduce_rows(torch::Tensor logits, torch::Tensor banned) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && (logits.size(1) <= 1 || logits.stride(1) == 1),
+              "reduce_rows: expected float32 [M, V] with contiguous rows");
+  TORCH_CHECK(banned.scalar_type() == at::kLong && banned.dim() == 1 && banned.size(0) == logits.size(0) &&
+                  banned.is_contiguous(), "reduce_rows: banned must be int64 [M]");
+  const int64_t M = logits.size(0), V = logits.size(1), P = (V + SUB - 1) / SUB;
+  std::vector<Pick> picks(P * M);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t i = 0; i < P; ++i)
+      picks[i * M + r] = reduce_piece(logits.data_ptr<float>() + r * logits.stride(0) + i * SUB,
+                                      std::min(SUB, V - i * SUB), i * SUB, banned.data_ptr<int64_t>()[r]);
+  return merge_picks(picks, M, P);
+}
+
+namespace {
 
 // One projection's tensors: a float32/bfloat16 weight (K, N), or a packed int8/int6/int4 one with its scales (bits 8/6/4),
 // the bias, and the LoRA stack (a, b, scale) where it has one.
@@ -202,9 +312,9 @@ class RowHead {
 
   // What a pass's rows need of the head, without writing every row's logits: each row's argmax skipping banned[r]
   // (<|endoftext|> under ignore_eos; -1: none), that logit and the logsumexp of all V, and the logits of the rows
-  // with keep[r] >= 0 as out[keep[r]] (out [kept, V]; keep numbers the kept rows in order). decode.cpp's greedy
-  // picks; a packed head's logits are made whole first (its kernel runs whole panels of the vocabulary) and reduced
-  // the same way.
+  // with keep[r] >= 0 as out[keep[r]] (out [kept, V]; keep numbers the kept rows in order): the greedy picks above,
+  // on the head's logits a piece at a time (decode.cpp's dot_rows_slice); a packed head's logits are made whole
+  // first (its kernel runs whole panels of the vocabulary) and reduced the same way.
   std::tuple<torch::Tensor, torch::Tensor, std::vector<double>, torch::Tensor> select(torch::Tensor x,
                                                                                       torch::Tensor banned,
                                                                                       torch::Tensor keep,
@@ -218,8 +328,30 @@ class RowHead {
       auto [at, best, lse] = reduce_rows(all, banned);
       return {at, best, lse, all.index_select(0, keep.ge(0).nonzero().select(1, 0))};
     }
+    TORCH_CHECK(banned.scalar_type() == at::kLong && keep.scalar_type() == at::kLong && banned.numel() == x.size(0) &&
+                    keep.numel() == x.size(0) && banned.is_contiguous() && keep.is_contiguous(),
+                "RowHead.select: banned and keep must be int64 [R]");
+    const int64_t R = x.size(0), P = (vocab_ + SUB - 1) / SUB;
+    const int64_t *bp = banned.data_ptr<int64_t>(), *kp = keep.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(kp[r] < kept, "RowHead.select: keep numbers past kept");
     auto out = torch::empty({kept, vocab_}, x.options());
-    auto [at, best, lse] = dot_rows_select(h, head_, banned, keep, out, avx512_);
+    float* op = out.data_ptr<float>();
+    std::vector<Pick> picks(P * R);
+    TORCH_CHECK(head_.dim() == 2 && head_.size(1) == h.size(1) && head_.is_contiguous() &&
+                    (head_.scalar_type() == at::kFloat || head_.scalar_type() == at::kBFloat16),
+                "RowHead.select: the head must be a contiguous float32 or bfloat16 [V, C]");
+    at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(R * SUB);  // one piece's logits [R, SUB], in L1
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t v0 = i * SUB, n = std::min(SUB, vocab_ - v0);
+        dot_rows_slice(h, head_, v0, n, buf.data(), SUB, avx512_);
+        for (int64_t r = 0; r < R; ++r) {
+          picks[i * R + r] = reduce_piece(buf.data() + r * SUB, n, v0, bp[r]);
+          if (kp[r] >= 0) std::memcpy(op + kp[r] * vocab_ + v0, buf.data() + r * SUB, n * sizeof(float));
+        }
+      }
+    });
+    auto [at, best, lse] = merge_picks(picks, R, P);
     return {at, best, lse, out};
   }
 

@@ -19,15 +19,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <tuple>
 #include <vector>
 #include <type_traits>
-
-// attention.cpp's exp and lane sum, for the greedy picks below
-__attribute__((target("avx2,fma"))) __m256 exp8(__m256 v);
-__attribute__((target("avx2,fma"))) float sum8(__m256 v);
 
 namespace {
 
@@ -402,171 +396,25 @@ torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, bool avx5
   return y;
 }
 
-// ---- greedy picks: each row's argmax and logsumexp, with the logits written only where wanted ------------------
-// A greedy step needs each row's argmax (its token) and logsumexp (that token's logprob), not its V logits. The
-// head is computed SUB vocabulary rows at a time into a buffer that stays in L1, each piece reduced at once to a
-// Pick, the pieces merged in vocabulary order; the [R, V] logits are written only for the rows that want them
-// (sampling, penalties, top logprobs, grammars). The pieces are fixed, SUB-aligned ranges of the vocabulary, so a
-// row's argmax and logsumexp do not depend on the thread count or on the other rows, and reduce_rows gives the same
-// bits over logits computed elsewhere (the packed heads, torch's head for steered rows, a prompt's last row).
-
-constexpr int64_t SUB = 256;  // vocabulary rows per piece (a multiple of VB)
-
-struct Pick {        // one row over one piece of the vocabulary
-  float max = -INFINITY;   // its largest logit (NaN where one is NaN)
-  float sum = 0.0f;        // sum of exp(logit - max), each term at least exp(-87)
-  float best = -INFINITY;  // the largest logit other than the banned token's
-  int64_t at = -1;         // that logit's vocabulary index, the first of equal maxima; -1: none above -inf
-};
-
-// The Pick of y[0, n), vocabulary rows [v0, v0 + n). The argmax is found after the max, by a scan to the first equal
-// value, unless the banned token holds the max (then by a scan of the rest), so the common case is two vector passes.
-__attribute__((target("avx2,fma"))) Pick reduce_piece(const float* y, int64_t n, int64_t v0, int64_t banned) {
-  Pick p;
-  const int64_t whole = n / 8 * 8;
-  __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
-  for (int64_t i = 0; i < whole; i += 8) {
-    const __m256 v = _mm256_loadu_ps(y + i);
-    m8 = _mm256_max_ps(m8, v);
-    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m8);
-  float m = -INFINITY;
-  for (float v : lanes) m = std::max(m, v);
-  bool nan = _mm256_movemask_ps(nan8) != 0;
-  for (int64_t i = whole; i < n; ++i) {
-    m = std::max(m, y[i]);
-    nan |= std::isnan(y[i]);
-  }
-  if (nan) {
-    p.max = p.best = NAN;
-    return p;
-  }
-  p.max = m;
-  const int64_t b = banned - v0;  // the banned token's place in this piece, if it is here
-  if (m > -INFINITY && !(0 <= b && b < n && y[b] == m)) {
-    int64_t i = 0;
-    while (y[i] != m) ++i;
-    p.best = m, p.at = v0 + i;
-  } else {
-    for (int64_t i = 0; i < n; ++i)
-      if (i != b && y[i] > p.best) p.best = y[i], p.at = v0 + i;
-  }
-  if (!std::isfinite(m)) return p;  // all -inf (sum 0), or +inf (the logsumexp is inf)
-  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < whole; i += 8)
-    acc = _mm256_add_ps(acc, exp8(_mm256_max_ps(lo, _mm256_sub_ps(_mm256_loadu_ps(y + i), mv))));
-  p.sum = sum8(acc);
-  for (int64_t i = whole; i < n; ++i) p.sum += std::exp(std::max(-87.0f, y[i] - m));
-  return p;
-}
-
-// One row's pieces, in vocabulary order -> its argmax (-1: none), that logit, and the logsumexp over every logit.
-struct Picked {
-  int64_t at;
-  float best;
-  double lse;
-};
-
-Picked merge_picks(const Pick* picks, int64_t count, int64_t stride) {
-  Picked out{-1, -INFINITY, 0.0};
-  float m = -INFINITY;
-  bool nan = false;
-  for (int64_t i = 0; i < count; ++i) {
-    const Pick& p = picks[i * stride];
-    nan |= std::isnan(p.max);
-    m = std::max(m, p.max);
-    if (p.at >= 0 && p.best > out.best) out.best = p.best, out.at = p.at;
-  }
-  if (nan) return {-1, NAN, NAN};
-  if (!std::isfinite(m)) return {out.at, out.best, static_cast<double>(m)};
-  double sum = 0.0;
-  for (int64_t i = 0; i < count; ++i) sum += static_cast<double>(picks[i * stride].sum) * std::exp(double(picks[i * stride].max) - m);
-  out.lse = m + std::log(sum);
-  return out;
-}
-
-using Selected = std::tuple<torch::Tensor, torch::Tensor, std::vector<double>>;  // (argmax [M], its logit [M], lse)
-
-Selected merged(const std::vector<Pick>& picks, int64_t M, int64_t P) {
-  auto at = torch::empty({M}, torch::kLong);
-  auto best = torch::empty({M}, torch::kFloat);
-  std::vector<double> lse(M);
-  for (int64_t m = 0; m < M; ++m) {
-    const Picked r = merge_picks(picks.data() + m, P, M);
-    at.data_ptr<int64_t>()[m] = r.at, best.data_ptr<float>()[m] = r.best, lse[m] = r.lse;
-  }
-  return {at, best, lse};
-}
-
-// The head's logits SUB rows of the vocabulary at a time, each piece reduced as it is made; row m's logits copied
-// to out[keep[m]] where keep[m] >= 0. Each logit is dot_rows' own bits (the same blocks, in the same order).
-template <typename W>
-Selected head_select(torch::Tensor x, const typename W::T* w, int64_t V, const int64_t* banned, const int64_t* keep,
-                     torch::Tensor out, bool avx512) {
-  x = x.contiguous();
-  const int64_t M = x.size(0), C = x.size(1), P = (V + SUB - 1) / SUB;
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  std::vector<Pick> picks(P * M);
-  at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(M * SUB);
-    for (int64_t piece = begin; piece < end; ++piece) {
-      const int64_t v0 = piece * SUB, n = std::min(SUB, V - v0);
-      for (int64_t b = v0; b < v0 + n; b += VB) {
-        const int64_t nv = std::min<int64_t>(VB, v0 + n - b);
-        for_rows(M, [&](auto R, int64_t m0) {
-          head_rows<decltype(R)::value, W>(xp, w, buf.data(), C, SUB, v0, m0, b, nv, avx512);
-        });
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        picks[piece * M + m] = reduce_piece(buf.data() + m * SUB, n, v0, banned[m]);
-        if (keep[m] >= 0) std::memcpy(op + keep[m] * V + v0, buf.data() + m * SUB, n * sizeof(float));
-      }
-    }
-  });
-  return merged(picks, M, P);
-}
-
 }  // namespace
 
-// Each row's argmax (skipping banned[m]; -1: none), its logit and the logsumexp, of logits computed elsewhere [M, V]
-// (rows may be strided, columns contiguous): the same pieces and merge as head_select, so the same bits.
-Selected reduce_rows(torch::Tensor logits, torch::Tensor banned) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && (logits.size(1) <= 1 || logits.stride(1) == 1),
-              "reduce_rows: expected float32 [M, V] with contiguous rows");
-  TORCH_CHECK(banned.scalar_type() == at::kLong && banned.dim() == 1 && banned.size(0) == logits.size(0) &&
-                  banned.is_contiguous(), "reduce_rows: banned must be int64 [M]");
-  const int64_t M = logits.size(0), V = logits.size(1), P = (V + SUB - 1) / SUB;
-  std::vector<Pick> picks(P * M);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t piece = 0; piece < P; ++piece)
-      picks[piece * M + m] = reduce_piece(logits.data_ptr<float>() + m * logits.stride(0) + piece * SUB,
-                                          std::min(SUB, V - piece * SUB), piece * SUB, banned.data_ptr<int64_t>()[m]);
-  return merged(picks, M, P);
-}
-
-// dot_rows, reduced as reduce_rows does, with row m's logits written to out[keep[m]] only where keep[m] >= 0.
-Selected dot_rows_select(torch::Tensor x, torch::Tensor w, torch::Tensor banned, torch::Tensor keep, torch::Tensor out,
-                         bool avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "dot_rows_select: float32 x, float32 or bfloat16 w only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
-              "dot_rows_select: expected x [M, C], a contiguous w [V, C]");
-  const int64_t M = x.size(0), V = w.size(0);
-  for (const auto& t : {banned, keep})
-    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == M && t.is_contiguous(),
-                "dot_rows_select: banned and keep must be int64 [M]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(1) == V && out.is_contiguous(),
-              "dot_rows_select: out must be a contiguous float32 [n, V]");
-  const int64_t* kp = keep.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) TORCH_CHECK(kp[m] < out.size(0), "dot_rows_select: keep indexes past out");
-  if (w.scalar_type() == at::kBFloat16)
-    return head_select<BF16>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), V,
-                             banned.data_ptr<int64_t>(), kp, out, avx512);
-  return head_select<F32>(x, w.data_ptr<float>(), V, banned.data_ptr<int64_t>(), kp, out, avx512);
+// dot_rows for vocabulary rows [v0, v0 + n) only, into y [M, ldy] (its column 0 at row v0), on the calling thread,
+// each logit dot_rows' own bits (the same blocks in the same order): block.cpp's greedy picks make the head a piece at
+// a time this way and reduce each piece while it is in L1. x: contiguous float32 [M, C]; w: [V, C] as dot_rows'.
+void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, int64_t n, float* y, int64_t ldy,
+                    bool avx512) {
+  const int64_t M = x.size(0), C = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t b = v0; b < v0 + n; b += VB) {
+    const int64_t nv = std::min<int64_t>(VB, v0 + n - b);
+    for_rows(M, [&](auto R, int64_t m0) {
+      if (w.scalar_type() == at::kBFloat16)
+        head_rows<decltype(R)::value, BF16>(xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), y, C, ldy,
+                                            v0, m0, b, nv, avx512);
+      else
+        head_rows<decltype(R)::value, F32>(xp, w.data_ptr<float>(), y, C, ldy, v0, m0, b, nv, avx512);
+    });
+  }
 }
 
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
@@ -592,49 +440,4 @@ torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
   if (w.scalar_type() == at::kBFloat16)
     return head<BF16>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), avx512);
   return head<F32>(x, w.data_ptr<float>(), w.size(0), avx512);
-}
-
-// attention.cpp
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v);
-// quant.cpp
-torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
-                          int64_t bits, bool vnni);
-void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits, int64_t K, int64_t p0, int64_t p1,
-                       torch::Tensor out);
-// lora.cpp
-void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
-               torch::Tensor y);
-
-// block.cpp
-void bind_row_block(py::module& m);
-
-// training.cpp
-void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double lr, double beta1, double beta2,
-           double eps, double wd, double bias1, double bias2, double grad_scale);
-
-// Each call releases the GIL, as torch's own ops do: the kernels touch no Python object, and in `gpt2 serve` the
-// HTTP event loop must run while the engine thread is inside them (holding it, the loop waited for Python's 5 ms
-// switch interval and requests queued behind a busy step).
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using release = py::call_guard<py::gil_scoped_release>;
-  m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order", release());
-  m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order", release());
-  m.def("dot_rows_select", &dot_rows_select,
-        "each row's argmax, its logit and logsumexp of x @ w^T, the logits kept for some rows only", release());
-  m.def("reduce_rows", &reduce_rows, "each row's argmax (skipping a banned token), its logit and logsumexp",
-        release());
-  m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",
-        release());
-  m.def("prefill_attention", &prefill_attention, "a prompt's causal attention, AVX-512, hs 64 (attention.cpp)",
-        release());
-  m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)",
-        release());
-  m.def("dequantize_panels", &dequantize_panels, "float32 columns of a packed int8/int4 matrix (quant.cpp)",
-        release());
-  m.def("lora_rows", &lora_rows, "y += scale * (x A) B with each row's own adapter, row-invariant (lora.cpp)",
-        release());
-  bind_row_block(m);
-  m.def("adamw", &adamw, "one AdamW update of a float32 parameter in one pass (training.cpp)", release());
 }

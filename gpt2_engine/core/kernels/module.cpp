@@ -1,0 +1,54 @@
+// The Python module of the native kernels: every entry point the package calls, declared here from the file that
+// defines it and bound once. It sits above the kernel files (it calls them; none of them calls it), so they stay a
+// tree: block.cpp runs on decode.cpp, quant.cpp, attention.cpp and lora.cpp.
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+// decode.cpp
+torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
+torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
+// attention.cpp
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v);
+// quant.cpp
+torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
+                          int64_t bits, bool vnni);
+void dequantize_panels(torch::Tensor packed, torch::Tensor scales, int64_t bits, int64_t K, int64_t p0, int64_t p1,
+                       torch::Tensor out);
+// lora.cpp
+void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
+               torch::Tensor y);
+
+// block.cpp
+void bind_row_block(py::module& m);
+std::tuple<torch::Tensor, torch::Tensor, std::vector<double>> reduce_rows(torch::Tensor logits, torch::Tensor banned);
+
+// training.cpp
+void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double lr, double beta1, double beta2,
+           double eps, double wd, double bias1, double bias2, double grad_scale);
+
+// Each call releases the GIL, as torch's own ops do: the kernels touch no Python object, and in `gpt2 serve` the
+// HTTP event loop must run while the engine thread is inside them (holding it, the loop waited for Python's 5 ms
+// switch interval and requests queued behind a busy step).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order", release());
+  m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order", release());
+  m.def("reduce_rows", &reduce_rows, "each row's argmax (skipping a banned token), its logit and logsumexp "
+        "(block.cpp)", release());
+  m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",
+        release());
+  m.def("prefill_attention", &prefill_attention, "a prompt's causal attention, AVX-512, hs 64 (attention.cpp)",
+        release());
+  m.def("packed_rows", &packed_rows, "y = x @ W + b for blockwise int8/int4 W with int8 activations (quant.cpp)",
+        release());
+  m.def("dequantize_panels", &dequantize_panels, "float32 columns of a packed int8/int4 matrix (quant.cpp)",
+        release());
+  m.def("lora_rows", &lora_rows, "y += scale * (x A) B with each row's own adapter, row-invariant (lora.cpp)",
+        release());
+  bind_row_block(m);
+  m.def("adamw", &adamw, "one AdamW update of a float32 parameter in one pass (training.cpp)", release());
+}
