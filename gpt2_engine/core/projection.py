@@ -197,7 +197,7 @@ def dequantize_columns(m: QuantizedMatrix, first: int, end: int, out: torch.Tens
 def reduce_rows(logits: torch.Tensor, banned: list[int] | None = None) -> tuple[list[int], list[float], list[float]]:
     """[n, V] -> each row's argmax skipping its `banned` token (-1: none; the argmax is -1 where the row has no
     value above -inf, or holds a NaN), that logit, and the logsumexp of the whole row (NaN where it holds one):
-    runtime/plan.py's Picks. Each row is reduced alone in fixed pieces of the vocabulary (kernels/decode.cpp, the
+    runtime/plan.py's Picks. Each row is reduced alone in fixed pieces of the vocabulary (kernels/block.cpp, the
     same reduction as the native head's greedy picks), so that a row's values, and with them a token's logprob,
     never depend on what else shares the pass; torch's, row by row, where the native kernels are missing."""
     n = logits.shape[0]

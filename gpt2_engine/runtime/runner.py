@@ -160,7 +160,10 @@ class Pass:
         """[n, V]: the logits after each segment's last `outputs` rows, segment by segment (every block must have
         run). The head is row-invariant too (NativeRows.head, or projection.head_logits past DECODE_ROWS), so a row's
         logits do not depend on n."""
-        x, tap, steered = self._last_rows()
+        return self._head(*self._last_rows())
+
+    def _head(self, x: torch.Tensor, tap: SteeringTap | None, steered: torch.Tensor | None) -> torch.Tensor:
+        """logits() of the rows _last_rows() gave [n, V]."""
         if self.native is None or x.shape[0] > DECODE_ROWS:
             with torch.inference_mode():
                 return logits(self.w, self.config, x, tap)  # [n, V]
@@ -182,14 +185,14 @@ class Pass:
         written (RowHead.select); elsewhere the logits are made whole and reduced the same way (the same bits)."""
         banned = [s.banned for s in self.segments for _ in range(s.outputs)]
         wanted = [not s.greedy for s in self.segments for _ in range(s.outputs)]
-        x, _, steered = self._last_rows()
+        x, tap, steered = self._last_rows()
         if self.native is not None and x.shape[0] <= DECODE_ROWS and steered is None:
             keep = torch.tensor(wanted, dtype=torch.long).cumsum(0) - 1  # each kept row's place in the logits
             keep[~torch.tensor(wanted)] = -1
             tokens, best, lse, kept = self.native.head.select(x, torch.tensor(banned, dtype=torch.long), keep,
                                                               sum(wanted))
             return Outputs(kept, Picks(tokens.tolist(), best.tolist(), lse))
-        lg = self.logits()  # [n, V]
+        lg = self._head(x, tap, steered)  # [n, V]
         return Outputs(lg if all(wanted) else lg[torch.tensor(wanted)], Picks(*reduce_rows(lg, banned)))
 
     def _last_rows(self) -> tuple[torch.Tensor, SteeringTap | None, torch.Tensor | None]:

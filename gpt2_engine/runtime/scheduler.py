@@ -74,11 +74,12 @@ class SequenceState:
             self.seen[request.prompt] = True
         if s.presence_penalty or s.frequency_penalty:  # generated tokens only, as OpenAI counts them
             self.counts = torch.zeros(vocab)
-        # ignore_eos: the logits the sampler reads, <|endoftext|> ruled out, written here at each step rather than
-        # into a fresh copy (an allocation of 200 KB, and its page faults, every token)
-        self.processed = torch.empty(vocab) if request.ignore_eos else None
         self.guide = request.constraint.guide() if request.constraint is not None else None  # its grammar's state
         self.banned = tokenizer.eot_id if request.ignore_eos else -1  # the token its argmax skips
+        # ignore_eos: the logits the sampler reads, <|endoftext|> ruled out, written here at each step rather than
+        # into a fresh copy (an allocation of 200 KB, and its page faults, every token); also a greedy sequence's,
+        # whose first token comes from a prefill's logits (its later picks skip `banned` in the head)
+        self.processed = torch.empty(vocab) if request.ignore_eos else None
 
     def segment(self) -> Segment:
         """This sequence's rows in its next pass: the whole prompt from position 0, or its next token (and its
