@@ -340,9 +340,12 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const t
   for (; c + 8 <= C; c += 8) {
     __m256 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (m0 + r) * C + c);
-    if (m0 == 0 && c % LINE<W>() == 0) {
+    // as the AVX-512 body, but for one row of float32 weights: on an AVX2-only EPYC (Zen 2/3) its two threads read the
+    // head at 0.86x the rate with these prefetches (docs/benchmarks.md); a bfloat16 row, or several rows, read faster
+    // with them
+    if (m0 == 0 && c % LINE<W>() == 0 && !(R == 1 && std::is_same_v<W, F32>)) {
       prefetch_next<NV, W>(w, C, v0, c);
-      for (int i = 0; i < NV; ++i)  // as the AVX-512 body
+      for (int i = 0; i < NV; ++i)
         _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV * HEAD_AHEAD + i) * C + c), _MM_HINT_T1);
     }
     for (int i = 0; i < NV; ++i) {
