@@ -2,16 +2,17 @@
 //
 // Why: a server batches the decode steps of unrelated requests. With a BLAS GEMM the kernel, its blocking and so
 // the reduction order change with the row count M, so a request's logits (and then its greedy tokens) would depend
-// on what else is running. Here every output element is one chain of fused multiply-adds in a fixed order,
-// computed the same way for any M, and by one thread; the weight is still read once per call for all rows, which is
-// what decode's memory-bound GEMV needs.
+// on what else is running. Here every output element is a fixed set of chains of fused multiply-adds in a fixed
+// order, computed the same way for any M and any thread count; the weight is still read once per call for all rows,
+// which is what decode's memory-bound GEMV needs.
 //
 //   conv1d_rows:   y[M, N] = x[M, K] @ w[K, N] + b[N]        (GPT-2's Conv1D (in, out) layout)
 //   dot_rows:      y[M, V] = x[M, C] @ w[V, C]^T             (the tied output head, wte (V, C))
 // x, b and y are float32; w is float32 or bfloat16 (widened exactly in registers).
 // Each has an AVX-512 and an AVX2+FMA body; the caller chooses (core/projection.py: the CPU's best, or a named one
-// in tests, so that both run wherever the CPU has AVX-512). The projections accumulate each element over
-// k = 0..K-1 in order, one vector lane per column, so their two bodies (and the scalar tail) give identical bits;
+// in tests, so that both run wherever the CPU has AVX-512). The projections accumulate each element over each of
+// KPIECES fixed ranges of k in order, one vector lane per column, then add the pieces' sums in order, so their two
+// bodies (and the scalar tail) give identical bits;
 // the head reduces over C in lanes and then across them, so its bits differ between instruction sets (never
 // between row counts). The quantized formats' kernel is in quant.cpp.
 #include <torch/extension.h>
@@ -36,6 +37,14 @@ constexpr int MR = 4;   // rows of x sharing each load of the weight (register b
 // constants are in docs/benchmarks.md ("Why the decode kernels are shaped as they are").
 constexpr int KB_FEW = 8;
 constexpr int KB_MANY = 128;
+// A projection's K rows are cut into KPIECES contiguous ranges, whose partial sums are added in order at the end. A
+// thread then owns whole pieces (all the columns of a run of weight rows): one contiguous stretch of memory, which
+// the prefetchers follow. Split by columns, each thread read part of every weight row (for float32 (3072, 768), 1.5
+// KB of each 3 KB row), and the narrow projections (N = 768) read well below the wide ones; by pieces, float32 reads
+// them at about 1.15x the rate at one row (docs/benchmarks.md), and each element's rounding error is a few times
+// smaller (eight short chains). The count is fixed, never the thread count, so the bits are the same on every
+// machine.
+constexpr int64_t KPIECES = 8;
 constexpr int VB = 8;   // vocabulary rows per pass of the head
 
 // Weight loaders: 16 (AVX-512) or 8 (AVX2) consecutive weights as float32 lanes, and one weight for scalar tails.
@@ -86,10 +95,10 @@ void for_rows(int64_t M, Body body) {
 template <int R, typename W>
 __attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, const typename W::T* w, float* y,
                                                                int64_t K, int64_t N, int64_t m0, int64_t n,
-                                                               int64_t k0, int64_t kn, bool ahead) {
-  __m512 a[R][4];
+                                                               int64_t k0, int64_t kn, bool ahead, bool fresh) {
+  __m512 a[R][4];  // fresh: a piece's first pass, from zero
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(y + (m0 + r) * N + n + 16 * j);
+    for (int j = 0; j < 4; ++j) a[r][j] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (m0 + r) * N + n + 16 * j);
   for (int64_t k = k0; k < k0 + kn; ++k) {
     __m512 wv[4];
     // the next tile's part of this weight row, 4 cache lines in float32 (past the end of w a prefetch is harmless)
@@ -113,10 +122,10 @@ __attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, c
 template <int R, typename W>
 __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const typename W::T* w, float* y, int64_t K,
                                                           int64_t N, int64_t m0, int64_t n, int64_t k0, int64_t kn,
-                                                          bool ahead) {
+                                                          bool ahead, bool fresh) {
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_loadu_ps(y + (m0 + r) * N + n + 8 * j);
+    for (int j = 0; j < 4; ++j) a[r][j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (m0 + r) * N + n + 8 * j);
   for (int64_t k = k0; k < k0 + kn; ++k) {
     __m256 wv[4];
     if (ahead)  // the next tile's part of this weight row, 2 cache lines in float32
@@ -139,7 +148,7 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
 template <int R, int J>
 __attribute__((target("avx512f,fma"))) inline void edge_avx512(const float* x, const float* w, float* y, int64_t K,
                                                                int64_t N, int64_t m0, int64_t n, int64_t width,
-                                                               int64_t k0, int64_t kn) {
+                                                               int64_t k0, int64_t kn, bool fresh) {
   __mmask16 mask[J];
   for (int j = 0; j < J; ++j) {
     const int64_t left = std::clamp<int64_t>(width - 16 * j, 0, 16);
@@ -147,7 +156,8 @@ __attribute__((target("avx512f,fma"))) inline void edge_avx512(const float* x, c
   }
   __m512 a[R][J];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) a[r][j] = _mm512_maskz_loadu_ps(mask[j], y + (m0 + r) * N + n + 16 * j);
+    for (int j = 0; j < J; ++j)
+      a[r][j] = fresh ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + (m0 + r) * N + n + 16 * j);
   for (int64_t k = k0; k < k0 + kn; ++k) {
     __m512 wv[J];
     for (int j = 0; j < 4; ++j)  // the next tile's part of this row, as tile_avx512's passes do
@@ -164,26 +174,28 @@ __attribute__((target("avx512f,fma"))) inline void edge_avx512(const float* x, c
 
 template <int R>
 inline void edge(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n, int64_t width,
-                 int64_t k0, int64_t kn) {
+                 int64_t k0, int64_t kn, bool fresh) {
   switch ((width + 15) / 16) {
-    case 1: edge_avx512<R, 1>(x, w, y, K, N, m0, n, width, k0, kn); break;
-    case 2: edge_avx512<R, 2>(x, w, y, K, N, m0, n, width, k0, kn); break;
-    case 3: edge_avx512<R, 3>(x, w, y, K, N, m0, n, width, k0, kn); break;
-    default: edge_avx512<R, 4>(x, w, y, K, N, m0, n, width, k0, kn); break;
+    case 1: edge_avx512<R, 1>(x, w, y, K, N, m0, n, width, k0, kn, fresh); break;
+    case 2: edge_avx512<R, 2>(x, w, y, K, N, m0, n, width, k0, kn, fresh); break;
+    case 3: edge_avx512<R, 3>(x, w, y, K, N, m0, n, width, k0, kn, fresh); break;
+    default: edge_avx512<R, 4>(x, w, y, K, N, m0, n, width, k0, kn, fresh); break;
   }
 }
 
 // tile_avx2's chains for `width` < 32 columns from n, with masked loads and stores (float32 weights, from 3 rows).
 template <int R>
 __attribute__((target("avx2,fma"))) void edge_avx2(const float* x, const float* w, float* y, int64_t K, int64_t N,
-                                                   int64_t m0, int64_t n, int64_t width, int64_t k0, int64_t kn) {
+                                                   int64_t m0, int64_t n, int64_t width, int64_t k0, int64_t kn,
+                                                   bool fresh) {
   __m256i mask[4];
   for (int j = 0; j < 4; ++j)
     mask[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(width - 8 * j)),
                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_maskload_ps(y + (m0 + r) * N + n + 8 * j, mask[j]);
+    for (int j = 0; j < 4; ++j)
+      a[r][j] = fresh ? _mm256_setzero_ps() : _mm256_maskload_ps(y + (m0 + r) * N + n + 8 * j, mask[j]);
   for (int64_t k = k0; k < k0 + kn; ++k) {
     __m256 wv[4];
     for (int j = 0; j < 2; ++j)  // the next tile's part of this row, as tile_avx2's passes do
@@ -202,81 +214,102 @@ __attribute__((target("avx2,fma"))) void edge_avx2(const float* x, const float* 
 // (a memory-mapped safetensors file aligns a tensor to 8 bytes at best, so float32 weights used in place often sit
 // mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
 // columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
-// boundary.
+// boundary. Each body computes y (one piece's partial sums) = x[:, ka:kz] @ w[ka:kz, c0:c1], from zero.
 template <typename W>
 __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const typename W::T* w, float* y,
-                                                           int64_t M, int64_t K, int64_t N, int64_t c0, int64_t c1) {
+                                                           int64_t M, int64_t K, int64_t N, int64_t ka, int64_t kz,
+                                                           int64_t c0, int64_t c1) {
   const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
   int64_t lead = 0;
   if constexpr (std::is_same_v<W, F32>)
     if (kb == KB_MANY) lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w + c0) % 64) % 64 / 4);
-  for (int64_t k0 = 0; k0 < K; k0 += kb) {
-    const int64_t kn = std::min<int64_t>(kb, K - k0);
+  for (int64_t k0 = ka; k0 < kz; k0 += kb) {
+    const int64_t kn = std::min<int64_t>(kb, kz - k0);
+    const bool fresh = k0 == ka;
     int64_t n = c0 + lead;
     if constexpr (std::is_same_v<W, F32>)
       if (lead)
-        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, c0, lead, k0, kn); });
+        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, c0, lead, k0, kn, fresh); });
     for (; n + 64 <= c1; n += 64)
       for_rows(M, [&](auto R, int64_t m0) {
-        tile_avx512<decltype(R)::value, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY);
+        tile_avx512<decltype(R)::value, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY, fresh);
       });
     if constexpr (std::is_same_v<W, F32>)
       if (n < c1)
-        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, n, c1 - n, k0, kn); });
+        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, n, c1 - n, k0, kn, fresh); });
   }
 }
 
 template <typename W>
 __attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const typename W::T* w, float* y, int64_t M,
-                                                      int64_t K, int64_t N, int64_t c0, int64_t c1) {
+                                                      int64_t K, int64_t N, int64_t ka, int64_t kz, int64_t c0,
+                                                      int64_t c1) {
   const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
   int64_t lead = 0;  // as the AVX-512 body: from 3 rows, tiles start at the rows' first 64-byte boundary
   if constexpr (std::is_same_v<W, F32>)
     if (kb == KB_MANY) lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w + c0) % 64) % 64 / 4);
-  for (int64_t k0 = 0; k0 < K; k0 += kb) {
-    const int64_t kn = std::min<int64_t>(kb, K - k0);
+  for (int64_t k0 = ka; k0 < kz; k0 += kb) {
+    const int64_t kn = std::min<int64_t>(kb, kz - k0);
+    const bool fresh = k0 == ka;
     const auto edge = [&](int64_t n, int64_t width) {
       if constexpr (std::is_same_v<W, F32>) {
         int64_t m0 = 0;
-        for (; m0 + 2 <= M; m0 += 2) edge_avx2<2>(x, w, y, K, N, m0, n, width, k0, kn);
-        if (m0 < M) edge_avx2<1>(x, w, y, K, N, m0, n, width, k0, kn);
+        for (; m0 + 2 <= M; m0 += 2) edge_avx2<2>(x, w, y, K, N, m0, n, width, k0, kn, fresh);
+        if (m0 < M) edge_avx2<1>(x, w, y, K, N, m0, n, width, k0, kn, fresh);
       }
     };
     if (lead) edge(c0, lead);
     int64_t n = c0 + lead;
     for (; n + 32 <= c1; n += 32) {
       int64_t m0 = 0;
-      for (; m0 + 2 <= M; m0 += 2) tile_avx2<2, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY);
-      if (m0 < M) tile_avx2<1, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY);
+      for (; m0 + 2 <= M; m0 += 2) tile_avx2<2, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY, fresh);
+      if (m0 < M) tile_avx2<1, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY, fresh);
     }
     if (n < c1) edge(n, c1 - n);
   }
 }
 
-// y[m, n] = (x @ w)[m, n] + b[n]. Whole 64-column tiles are split over the threads
-// as contiguous runs; the columns past the last whole tile run the same chain in scalar code (fmaf rounds exactly
-// as a vector FMA lane does).
+// y[m, n] = (sum over the pieces p, in order, of x[m, piece p] @ w[piece p, n]) + b[n]. The work is pieces x column
+// groups (one group where the threads are no more than the pieces), in piece order, so each thread's share of
+// the weight is a contiguous run of rows; the columns past the last whole 64-column tile run the same chains in
+// scalar code (fmaf rounds exactly as a vector FMA lane does).
 template <typename W>
 torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N, const float* b, bool avx512) {
   x = x.contiguous();
-  const int64_t M = x.size(0);
-  auto y = torch::zeros({M, N}, x.options());
+  const int64_t M = x.size(0), P = std::min<int64_t>(KPIECES, K);  // P depends on K alone, never on M or threads
+  auto y = torch::empty({M, N}, x.options());
+  auto part = torch::empty({P, M, N}, x.options());  // each piece's partial sums
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = N / 64;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    if (avx512)
-      columns_avx512<W>(xp, w, yp, M, K, N, begin * 64, end * 64);
-    else
-      columns_avx2<W>(xp, w, yp, M, K, N, begin * 64, end * 64);
-  });
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      float acc = yp[m * N + n];
-      if (n >= tiles * 64)
-        for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w[k * N + n]), acc);
-      yp[m * N + n] = acc + b[n];
+  float* pp = part.data_ptr<float>();
+  const int64_t tiles = N / 64, groups = tiles ? std::max<int64_t>(1, (at::get_num_threads() + P - 1) / P) : 0;
+  const auto piece = [&](int64_t p) { return std::pair<int64_t, int64_t>{K * p / P, K * (p + 1) / P}; };
+  at::parallel_for(0, P * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [ka, kz] = piece(i / groups);
+      const int64_t g = i % groups, c0 = tiles * g / groups * 64, c1 = tiles * (g + 1) / groups * 64;
+      if (avx512)
+        columns_avx512<W>(xp, w, pp + i / groups * M * N, M, K, N, ka, kz, c0, c1);
+      else
+        columns_avx2<W>(xp, w, pp + i / groups * M * N, M, K, N, ka, kz, c0, c1);
     }
+  });
+  for (int64_t p = 0; p < P; ++p) {  // the columns past the tiles
+    const auto [ka, kz] = piece(p);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = tiles * 64; n < N; ++n) {
+        float acc = 0.0f;
+        for (int64_t k = ka; k < kz; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w[k * N + n]), acc);
+        pp[(p * M + m) * N + n] = acc;
+      }
+  }
+  at::parallel_for(0, M * N, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float acc = pp[i];
+      for (int64_t p = 1; p < P; ++p) acc += pp[p * M * N + i];
+      yp[i] = acc + b[i % N];
+    }
+  });
   return y;
 }
 
