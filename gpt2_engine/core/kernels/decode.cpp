@@ -41,7 +41,7 @@ constexpr int KB_MANY = 128;
 // thread then owns whole pieces (all the columns of a run of weight rows): one contiguous stretch of memory, which
 // the prefetchers follow. Split by columns, each thread read part of every weight row (for float32 (3072, 768), 1.5
 // KB of each 3 KB row), and the narrow projections (N = 768) read well below the wide ones; by pieces, float32 reads
-// them at about 1.15x the rate at one row (docs/benchmarks.md), and each element's rounding error is a few times
+// them at about 1.2x the rate at one row (docs/benchmarks.md), and each element's rounding error is a few times
 // smaller (eight short chains). The count is fixed, never the thread count, so the bits are the same on every
 // machine.
 constexpr int64_t KPIECES = 8;
