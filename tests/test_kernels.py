@@ -67,6 +67,20 @@ def test_conv1d_rows_gives_the_same_bits_for_weights_off_a_cache_line(native, is
                                native.conv1d_rows(x[:m], aligned, b, isa == "avx512")), (N, m)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_conv1d_rows_with_fewer_weight_rows_than_pieces_or_none(native, isa: str) -> None:
+    """K is cut into up to 8 pieces (decode.cpp's KPIECES): with K = 5 each row is a piece, and with K = 0 the
+    result is the bias alone."""
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(4, 5, generator=g), torch.randn(5, 70, generator=g), torch.randn(70, generator=g)
+    full = native.conv1d_rows(x, w, b, isa == "avx512")
+    assert (full.double() - torch.addmm(b.double(), x.double(), w.double())).abs().max().item() <= 1e-5
+    assert torch.equal(native.conv1d_rows(x[1:2], w, b, isa == "avx512")[0], full[1])
+    for dtype in (torch.float32, torch.bfloat16):
+        empty = native.conv1d_rows(torch.zeros(3, 0), torch.zeros(0, 70, dtype=dtype), b, isa == "avx512")
+        assert torch.equal(empty, b.expand(3, 70))
+
+
 def test_conv1d_rows_is_the_same_on_both_instruction_sets(native) -> None:
     if len(ISAS) < 2:
         pytest.skip("this CPU has AVX2 only; the AVX-512 path is checked on machines that have it")

@@ -278,6 +278,7 @@ torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N
   x = x.contiguous();
   const int64_t M = x.size(0), P = std::min<int64_t>(KPIECES, K);  // P depends on K alone, never on M or threads
   auto y = torch::empty({M, N}, x.options());
+  if (P == 0) return y.copy_(torch::from_blob(const_cast<float*>(b), {N}, x.options()).expand({M, N}));  // K = 0: b
   auto part = torch::empty({P, M, N}, x.options());  // each piece's partial sums
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -373,9 +374,9 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const t
   for (; c + 8 <= C; c += 8) {
     __m256 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (m0 + r) * C + c);
-    // as the AVX-512 body, but for one row of float32 weights: on an AVX2-only EPYC (Zen 2/3) its two threads read the
-    // head at 0.86x the rate with these prefetches (docs/benchmarks.md); a bfloat16 row, or several rows, read faster
-    // with them
+    // as the AVX-512 body, but for one row of float32 weights: on an AVX2-only EPYC (Zen 3) its two threads read the
+    // head at about 0.8x the rate with these prefetches (docs/benchmarks.md); a bfloat16 row, or several rows, read
+    // faster with them
     if (m0 == 0 && c % LINE<W>() == 0 && !(R == 1 && std::is_same_v<W, F32>)) {
       prefetch_next<NV, W>(w, C, v0, c);
       for (int i = 0; i < NV; ++i)
