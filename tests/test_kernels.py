@@ -54,7 +54,7 @@ def test_conv1d_rows_matches_torch_and_is_row_invariant(native, isa: str, K: int
 def test_conv1d_rows_gives_the_same_bits_for_weights_off_a_cache_line(native, isa: str, offset: int) -> None:
     """Weights used in place from a memory-mapped file can start anywhere past a 4-byte boundary; from 3 rows the
     AVX-512 passes then realign their tiles, with masked tiles at both ends of each thread's columns. Every element is
-    still one chain in k order: the bits of the same weights at an aligned address, at every row count."""
+    still the same chains in k order: the bits of the same weights at an aligned address, at every row count."""
     g = torch.Generator().manual_seed(offset)
     for K, N in ((96, 2304), (64, 192)):  # many tiles a thread; one tile a thread (only the masked ones)
         aligned = torch.randn(K, N, generator=g)

@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int MR = 4;   // rows of x sharing each load of the weight (register blocking)
-// Weight rows streamed per pass over a tile's accumulators (each element stays one chain of multiply-adds in k
+// Weight rows streamed per pass over a tile's accumulators (each element's chain within a piece of K stays in k
 // order, so the pass length never changes a bit). One or two rows are bound by memory: short passes of KB_FEW rows
 // keep 8 contiguous streams in flight, which the hardware prefetchers follow, and each pass also asks for its tile's
 // segment of the next KB_FEW rows. From 3 rows the multiply-adds dominate and reloading the accumulators every few
