@@ -187,10 +187,14 @@ class Pass:
         wanted = [not s.greedy for s in self.segments for _ in range(s.outputs)]
         x, tap, steered = self._last_rows()
         if self.native is not None and x.shape[0] <= DECODE_ROWS and steered is None:
-            keep = torch.tensor(wanted, dtype=torch.long).cumsum(0) - 1  # each kept row's place in the logits
-            keep[~torch.tensor(wanted)] = -1
-            tokens, best, lse, kept = self.native.head.select(x, torch.tensor(banned, dtype=torch.long), keep,
-                                                              sum(wanted))
+            # each kept row's place in the logits, -1 for the others, in plain Python: this runs right after the
+            # head's stream has emptied the caches, where each small torch op costs tens of microseconds
+            keep, places = [], 0
+            for want in wanted:
+                keep.append(places if want else -1)
+                places += want
+            tokens, best, lse, kept = self.native.head.select(x, torch.tensor(banned, dtype=torch.long),
+                                                              torch.tensor(keep, dtype=torch.long), places)
             return Outputs(kept, Picks(tokens.tolist(), best.tolist(), lse))
         lg = self._head(x, tap, steered)  # [n, V]
         return Outputs(lg if all(wanted) else lg[torch.tensor(wanted)], Picks(*reduce_rows(lg, banned)))

@@ -1,0 +1,99 @@
+"""core/pages.py: the decode step's matrices on 2 MB pages, with the same values, offsets and bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpt2_engine.api as api
+from gpt2_engine import GPT2
+from gpt2_engine.core.pages import HUGE_PAGE, huge_pages_available, on_huge_pages
+from gpt2_engine.core.weights import QuantizedMatrix, file_pages, find_weights_file
+
+THP = huge_pages_available()
+
+
+def anon_huge_kb(ptr: int) -> int:
+    """AnonHugePages (KiB) of the mapping holding address `ptr`, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(a, 16) for a in head.split("-"))
+            inside = low <= ptr < high
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_huge_pages_available_reads_the_kernels_mode(tmp_path: Path) -> None:
+    mode = tmp_path / "enabled"
+    for text, expected in (("always [madvise] never\n", True), ("[always] madvise never\n", True),
+                           ("always madvise [never]\n", False)):
+        mode.write_text(text)
+        assert huge_pages_available(mode) is expected, text
+    assert huge_pages_available(tmp_path / "missing") is False
+
+
+def test_copies_keep_values_shapes_and_offsets_within_a_line() -> None:
+    """Each copy starts at its source's offset within a 64-byte line (the kernels' alignment paths stay the same),
+    all in one mapping, the first copy on a 2 MB boundary's line."""
+    raw = torch.arange(4096, dtype=torch.float32)
+    sources = [raw[1:1 + 24 * 32].view(24, 32), torch.arange(7, dtype=torch.int8) * 3,  # 4-byte and 1-byte offsets
+               torch.randn(300, 5).to(torch.bfloat16), raw[16:2064]]
+    copies = on_huge_pages(sources)
+    storage = copies[0].untyped_storage().data_ptr()
+    for src, dst in zip(sources, copies):
+        assert dst.dtype == src.dtype and dst.shape == src.shape and torch.equal(dst, src)
+        assert dst.data_ptr() % 64 == src.data_ptr() % 64
+        assert dst.untyped_storage().data_ptr() == storage and dst.data_ptr() != src.data_ptr()
+    assert copies[0].data_ptr() // 64 * 64 % HUGE_PAGE == 0
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
+    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, copies[1:]))  # no overlap, in order
+
+
+@pytest.mark.skipif(not THP, reason="this system gives no transparent huge pages (mode never, or not Linux)")
+def test_the_copies_lie_on_huge_pages() -> None:
+    [copy] = on_huge_pages([torch.randn(3 * HUGE_PAGE // 4)])  # 6 MB: at least two whole huge pages
+    assert anon_huge_kb(copy.data_ptr()) >= 2 * HUGE_PAGE // 1024
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "bfloat16"}, {"quantize": "int8"}, {"quantize": "int4"}],
+                         ids=["bfloat16", "int8", "int4"])
+def test_a_loaded_model_streams_its_matrices_from_one_region_with_the_same_bits(
+        tiny_dir: Path, kwargs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_pretrained moves a converted or quantized model's block matrices and head into one mapping; its logits
+    and greedy tokens are those of the same weights left where loading put them."""
+    placed = GPT2.from_pretrained(tiny_dir, **kwargs)
+    monkeypatch.setattr(api, "matrices_on_huge_pages", lambda w: w)
+    plain = GPT2.from_pretrained(tiny_dir, **kwargs)
+
+    def parts(w) -> list[torch.Tensor]:
+        ms = [getattr(b, n).weight for b in w.blocks for n in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
+        ms.append(w.head)
+        return [t for m in ms for t in ((m.packed, m.scales) if isinstance(m, QuantizedMatrix) else (m,))]
+
+    storages = {t.untyped_storage().data_ptr() for t in parts(placed.weights)}
+    if THP:
+        assert len(storages) == 1
+        assert len({t.untyped_storage().data_ptr() for t in parts(plain.weights)}) > 1
+    for a, b in zip(parts(placed.weights), parts(plain.weights)):
+        assert torch.equal(a, b) and a.data_ptr() % 64 == b.data_ptr() % 64
+    if "dtype" in kwargs:  # the tied head is the embedding too: one copy
+        assert placed.weights.wte is placed.weights.head
+    ids = torch.tensor([[464, 2068, 7586, 21831, 11687, 625, 262]])
+    assert torch.equal(placed(ids), plain(ids))
+    prompt = [464, 2068, 7586]
+    assert placed.generate_ids(prompt, max_new_tokens=12, temperature=0) == \
+        plain.generate_ids(prompt, max_new_tokens=12, temperature=0)
+
+
+def test_float32_weights_stay_in_the_checkpoint_file(tiny_dir: Path) -> None:
+    """Float32 matrices are used in place from the mapped file, never copied (core/pages.py says why)."""
+    model = GPT2.from_pretrained(tiny_dir)
+    path = find_weights_file(tiny_dir)
+    assert file_pages(model.weights.head, path) is not None
+    assert file_pages(model.weights.blocks[1].c_fc.weight, path) is not None
