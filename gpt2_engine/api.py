@@ -23,8 +23,8 @@ from .core.quantize import FORMATS, quantize_weights
 from .core.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
 from .core.steering import Steering, check_steering
 from .core.tokenizer import Tokenizer, load_tokenizer
-from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, release_heap, weights_directory,
-                           weights_from_tensors, weights_fingerprint)
+from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory, weights_from_tensors,
+                           weights_fingerprint)
 from .documents import expand_paths, read_documents
 from .runtime.constraints import Grammars
 from .runtime.drafters import Speculation, load_speculation
@@ -101,8 +101,7 @@ class GPT2:
         if quantize:
             weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
         if converted is not None or quantize or dtype != torch.float32:  # not the file's own pages: see core/pages.py
-            weights = matrices_on_huge_pages(weights)
-            release_heap()  # the old copies' pages that were on the C heap
+            matrices_on_huge_pages(weights)
         if adapter is not None:
             weights = attach(weights, [adapter])
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,

@@ -9,7 +9,7 @@ import torch
 
 import gpt2_engine.api as api
 from gpt2_engine import GPT2
-from gpt2_engine.core.pages import HUGE_PAGE, huge_pages_available, on_huge_pages
+from gpt2_engine.core.pages import HUGE_PAGE, huge_pages_available, move_to_huge_pages
 from gpt2_engine.core.weights import QuantizedMatrix, file_pages, find_weights_file
 
 THP = huge_pages_available()
@@ -38,27 +38,31 @@ def test_huge_pages_available_reads_the_kernels_mode(tmp_path: Path) -> None:
     assert huge_pages_available(tmp_path / "missing") is False
 
 
-def test_copies_keep_values_shapes_and_offsets_within_a_line() -> None:
-    """Each copy starts at its source's offset within a 64-byte line (the kernels' alignment paths stay the same),
-    all in one mapping, the first copy on a 2 MB boundary's line."""
+def test_moved_tensors_keep_values_shapes_and_offsets_within_a_line() -> None:
+    """Each tensor moves to its old offset within a 64-byte line (the kernels' alignment paths stay the same), all
+    into one mapping whose first line starts on a 2 MB boundary; a view taken before the move keeps the old memory."""
     raw = torch.arange(4096, dtype=torch.float32)
-    sources = [raw[1:1 + 24 * 32].view(24, 32), torch.arange(7, dtype=torch.int8) * 3,  # 4-byte and 1-byte offsets
+    tensors = [raw[1:1 + 24 * 32].view(24, 32), torch.arange(7, dtype=torch.int8) * 3,  # 4-byte and 1-byte offsets
                torch.randn(300, 5).to(torch.bfloat16), raw[16:2064]]
-    copies = on_huge_pages(sources)
-    storage = copies[0].untyped_storage().data_ptr()
-    for src, dst in zip(sources, copies):
-        assert dst.dtype == src.dtype and dst.shape == src.shape and torch.equal(dst, src)
-        assert dst.data_ptr() % 64 == src.data_ptr() % 64
-        assert dst.untyped_storage().data_ptr() == storage and dst.data_ptr() != src.data_ptr()
-    assert copies[0].data_ptr() // 64 * 64 % HUGE_PAGE == 0
-    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
-    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, copies[1:]))  # no overlap, in order
+    before = [(t.clone(), t.data_ptr(), t.shape) for t in tensors]
+    kept = tensors[2][:10]  # a view of the old storage
+    move_to_huge_pages(tensors)
+    storage = tensors[0].untyped_storage().data_ptr()
+    for t, (values, ptr, shape) in zip(tensors, before):
+        assert t.shape == shape and t.dtype == values.dtype and torch.equal(t, values)
+        assert t.data_ptr() != ptr and t.data_ptr() % 64 == ptr % 64
+        assert t.untyped_storage().data_ptr() == storage
+    assert tensors[0].data_ptr() // 64 * 64 % HUGE_PAGE == 0
+    ends = [t.data_ptr() + t.numel() * t.element_size() for t in tensors]
+    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, tensors[1:]))  # no overlap, in order
+    assert torch.equal(kept, before[2][0][:10]) and kept.data_ptr() == before[2][1]
 
 
 @pytest.mark.skipif(not THP, reason="this system gives no transparent huge pages (mode never, or not Linux)")
-def test_the_copies_lie_on_huge_pages() -> None:
-    [copy] = on_huge_pages([torch.randn(3 * HUGE_PAGE // 4)])  # 6 MB: at least two whole huge pages
-    assert anon_huge_kb(copy.data_ptr()) >= 2 * HUGE_PAGE // 1024
+def test_the_moved_tensors_lie_on_huge_pages() -> None:
+    t = torch.randn(3 * HUGE_PAGE // 4)  # 6 MB: at least two whole huge pages
+    move_to_huge_pages([t])
+    assert anon_huge_kb(t.data_ptr()) >= 2 * HUGE_PAGE // 1024
 
 
 @pytest.mark.parametrize("kwargs", [{"dtype": "bfloat16"}, {"quantize": "int8"}, {"quantize": "int4"}],

@@ -176,7 +176,9 @@ def load_speculation(source: str | Path, weights: GPT2Weights, config: GPT2Confi
         if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 for t in (weights.wte, weights.blocks[0].c_fc.weight)):
             raise GenerationError(f"speculate={source!r} quantizes the target's float32 weights; this model is already "
                                   "quantized or bfloat16 (use 'ngram' or a draft checkpoint)", param="speculate")
-        return Speculation(source, matrices_on_huge_pages(quantize_weights(weights, source)), config, policy)
+        draft = quantize_weights(weights, source)
+        matrices_on_huge_pages(draft)  # its packed matrices only: wte is the target's own
+        return Speculation(source, draft, config, policy)
     directory = Path(source)
     draft_config = check_draft_checkpoint(directory, config, tokenizer)
     return Speculation(source, load_weights(directory, draft_config), draft_config, policy)
