@@ -14,7 +14,6 @@ import torch
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError, WeightsError
-from ..core.pages import matrices_on_huge_pages
 from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import Tokenizer, load_tokenizer
 from ..core.weights import CONFIG, GPT2Weights, load_weights
@@ -176,9 +175,7 @@ def load_speculation(source: str | Path, weights: GPT2Weights, config: GPT2Confi
         if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 for t in (weights.wte, weights.blocks[0].c_fc.weight)):
             raise GenerationError(f"speculate={source!r} quantizes the target's float32 weights; this model is already "
                                   "quantized or bfloat16 (use 'ngram' or a draft checkpoint)", param="speculate")
-        draft = quantize_weights(weights, source)
-        matrices_on_huge_pages(draft)  # its packed matrices only: wte is the target's own
-        return Speculation(source, draft, config, policy)
+        return Speculation(source, quantize_weights(weights, source), config, policy)
     directory = Path(source)
     draft_config = check_draft_checkpoint(directory, config, tokenizer)
     return Speculation(source, load_weights(directory, draft_config), draft_config, policy)
