@@ -58,7 +58,7 @@ def test_moved_tensors_keep_values_shapes_and_offsets_within_a_line() -> None:
     assert torch.equal(kept, before[2][0][:10]) and kept.data_ptr() == before[2][1]
 
 
-@pytest.mark.skipif(not THP, reason="this system gives no transparent huge pages (mode never, or not Linux)")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here (mode never in /sys/kernel/mm/transparent_hugepage/enabled, or not Linux): the engine moves nothing, so there is nothing to check")
 def test_the_moved_tensors_lie_on_huge_pages() -> None:
     t = torch.randn(3 * HUGE_PAGE // 4)  # 6 MB: at least two whole huge pages
     move_to_huge_pages([t])

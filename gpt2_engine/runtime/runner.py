@@ -188,7 +188,7 @@ class Pass:
         x, tap, steered = self._last_rows()
         if self.native is not None and x.shape[0] <= DECODE_ROWS and steered is None:
             # each kept row's place in the logits, -1 for the others, in plain Python: this runs right after the
-            # head's stream has emptied the caches, where each small torch op costs tens of microseconds
+            # blocks' weights have streamed through the caches, where each small torch op costs tens of microseconds
             keep, places = [], 0
             for want in wanted:
                 keep.append(places if want else -1)
