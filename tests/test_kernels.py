@@ -14,6 +14,7 @@ from gpt2_engine import GPT2
 from gpt2_engine.core.config import DECODE_ROWS
 from gpt2_engine.core.kernels import cpu, decode_kernels
 from gpt2_engine.core.model import linear, lm_head
+from gpt2_engine.core.weights import PanelMatrix
 
 ISAS = [isa for isa, have in (("avx2", cpu().avx2), ("avx512", cpu().avx512)) if have]
 
@@ -116,7 +117,28 @@ def test_bfloat16_weights_give_the_bits_of_their_float32_widening(native, isa: s
     assert torch.equal(native.dot_rows(xh, head, avx512), native.dot_rows(xh, head.float(), avx512))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("K,N", [(768, 2304), (3072, 768), (256, 64)])
+def test_a_weight_in_panels_gives_the_bits_of_the_plain_weight(native, isa: str, dtype: torch.dtype, K: int,
+                                                               N: int) -> None:
+    """Panels (weights.PanelMatrix) change only the order in which conv1d_rows reads the weight: the same chains
+    in the same order, so the same bits as the plain (K, N) weight, at every row count."""
+    g = torch.Generator().manual_seed(K + N)
+    w, b, x = torch.randn(K, N, generator=g).to(dtype), torch.randn(N, generator=g), torch.randn(8, K, generator=g)
+    panels = PanelMatrix.of(w, dtype)
+    assert panels.panels.shape == (K // 32, N // 64, 32, 64)
+    assert torch.equal(panels.dense(), w)
+    for m in range(1, 9):
+        assert torch.equal(native.conv1d_rows(x[:m], panels.panels, b, isa == "avx512"),
+                           native.conv1d_rows(x[:m], w, b, isa == "avx512")), m
+
+
 def test_kernels_reject_what_they_do_not_handle(native) -> None:
+    with pytest.raises(RuntimeError, match=r"panels must be \[K / 32, N / 64, 32, 64\] with K a multiple of 256"):
+        native.conv1d_rows(torch.zeros(1, 128), torch.zeros(4, 1, 32, 64), torch.zeros(64), False)
+    with pytest.raises(RuntimeError, match="shapes do not chain"):
+        native.conv1d_rows(torch.zeros(1, 512), torch.zeros(8, 1, 32, 64), torch.zeros(128), False)
     with pytest.raises(RuntimeError, match="float32 x and b, float32 or bfloat16 w only"):
         native.conv1d_rows(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(4, 4), torch.zeros(4), False)
     with pytest.raises(RuntimeError, match="shapes do not chain"):

@@ -28,7 +28,7 @@ import torch
 from .config import GPT2Config
 from .errors import GPT2EngineError
 from .files import atomic_write
-from .weights import (BLOCK_PARTS, Block, GPT2Weights, Linear, LoraStack, QuantizedMatrix, read_tensors,
+from .weights import (BLOCK_PARTS, Block, GPT2Weights, Linear, LoraStack, PanelMatrix, QuantizedMatrix, read_tensors,
                       weights_fingerprint)
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -142,7 +142,8 @@ def attach(w: GPT2Weights, adapters: Sequence[LoraAdapter]) -> GPT2Weights:
         pairs = [ad.pair(i, target) for ad in adapters]
         if all(pr is None for pr in pairs):
             return replace(p, lora=None)
-        K, N = (p.weight.in_features, p.weight.out_features) if isinstance(p.weight, QuantizedMatrix) else p.weight.shape
+        w = p.weight
+        K, N = (w.in_features, w.out_features) if isinstance(w, (QuantizedMatrix, PanelMatrix)) else w.shape
         r = max(pr[0].shape[1] for pr in pairs if pr is not None)
         a, b = torch.zeros(len(adapters), K, r, dtype=dtype), torch.zeros(len(adapters), r, N, dtype=dtype)
         for j, pr in enumerate(pairs):

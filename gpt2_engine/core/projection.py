@@ -3,7 +3,7 @@
   float32        decode-sized inputs (<= DECODE_ROWS rows): the native row-invariant kernels (kernels/decode.cpp);
                  longer inputs: MKL's addmm; without the native kernels, a GEMV split over the cores.
   bfloat16       decode-sized inputs: the same native kernels, reading bf16 and widening it in registers (half the
-                 bytes, float32 arithmetic). Longer inputs (prefill, scoring) on a CPU with AMX or AVX512-BF16:
+                 bytes, float32 arithmetic), from panels (weights.PanelMatrix) where the loader kept them so. Longer inputs (prefill, scoring) on a CPU with AMX or AVX512-BF16:
                  oneDNN's bf16 GEMM, which rounds the activations and the outputs to bf16 and accumulates in float32;
                  elsewhere (AVX2, where that GEMM is ~7x slower than float32) widened to float32, then MKL. The head
                  always keeps float32 arithmetic: through the bf16 GEMM it cost top-1 agreement on the trained
@@ -26,7 +26,7 @@ import torch
 from .config import DECODE_ROWS
 from .kernels import cpu, decode_kernels
 from .quantize import GROUP, PANEL, dequantize, unpack
-from .weights import Linear, LoraStack, QuantizedMatrix
+from .weights import Linear, LoraStack, PanelMatrix, QuantizedMatrix
 
 # Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
 # config.DECODE_ROWS rows, float32 projections and the head run on the native row-invariant kernels, and the weight
@@ -49,10 +49,12 @@ def split_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return parts.sum(dim=0)
 
 
-def as_float32(w: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
-    """A projection's weight (K, N) in float32 (float64 stays): quantized and bfloat16 weights dequantized."""
+def as_float32(w: torch.Tensor | QuantizedMatrix | PanelMatrix) -> torch.Tensor:
+    """A projection's weight (K, N) in float32 (float64 stays): quantized, paneled and bfloat16 weights dequantized."""
     if isinstance(w, QuantizedMatrix):
         return dequantize(w)
+    if isinstance(w, PanelMatrix):
+        return w.dense().float()
     return w if w.dtype in (torch.float32, torch.float64) else w.float()
 
 
@@ -88,7 +90,7 @@ def quantized_reference(x2: torch.Tensor, m: QuantizedMatrix, bias: torch.Tensor
     return acc if bias is None else acc + bias
 
 
-def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix, bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] @ w (K, N) (+ bias) -> [M, N] float32, by the weight's format (see the module docstring)."""
     M = x2.shape[0]
     grad = x2.requires_grad
@@ -99,10 +101,12 @@ def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix, bias: torch.Ten
             return native.packed_rows(x2, w.packed, w.scales, empty, w.out_features, w.bits, cpu().avx512_vnni)
         if not grad:
             return quantized_reference(x2, w, bias)
-    elif native is not None and M <= DECODE_ROWS and w.dtype in NATIVE_DTYPES and w.is_contiguous() and bias is not None:
-        return native.conv1d_rows(x2, w, bias, cpu().avx512)
+    elif native is not None and M <= DECODE_ROWS and bias is not None and (
+            isinstance(w, PanelMatrix) or (w.dtype in NATIVE_DTYPES and w.is_contiguous())):
+        return native.conv1d_rows(x2, w.panels if isinstance(w, PanelMatrix) else w, bias, cpu().avx512)
     elif w.dtype == torch.bfloat16 and not grad and cpu().bf16_matmul:
-        y = (x2.bfloat16() @ w).float()  # [M, N]: bf16 in and out, float32 accumulation inside oneDNN
+        dense = w.dense() if isinstance(w, PanelMatrix) else w  # (K, N) bf16
+        y = (x2.bfloat16() @ dense).float()  # [M, N]: bf16 in and out, float32 accumulation inside oneDNN
         return y if bias is None else y + bias
     w = as_float32(w)
     if bias is None:
@@ -114,12 +118,15 @@ def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix, bias: torch.Ten
 
 def native_projection(p: Linear) -> tuple[list[torch.Tensor], int] | None:
     """A projection as kernels/block.cpp takes it: [weight, scales, bias, LoRA a, b, scale] (empty tensors where it
-    has no scales or no LoRA) and its bits (0: float32 or bfloat16, read by decode.cpp's kernel; 8 or 4: packed);
+    has no scales or no LoRA) and its bits (0: float32 or bfloat16, plain or in panels, read by decode.cpp's kernel;
+    8 or 4: packed);
     None where a tensor has no native kernel (another dtype, a strided weight, float64 adapters)."""
     empty = torch.empty(0)
     w, lora = p.weight, p.lora
     if isinstance(w, QuantizedMatrix):
         tensors, bits = [w.packed, w.scales], w.bits
+    elif isinstance(w, PanelMatrix):  # decode.cpp's conv1d_rows reads panels as they are
+        tensors, bits = [w.panels, empty], 0
     elif w.dtype in NATIVE_DTYPES and w.is_contiguous():
         tensors, bits = [w, empty], 0
     else:

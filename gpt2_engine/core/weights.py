@@ -17,7 +17,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -57,6 +57,48 @@ class QuantizedMatrix:
 
 
 @dataclass(frozen=True)
+class PanelMatrix:
+    """A (K, N) bfloat16 weight matrix stored in panels, the order kernels/decode.cpp reads at decode (load_weights
+    keeps bfloat16 matrices so wherever their shape allows).
+
+    panels[b, t, r, c] = W[b * ROWS + r, t * COLS + c]: a band of ROWS weight rows of COLS columns is one contiguous
+    run of memory. decode.cpp's projections read a plain (K, N) weight as one stream per weight row of a pass, which the
+    hardware prefetchers follow badly; panels they read in address order (docs/benchmarks.md). Same values, same bits.
+    """
+
+    ROWS: ClassVar[int] = 32  # decode.cpp's PANEL_ROWS
+    COLS: ClassVar[int] = 64  # a tile of its AVX-512 body
+    PIECES: ClassVar[int] = 8  # decode.cpp's KPIECES: each piece of K must be whole bands
+
+    panels: torch.Tensor  # bfloat16 [K / ROWS, N / COLS, ROWS, COLS]
+    in_features: int  # K
+    out_features: int  # N
+
+    @classmethod
+    def fits(cls, shape: torch.Size) -> bool:
+        """Whether a (K, N) matrix can be kept in panels."""
+        K, N = shape
+        return K > 0 and K % (cls.PIECES * cls.ROWS) == 0 and N > 0 and N % cls.COLS == 0
+
+    @classmethod
+    def of(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> PanelMatrix:
+        """A contiguous (K, N) matrix (one that fits) in panels of `dtype`, converted as it is copied (one pass, and no
+        (K, N) copy in between)."""
+        K, N = w.shape
+        panels = torch.empty(K // cls.ROWS, N // cls.COLS, cls.ROWS, cls.COLS, dtype=dtype)
+        panels.copy_(w.view(K // cls.ROWS, cls.ROWS, N // cls.COLS, cls.COLS).permute(0, 2, 1, 3))
+        return cls(panels, K, N)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    def dense(self) -> torch.Tensor:
+        """The (K, N) matrix, in a tensor of its own (the panels' dtype)."""
+        return self.panels.permute(0, 2, 1, 3).reshape(self.in_features, self.out_features)
+
+
+@dataclass(frozen=True)
 class LoraStack:
     """Low-rank adapters on one projection (core/lora.py makes them), n of them stacked so that each row of a pass
     can use its own: row m adds scale[i] * (x_m a[i]) b[i] for its adapter i. Ranks below r are zero-padded."""
@@ -71,7 +113,7 @@ class Linear:
     """A Conv1D projection: weight (in, out), bias (out,), and the LoRA adapters on it, if any. In a gradient
     GPT2Weights (train/step.py), weight and bias are None where the projection is frozen."""
 
-    weight: torch.Tensor | QuantizedMatrix
+    weight: torch.Tensor | QuantizedMatrix | PanelMatrix
     bias: torch.Tensor
     lora: LoraStack | None = None
 
@@ -353,8 +395,15 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
             release_pages(tensor, path)
         return converted
 
-    # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision)
+    # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision).
+    # bfloat16 projections are kept in panels (PanelMatrix) where their shape allows.
     def lin(prefix: str) -> Linear:
+        weight = tensors[prefix + ".weight"]
+        if dtype == torch.bfloat16 and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
+            panels = PanelMatrix.of(weight, dtype)
+            if not resident:
+                release_pages(weight, path)
+            return Linear(panels, t(prefix + ".bias"))
         return Linear(t(prefix + ".weight", dtype), t(prefix + ".bias"))
 
     def ln(prefix: str) -> LayerNorm:
@@ -388,7 +437,8 @@ def named_tensors(w: GPT2Weights) -> dict[str, torch.Tensor]:
             p = getattr(blk, field)
             if isinstance(p.weight, QuantizedMatrix):
                 raise ValueError(f"h.{i}.{part}.weight is quantized; only float weights have named tensors")
-            named[f"h.{i}.{part}.weight"], named[f"h.{i}.{part}.bias"] = p.weight, p.bias
+            weight = p.weight.dense() if isinstance(p.weight, PanelMatrix) else p.weight
+            named[f"h.{i}.{part}.weight"], named[f"h.{i}.{part}.bias"] = weight, p.bias
     named["ln_f.weight"], named["ln_f.bias"] = w.ln_f.weight, w.ln_f.bias
     return named
 

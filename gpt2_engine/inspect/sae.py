@@ -26,6 +26,7 @@ from ..core.errors import GPT2EngineError
 from ..core.files import atomic_write
 from ..core.hooks import Recorder
 from ..core.model import logits, residual_stream
+from ..core.projection import as_float32
 from ..core.sae import SAE, Spliced, check_saes
 from ..core.tokenizer import Tokenizer
 from ..documents import read_documents
@@ -177,9 +178,9 @@ def logit_effects(model: GPT2, sae: SAE, features: Sequence[int], k: int = 10) -
     w = model.weights
     d = sae.W_dec[list(features)]  # [F, d_in]
     if point == "attn.hook_z" and sae.config.hook_head_index is None:
-        d = d @ w.blocks[int(name.split(".")[1])].attn_c_proj.weight.float()
+        d = d @ as_float32(w.blocks[int(name.split(".")[1])].attn_c_proj.weight)
     elif point == "mlp.hook_post":
-        d = d @ w.blocks[int(name.split(".")[1])].mlp_c_proj.weight.float()
+        d = d @ as_float32(w.blocks[int(name.split(".")[1])].mlp_c_proj.weight)
     elif d.shape[-1] != model.config.n_embd or point.endswith("hook_normalized") or point.startswith(("attn.", "mlp.")):
         return [None] * len(features)
     effect = (d * w.ln_f.weight.float()) @ w.wte.float().T  # [F, V]

@@ -45,6 +45,8 @@ constexpr int KB_MANY = 128;
 // smaller (eight short chains). The count is fixed, never the thread count, so the bits are the same on every
 // machine.
 constexpr int64_t KPIECES = 8;
+// Weight rows per band of a weight in panels (core/panels.py; Layout below): K must be whole bands in every piece.
+constexpr int64_t PANEL_ROWS = 32;
 constexpr int VB = 8;   // vocabulary rows per pass of the head
 
 // Weight loaders: 16 (AVX-512) or 8 (AVX2) consecutive weights as float32 lanes, and one weight for scalar tails.
@@ -90,27 +92,31 @@ void for_rows(int64_t M, Body body) {
 // ---- projections: y (accumulators, zeroed by the caller) += x @ w over the columns of one tile -------------------
 
 // 64 columns (4 zmm) for rows [m0, m0 + R), weight rows [k0, k0 + kn): load the accumulators, kn multiply-adds in k
-// order, store. Streaming the weight row by row, kb rows at a time (KB_FEW or KB_MANY), gives the prefetchers
-// contiguous streams.
+// order, store. wk points at weight row k0's column n, and row k0 + i is i * ldw further (N in a plain weight, 64 in
+// panels, whose passes never leave a band). Streaming the weight row by row, kb rows at a time (KB_FEW or KB_MANY), gives the prefetchers contiguous
+// streams; panels are one stream already, and ask for nothing ahead.
+enum class Ahead { nothing, next_tile, next_pass };
+
 template <int R, typename W>
-__attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, const typename W::T* w, float* y,
-                                                               int64_t K, int64_t N, int64_t m0, int64_t n,
-                                                               int64_t k0, int64_t kn, bool ahead, bool fresh) {
+__attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, const typename W::T* wk, int64_t ldw,
+                                                               float* y, int64_t K, int64_t N, int64_t m0, int64_t n,
+                                                               int64_t k0, int64_t kn, Ahead ahead, bool fresh) {
   __m512 a[R][4];  // fresh: a piece's first pass, from zero
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (m0 + r) * N + n + 16 * j);
-  for (int64_t k = k0; k < k0 + kn; ++k) {
+  for (int64_t i = 0; i < kn; ++i) {
+    const typename W::T* row = wk + i * ldw;
     __m512 wv[4];
     // the next tile's part of this weight row, 4 cache lines in float32 (past the end of w a prefetch is harmless)
-    if (ahead)
+    if (ahead == Ahead::next_tile)
       for (int j = 0; j < int(sizeof(typename W::T)); ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 64) + 64 * j, _MM_HINT_T1);
-    else if (m0 == 0)  // the next pass's segment of this column tile, into L2 (see KB_FEW)
+        _mm_prefetch(reinterpret_cast<const char*>(row + 64) + 64 * j, _MM_HINT_T1);
+    else if (ahead == Ahead::next_pass && m0 == 0)  // the next pass's segment of this column tile, into L2 (KB_FEW)
       for (int j = 0; j < int(sizeof(typename W::T)); ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + KB_FEW) * N + n) + 64 * j, _MM_HINT_T1);
-    for (int j = 0; j < 4; ++j) wv[j] = W::load16(w + k * N + n + 16 * j);
+        _mm_prefetch(reinterpret_cast<const char*>(row + KB_FEW * ldw) + 64 * j, _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) wv[j] = W::load16(row + 16 * j);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
+      const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k0 + i]);
       for (int j = 0; j < 4; ++j) a[r][j] = _mm512_fmadd_ps(xv, wv[j], a[r][j]);
     }
   }
@@ -120,28 +126,51 @@ __attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, c
 
 // AVX2 has 16 registers: 32 columns (4 ymm) and up to 2 rows at a time.
 template <int R, typename W>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const typename W::T* w, float* y, int64_t K,
-                                                          int64_t N, int64_t m0, int64_t n, int64_t k0, int64_t kn,
-                                                          bool ahead, bool fresh) {
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const typename W::T* wk, int64_t ldw, float* y,
+                                                          int64_t K, int64_t N, int64_t m0, int64_t n, int64_t k0,
+                                                          int64_t kn, Ahead ahead, bool fresh) {
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (m0 + r) * N + n + 8 * j);
-  for (int64_t k = k0; k < k0 + kn; ++k) {
+  for (int64_t i = 0; i < kn; ++i) {
+    const typename W::T* row = wk + i * ldw;
     __m256 wv[4];
-    if (ahead)  // the next tile's part of this weight row, 2 cache lines in float32
+    if (ahead == Ahead::next_tile)  // the next tile's part of this weight row, 2 cache lines in float32
       for (int j = 0; j < int(sizeof(typename W::T)) / 2; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n + 32) + 64 * j, _MM_HINT_T1);
-    else if (m0 == 0)  // as the AVX-512 body
+        _mm_prefetch(reinterpret_cast<const char*>(row + 32) + 64 * j, _MM_HINT_T1);
+    else if (ahead == Ahead::next_pass && m0 == 0)  // as the AVX-512 body
       for (int j = 0; j < int(sizeof(typename W::T)) / 2; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + KB_FEW) * N + n) + 64 * j, _MM_HINT_T1);
-    for (int j = 0; j < 4; ++j) wv[j] = W::load8(w + k * N + n + 8 * j);
+        _mm_prefetch(reinterpret_cast<const char*>(row + KB_FEW * ldw) + 64 * j, _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) wv[j] = W::load8(row + 8 * j);
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[(m0 + r) * K + k]);
+      const __m256 xv = _mm256_set1_ps(x[(m0 + r) * K + k0 + i]);
       for (int j = 0; j < 4; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + (m0 + r) * N + n + 8 * j, a[r][j]);
+}
+
+// One row over a panel's whole 64 columns (8 ymm): the same chains as two tile_avx2<1> calls, but each weight row of
+// a band is read once, in address order. bfloat16 also asks for the lines PANEL_AHEAD bytes on (8 weight rows), into
+// L1: without it the pass read panels at about 0.9x the rate (docs/benchmarks.md); float32, which does half the
+// arithmetic a byte, read slower with it.
+constexpr int64_t PANEL_AHEAD = 1024;
+
+template <typename W>
+__attribute__((target("avx2,fma"))) inline void wide_avx2(const float* x, const typename W::T* wk, float* y, int64_t K,
+                                                          int64_t N, int64_t m0, int64_t n, int64_t k0, int64_t kn,
+                                                          bool fresh) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m0 * N + n + 8 * j);
+  for (int64_t i = 0; i < kn; ++i) {
+    const typename W::T* row = wk + i * 64;
+    if constexpr (std::is_same_v<W, BF16>)
+      for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(row) + PANEL_AHEAD + 64 * j, _MM_HINT_T0);
+    const __m256 xv = _mm256_set1_ps(x[m0 * K + k0 + i]);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(xv, W::load8(row + 8 * j), a[j]);
+  }
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(y + m0 * N + n + 8 * j, a[j]);
 }
 
 // The same chains for `width` <= 16 J columns from n, with masked loads and stores (float32 weights, from 3 rows).
@@ -215,55 +244,98 @@ __attribute__((target("avx2,fma"))) void edge_avx2(const float* x, const float* 
 // mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
 // columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
 // boundary. Each body computes y (one piece's partial sums) = x[:, ka:kz] @ w[ka:kz, c0:c1], from zero.
+// Where weight row k's column n is (n a multiple of 32): a plain (K, N) weight, or panels
+// [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (core/panels.py), where PANEL_ROWS rows of 64 columns are one contiguous
+// run. A thread's share of plain rows is contiguous too, but a pass reads it as kb streams (one per weight row, a
+// tile's 64-256 bytes each), which the hardware prefetchers follow badly: at one row, bfloat16 read at about 0.75x
+// the rate of the same pass over panels, from memory and from cache alike (docs/benchmarks.md).
+template <typename T>
+struct Layout {
+  const T* w;
+  int64_t N;
+  bool panels;
+  const T* at(int64_t k, int64_t n) const {
+    if (!panels) return w + k * N + n;
+    return w + ((k / PANEL_ROWS) * (N / 64) + n / 64) * (PANEL_ROWS * 64) + (k % PANEL_ROWS) * 64 + n % 64;
+  }
+  int64_t ld() const { return panels ? 64 : N; }  // from one weight row to the next within a pass
+};
+
+// A pass covers kb weight rows: KB_FEW or KB_MANY on a plain weight, one band of PANEL_ROWS in panels at every row
+// count (passes of KB_MANY rows across bands read GPT-2's projections at 8 rows at about 0.8x the rate of one-band
+// passes). A piece is whole bands: conv1d_rows checks K.
+inline int64_t pass_rows(int64_t M, bool panels) { return panels ? PANEL_ROWS : M <= 2 ? KB_FEW : KB_MANY; }
+inline Ahead pass_ahead(int64_t kb, bool panels) {
+  return panels ? Ahead::nothing : kb == KB_MANY ? Ahead::next_tile : Ahead::next_pass;
+}
+
+// From 3 rows on the multiply-adds keep the loads busy, and a 64-byte load that straddles two cache lines costs two
+// (a memory-mapped safetensors file aligns a tensor to 8 bytes at best, so float32 weights used in place often sit
+// mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
+// columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
+// boundary (panels start on one). Each body computes y (one piece's partial sums) = x[:, ka:kz] @ w[ka:kz, c0:c1],
+// from zero.
 template <typename W>
-__attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const typename W::T* w, float* y,
+__attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, Layout<typename W::T> w, float* y,
                                                            int64_t M, int64_t K, int64_t N, int64_t ka, int64_t kz,
                                                            int64_t c0, int64_t c1) {
-  const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
+  const int64_t kb = pass_rows(M, w.panels);
+  const Ahead ahead = pass_ahead(kb, w.panels);
   int64_t lead = 0;
   if constexpr (std::is_same_v<W, F32>)
-    if (kb == KB_MANY) lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w + c0) % 64) % 64 / 4);
+    if (kb == KB_MANY && !w.panels)
+      lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w.w + c0) % 64) % 64 / 4);
   for (int64_t k0 = ka; k0 < kz; k0 += kb) {
     const int64_t kn = std::min<int64_t>(kb, kz - k0);
     const bool fresh = k0 == ka;
     int64_t n = c0 + lead;
     if constexpr (std::is_same_v<W, F32>)
       if (lead)
-        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, c0, lead, k0, kn, fresh); });
+        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w.w, y, K, N, m0, c0, lead, k0, kn, fresh); });
     for (; n + 64 <= c1; n += 64)
       for_rows(M, [&](auto R, int64_t m0) {
-        tile_avx512<decltype(R)::value, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY, fresh);
+        tile_avx512<decltype(R)::value, W>(x, w.at(k0, n), w.ld(), y, K, N, m0, n, k0, kn, ahead, fresh);
       });
     if constexpr (std::is_same_v<W, F32>)
       if (n < c1)
-        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w, y, K, N, m0, n, c1 - n, k0, kn, fresh); });
+        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w.w, y, K, N, m0, n, c1 - n, k0, kn, fresh); });
   }
 }
 
 template <typename W>
-__attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const typename W::T* w, float* y, int64_t M,
+__attribute__((target("avx2,fma"))) void columns_avx2(const float* x, Layout<typename W::T> w, float* y, int64_t M,
                                                       int64_t K, int64_t N, int64_t ka, int64_t kz, int64_t c0,
                                                       int64_t c1) {
-  const int64_t kb = M <= 2 ? KB_FEW : KB_MANY;
+  const int64_t kb = pass_rows(M, w.panels);
+  const Ahead ahead = pass_ahead(kb, w.panels);
   int64_t lead = 0;  // as the AVX-512 body: from 3 rows, tiles start at the rows' first 64-byte boundary
   if constexpr (std::is_same_v<W, F32>)
-    if (kb == KB_MANY) lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w + c0) % 64) % 64 / 4);
+    if (kb == KB_MANY && !w.panels)
+      lead = std::min<int64_t>(c1 - c0, (64 - reinterpret_cast<uintptr_t>(w.w + c0) % 64) % 64 / 4);
   for (int64_t k0 = ka; k0 < kz; k0 += kb) {
     const int64_t kn = std::min<int64_t>(kb, kz - k0);
     const bool fresh = k0 == ka;
     const auto edge = [&](int64_t n, int64_t width) {
       if constexpr (std::is_same_v<W, F32>) {
         int64_t m0 = 0;
-        for (; m0 + 2 <= M; m0 += 2) edge_avx2<2>(x, w, y, K, N, m0, n, width, k0, kn, fresh);
-        if (m0 < M) edge_avx2<1>(x, w, y, K, N, m0, n, width, k0, kn, fresh);
+        for (; m0 + 2 <= M; m0 += 2) edge_avx2<2>(x, w.w, y, K, N, m0, n, width, k0, kn, fresh);
+        if (m0 < M) edge_avx2<1>(x, w.w, y, K, N, m0, n, width, k0, kn, fresh);
       }
     };
     if (lead) edge(c0, lead);
     int64_t n = c0 + lead;
+    if (w.panels)  // c0 and c1 are whole panels
+      for (; n < c1; n += 64) {
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2)
+          for (int64_t h = 0; h < 64; h += 32)
+            tile_avx2<2, W>(x, w.at(k0, n + h), 64, y, K, N, m0, n + h, k0, kn, Ahead::next_tile, fresh);
+        if (m0 < M) wide_avx2<W>(x, w.at(k0, n), y, K, N, m0, n, k0, kn, fresh);
+      }
     for (; n + 32 <= c1; n += 32) {
       int64_t m0 = 0;
-      for (; m0 + 2 <= M; m0 += 2) tile_avx2<2, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY, fresh);
-      if (m0 < M) tile_avx2<1, W>(x, w, y, K, N, m0, n, k0, kn, kb == KB_MANY, fresh);
+      for (; m0 + 2 <= M; m0 += 2) tile_avx2<2, W>(x, w.at(k0, n), w.ld(), y, K, N, m0, n, k0, kn, ahead, fresh);
+      if (m0 < M) tile_avx2<1, W>(x, w.at(k0, n), w.ld(), y, K, N, m0, n, k0, kn, ahead, fresh);
     }
     if (n < c1) edge(n, c1 - n);
   }
@@ -274,7 +346,7 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const type
 // the weight is a contiguous run of rows; the columns past the last whole 64-column tile run the same chains in
 // scalar code (fmaf rounds exactly as a vector FMA lane does).
 template <typename W>
-torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N, const float* b, bool avx512) {
+torch::Tensor rows(torch::Tensor x, Layout<typename W::T> w, int64_t K, int64_t N, const float* b, bool avx512) {
   x = x.contiguous();
   const int64_t M = x.size(0), P = std::min<int64_t>(KPIECES, K);  // P depends on K alone, never on M or threads
   auto y = torch::empty({M, N}, x.options());
@@ -300,7 +372,7 @@ torch::Tensor rows(torch::Tensor x, const typename W::T* w, int64_t K, int64_t N
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = tiles * 64; n < N; ++n) {
         float acc = 0.0f;
-        for (int64_t k = ka; k < kz; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w[k * N + n]), acc);
+        for (int64_t k = ka; k < kz; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w.w[k * N + n]), acc);
         pp[(p * M + m) * N + n] = acc;
       }
   }
@@ -456,17 +528,24 @@ void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, 
 
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
 
+// w: a plain (K, N) weight, or panels [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (core/panels.py), with K whole bands in
+// each of the KPIECES pieces.
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "conv1d_rows: float32 x and b, float32 or bfloat16 w only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && b.dim() == 1 && x.size(1) == w.size(0) && w.size(1) == b.size(0),
-              "conv1d_rows: shapes do not chain (expected x [M, K], w [K, N], b [N])");
+  const bool panels = w.dim() == 4;
+  TORCH_CHECK(!panels || (w.size(2) == PANEL_ROWS && w.size(3) == 64 && w.size(0) % KPIECES == 0),
+              "conv1d_rows: panels must be [K / ", PANEL_ROWS, ", N / 64, ", PANEL_ROWS, ", 64] with K a multiple of ",
+              KPIECES * PANEL_ROWS);
+  const int64_t K = panels ? w.size(0) * PANEL_ROWS : w.size(0), N = panels ? w.size(1) * 64 : w.size(1);
+  TORCH_CHECK(x.dim() == 2 && (panels || w.dim() == 2) && b.dim() == 1 && x.size(1) == K && N == b.size(0),
+              "conv1d_rows: shapes do not chain (expected x [M, K], w [K, N] or its panels, b [N])");
   TORCH_CHECK(w.is_contiguous() && b.is_contiguous(), "conv1d_rows: w and b must be contiguous");
   if (w.scalar_type() == at::kBFloat16)
-    return rows<BF16>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), w.size(1),
+    return rows<BF16>(x, {reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, panels}, K, N,
                       b.data_ptr<float>(), avx512);
-  return rows<F32>(x, w.data_ptr<float>(), w.size(0), w.size(1), b.data_ptr<float>(), avx512);
+  return rows<F32>(x, {w.data_ptr<float>(), N, panels}, K, N, b.data_ptr<float>(), avx512);
 }
 
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
