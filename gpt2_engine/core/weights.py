@@ -93,9 +93,12 @@ class PanelMatrix:
     def dtype(self) -> torch.dtype:
         return self.panels.dtype
 
-    def dense(self) -> torch.Tensor:
-        """The (K, N) matrix, in a tensor of its own (the panels' dtype)."""
-        return self.panels.permute(0, 2, 1, 3).reshape(self.in_features, self.out_features)
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The (K, N) matrix in a tensor of its own, in `dtype` (None: the panels'), converted as it is copied."""
+        K, N = self.in_features, self.out_features
+        out = torch.empty(K, N, dtype=dtype or self.panels.dtype)
+        out.view(K // self.ROWS, self.ROWS, N // self.COLS, self.COLS).copy_(self.panels.permute(0, 2, 1, 3))
+        return out
 
 
 @dataclass(frozen=True)
