@@ -16,6 +16,7 @@ from .core.checkpoints import read_checkpoint
 from .core.config import GPT2Config
 from .core.errors import GenerationError, GPT2EngineError, WeightsError
 from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
+from .core.kernels import cpu
 from .core.lora import LoraAdapter, LoraSettings, attach, check_base, load_adapter
 from .core.model import forward
 from .core.pages import matrices_on_huge_pages
@@ -94,10 +95,13 @@ class GPT2:
             if not force:
                 check_base(adapter, Path(lora), directory)
         # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read)
+        # bfloat16 projections in panels where this CPU reads them faster (kernels.CPU.bf16_panels)
+        panels = cpu().bf16_panels
         if converted is not None:
-            weights = weights_from_tensors(converted, config, directory, dtype)
+            weights = weights_from_tensors(converted, config, directory, dtype, panels=panels)
         else:
-            weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32)
+            weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32,
+                                   panels=panels)
         if quantize:
             weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
         if converted is not None or quantize or dtype != torch.float32:  # not the file's own pages: see core/pages.py

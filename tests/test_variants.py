@@ -96,32 +96,47 @@ def test_bfloat16_keeps_the_matrices_in_bf16_and_the_rest_in_float32(variants: d
     assert w.blocks[0].c_fc.bias.dtype == w.blocks[0].ln_1.weight.dtype == w.wpe.dtype == torch.float32
 
 
-def test_bfloat16_projections_are_kept_in_panels_with_the_files_values(variants: dict[str, GPT2],
-                                                                          small_dir: Path) -> None:
-    """The loader keeps each bfloat16 projection in panels (weights.PanelMatrix): the file's matrix rounded to bf16,
-    in the order decode.cpp reads; named_tensors gives the (K, N) matrices back."""
+def load_bf16(small_dir: Path, vendor: str) -> GPT2:
+    """The fixture in bfloat16 as from_pretrained loads it on a CPU of `vendor` (kernels.CPU.bf16_panels)."""
+    import dataclasses
+
+    from gpt2_engine import api
+    from gpt2_engine.core.kernels import cpu
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "cpu", lambda: dataclasses.replace(cpu(), vendor=vendor))
+        return GPT2.from_pretrained(small_dir, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def bf16_both(small_dir: Path) -> tuple[GPT2, GPT2]:
+    """The bfloat16 fixture with its projections in panels (an AMD CPU) and plain (an Intel one)."""
+    return load_bf16(small_dir, "AuthenticAMD"), load_bf16(small_dir, "GenuineIntel")
+
+
+def test_bfloat16_projections_are_kept_in_panels_on_amd_with_the_files_values(bf16_both: tuple[GPT2, GPT2],
+                                                                              small_dir: Path) -> None:
+    """On an AMD CPU the loader keeps each bfloat16 projection in panels (weights.PanelMatrix): the file's matrix
+    rounded to bf16, in the order decode.cpp reads; named_tensors gives the (K, N) matrices back. Elsewhere plain."""
     from safetensors.torch import load_file
 
-    w = variants["bfloat16"].weights
+    paneled, plain = bf16_both
     raw = load_file(str(small_dir / "model.safetensors"))
     for i, field, name in ((0, "c_attn", "attn.c_attn"), (11, "mlp_c_proj", "mlp.c_proj")):
-        m = getattr(w.blocks[i], field).weight
+        m = getattr(paneled.weights.blocks[i], field).weight
         assert isinstance(m, PanelMatrix) and m.panels.is_contiguous()
         expected = raw[f"h.{i}.{name}.weight"].bfloat16()
         assert (m.in_features, m.out_features) == tuple(expected.shape)
-        assert torch.equal(m.dense(), expected)
-        assert torch.equal(named_tensors(w)[f"h.{i}.{name}.weight"], expected)
+        assert torch.equal(m.dense(), expected) and torch.equal(m.dense(torch.float32), expected.float())
+        assert torch.equal(named_tensors(paneled.weights)[f"h.{i}.{name}.weight"], expected)
+        assert torch.equal(getattr(plain.weights.blocks[i], field).weight, expected)
     assert not PanelMatrix.fits((64, 192)) and not PanelMatrix.fits((100, 37)) and PanelMatrix.fits((3072, 768))
 
 
-def test_bfloat16_in_panels_gives_the_bits_of_the_plain_matrices(variants: dict[str, GPT2], small_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_in_panels_gives_the_bits_of_the_plain_matrices(bf16_both: tuple[GPT2, GPT2]) -> None:
     """Panels change where the weights lie, not what is computed: a prompt's logits (the prefill path) and greedy
     decoding (the native kernels, one row and a batch) are those of the same bf16 matrices left plain."""
-    monkeypatch.setattr(PanelMatrix, "fits", classmethod(lambda cls, shape: False))
-    plain = GPT2.from_pretrained(small_dir, dtype="bfloat16")
-    assert not isinstance(plain.weights.blocks[0].c_fc.weight, PanelMatrix)
-    paneled = variants["bfloat16"]
+    paneled, plain = bf16_both
     ids = torch.tensor([paneled.tokenizer.encode(long_prompt())[:40]])
     assert torch.equal(paneled(ids), plain(ids))
     prompts = [[464, 2068, 7586], [15496, 11, 616, 1438, 318], [40]]
@@ -129,6 +144,14 @@ def test_bfloat16_in_panels_gives_the_bits_of_the_plain_matrices(variants: dict[
         plain.generate_ids(prompts[0], max_new_tokens=16, temperature=0)
     batch = [[c.token_ids for c in m.generation(prompts, max_new_tokens=8, temperature=0).run()] for m in (paneled, plain)]
     assert batch[0] == batch[1] and all(len(t) == 8 for t in batch[0])
+
+
+def test_bfloat16_panels_are_chosen_by_cpu_vendor() -> None:
+    from gpt2_engine.core.kernels import CPU
+
+    amd = CPU("AMD EPYC", True, False, False, False, False, "AuthenticAMD")
+    assert amd.bf16_panels and not CPU("Intel Xeon", True, True, True, True, True, "GenuineIntel").bf16_panels
+    assert not CPU("unknown CPU", False, False, False, False, False, "").bf16_panels
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "bfloat16"])

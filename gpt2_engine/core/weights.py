@@ -59,11 +59,13 @@ class QuantizedMatrix:
 @dataclass(frozen=True)
 class PanelMatrix:
     """A (K, N) bfloat16 weight matrix stored in panels, the order kernels/decode.cpp reads at decode (load_weights
-    keeps bfloat16 matrices so wherever their shape allows).
+    keeps bfloat16 projections so where asked, and GPT2.from_pretrained asks where the CPU reads them faster:
+    kernels.CPU.bf16_panels).
 
     panels[b, t, r, c] = W[b * ROWS + r, t * COLS + c]: a band of ROWS weight rows of COLS columns is one contiguous
-    run of memory. decode.cpp's projections read a plain (K, N) weight as one stream per weight row of a pass, which the
-    hardware prefetchers follow badly; panels they read in address order (docs/benchmarks.md). Same values, same bits.
+    run of memory. decode.cpp's projections read a plain (K, N) weight as one stream per weight row of a pass, which
+    AMD's hardware prefetchers follow badly; panels they read in address order (docs/benchmarks.md). Same values, same
+    bits.
     """
 
     ROWS: ClassVar[int] = 32  # decode.cpp's PANEL_ROWS
@@ -342,18 +344,19 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype = torch.float32,
-                 resident: bool = True) -> GPT2Weights:
+                 resident: bool = True, panels: bool = False) -> GPT2Weights:
     """Read and check every tensor of the checkpoint in `directory`; raise WeightsError on any mismatch.
 
     `dtype` is that of the weight matrices (and wte); everything else stays float32. resident=False: the pages that
     checking read are released again (release_pages), for a caller that quantizes the matrices one at a time.
+    panels: keep bfloat16 projections in panels (PanelMatrix) where their shape allows.
     """
     path = find_weights_file(Path(directory))
-    return weights_from_tensors(read_tensors(path), config, path, dtype, resident)
+    return weights_from_tensors(read_tensors(path), config, path, dtype, resident, panels)
 
 
 def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path: Path,
-                         dtype: torch.dtype = torch.float32, resident: bool = True) -> GPT2Weights:
+                         dtype: torch.dtype = torch.float32, resident: bool = True, panels: bool = False) -> GPT2Weights:
     """load_weights' checks and assembly, on tensors by official name (read from `path`, which errors name)."""
     expected = expected_shapes(config)
 
@@ -399,14 +402,13 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
         return converted
 
     # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision).
-    # bfloat16 projections are kept in panels (PanelMatrix) where their shape allows.
     def lin(prefix: str) -> Linear:
         weight = tensors[prefix + ".weight"]
-        if dtype == torch.bfloat16 and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
-            panels = PanelMatrix.of(weight, dtype)
+        if panels and dtype == torch.bfloat16 and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
+            kept = PanelMatrix.of(weight, dtype)
             if not resident:
                 release_pages(weight, path)
-            return Linear(panels, t(prefix + ".bias"))
+            return Linear(kept, t(prefix + ".bias"))
         return Linear(t(prefix + ".weight", dtype), t(prefix + ".bias"))
 
     def ln(prefix: str) -> LayerNorm:

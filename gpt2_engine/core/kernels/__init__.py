@@ -36,12 +36,22 @@ class CPU:
     avx512_bf16: bool
     amx: bool  # AMX tiles with bf16
     avx512_vnni: bool  # AVX-512 VNNI (vpdpbusd) with BW: the integer dot products of the quantized kernels
+    vendor: str = ""  # vendor_id: AuthenticAMD, GenuineIntel, ...
 
     @property
     def bf16_matmul(self) -> bool:
         """Whether bfloat16 GEMMs beat float32 ones here (oneDNN on AMX tiles or AVX512-BF16 dot products); on AVX2
         alone torch's bf16 GEMM is about 7x slower than float32."""
         return self.amx or self.avx512_bf16
+
+    @property
+    def bf16_panels(self) -> bool:
+        """Whether decode.cpp reads bfloat16 projections faster in panels (weights.PanelMatrix) than as plain (K, N)
+        matrices. On AMD's cores the hardware prefetchers follow a pass's stream per weight row badly and panels, read
+        in address order, won (a Zen 3 EPYC: whole batch-1 decode 1.08x, batch 8 0.98x); an Intel Xeon (AVX-512, BF16)
+        read the plain matrices at 94% of its memory rate and panels at 0.68x of that (docs/benchmarks.md). Zen 4 is
+        taken to be as the other Zen cores: not measured."""
+        return self.vendor == "AuthenticAMD" and self.avx2
 
     @property
     def best_isa(self) -> str | None:
@@ -57,18 +67,20 @@ class CPU:
 @functools.cache
 def cpu() -> CPU:
     """This machine's CPU (read once per process)."""
-    model, flags = "unknown CPU", set()
+    model, vendor, flags = "unknown CPU", "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name" and model == "unknown CPU":
                 model = value.strip()
+            elif key.strip() == "vendor_id" and not vendor:
+                vendor = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
     except OSError:
         pass
     return CPU(model, {"avx2", "fma", "f16c"} <= flags, "avx512f" in flags, "avx512_bf16" in flags,
-               "amx_bf16" in flags and "amx_tile" in flags, {"avx512_vnni", "avx512bw"} <= flags)
+               "amx_bf16" in flags and "amx_tile" in flags, {"avx512_vnni", "avx512bw"} <= flags, vendor)
 
 
 @functools.cache
