@@ -272,9 +272,9 @@ def main() -> int:
 
     formats = args.formats.split(",")
     found = bench_memory.measure(args.threads, rounds=1)  # the best read variant, timed again in every round below
-    width, ahead, nt = found.key
+    width, ahead, nt, huge = found.key
     read = bench_memory.kernel()
-    buf = bench_memory.buffer(1.0)
+    buf = bench_memory.buffer(1.0, huge)
     ceilings: list[float] = []
     runs: dict[tuple[str, str, str], list[float]] = {}
     moved = {fmt: gguf_bytes(files[fmt]) for fmt in formats}

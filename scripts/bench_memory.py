@@ -5,7 +5,8 @@
 
 A STREAM-like read (scripts/memory_read.cpp): T threads each sum their contiguous part of a float32 buffer far larger
 than the last-level cache, with native loads of each width this CPU has (32 bytes AVX2, 64 AVX-512), plain or
-non-temporal (vmovntdqa), with software prefetch 0 / 512 / 2,048 / 8,192 bytes ahead. Every variant runs --passes
+non-temporal (vmovntdqa), with software prefetch 0 / 512 / 2,048 / 8,192 bytes ahead, on 4 KB pages and (where the
+kernel gives transparent huge pages, as the engine's matrices get them: core/pages.py) on 2 MB pages. Every variant runs --passes
 timed passes, best kept, and the variants alternate for --rounds rounds (a shared host's bandwidth moves by the
 minute: the table is the median round's best per variant). The ceiling is the best variant's median: the rate a
 decode step that reads each weight once could reach on these threads.
@@ -25,6 +26,7 @@ import torch
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 from gpt2_engine.core.kernels import cpu  # noqa: E402
+from gpt2_engine.core.pages import huge_pages_available, move_to_huge_pages  # noqa: E402
 
 AHEAD = (0, 512, 2048, 8192)  # prefetch distances, bytes
 
@@ -35,7 +37,7 @@ class Ceiling:
 
     gbs: float
     variant: str
-    key: tuple[int, int, bool]  # (load width in bytes, prefetch distance, non-temporal): read_rate's arguments
+    key: tuple[int, int, bool, bool]  # (load width in bytes, prefetch distance, non-temporal, 2 MB pages)
     threads: int
     table: dict[str, float]
 
@@ -52,25 +54,31 @@ def kernel():
                 verbose=False)
 
 
-def buffer(gib: float) -> torch.Tensor:
-    """A 64-byte aligned float32 buffer of `gib` GiB, written once (so its pages exist before they are timed)."""
+def buffer(gib: float, huge: bool = False) -> torch.Tensor:
+    """A 64-byte aligned float32 buffer of `gib` GiB, written once (so its pages exist before they are timed); with
+    `huge`, moved onto 2 MB pages as the engine moves its matrices (core/pages.py)."""
     n = int(gib * 2**30) // 4
     raw = torch.ones(n + 16)
     off = (-raw.data_ptr() % 64) // 4
-    return raw[off : off + n]
+    buf = raw[off : off + n]
+    if huge:
+        move_to_huge_pages([buf])
+    return buf
 
 
 def measure(threads: int = 2, gib: float = 1.0, passes: int = 5, rounds: int = 3) -> Ceiling:
     """Every variant, alternating, `rounds` rounds of `passes` passes each: medians of the per-round bests."""
-    mod, buf = kernel(), buffer(gib)
+    mod = kernel()
+    bufs = {huge: buffer(gib, huge) for huge in ((False, True) if huge_pages_available() else (False,))}
     widths = [32] + ([64] if cpu().avx512 else [])
-    variants = [(w, a, nt) for w in widths for nt in (False, True) for a in AHEAD]
-    names = {v: f"{v[0] * 8}-bit {'non-temporal' if v[2] else 'plain'} loads, prefetch {v[1]} B ahead"
-             for v in variants}
-    seen: dict[tuple[int, int, bool], list[float]] = {}
+    variants = [(w, a, nt, huge) for huge in bufs for w in widths for nt in (False, True) for a in AHEAD]
+    names = {v: f"{v[0] * 8}-bit {'non-temporal' if v[2] else 'plain'} loads, prefetch {v[1]} B ahead, "
+                f"{'2 MB' if v[3] else '4 KB'} pages" for v in variants}
+    seen: dict[tuple[int, int, bool, bool], list[float]] = {}
     for _ in range(rounds):
         for v in variants:
-            gbs, total = mod.read_rate(buf, *v, threads, passes)
+            buf = bufs[v[3]]
+            gbs, total = mod.read_rate(buf, *v[:3], threads, passes)
             # the buffer holds ones: every pass must have summed (nearly: whole steps per thread) all of it
             if not 0.999 <= total / (passes * buf.numel()) <= 1.0:
                 raise SystemExit(f"bench-memory: the {names[v]} read summed {total:.0f}, expected about "
