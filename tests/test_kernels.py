@@ -129,6 +129,7 @@ def test_a_weight_in_panels_gives_the_bits_of_the_plain_weight(native, isa: str,
     panels = PanelMatrix.of(w, dtype)
     assert panels.panels.shape == (K // 32, N // 64, 32, 64)
     assert torch.equal(panels.dense(), w)
+    assert torch.equal(native.unpack_panels(panels.panels), w.float())  # prefill's float32 matrix
     for m in range(1, 9):
         assert torch.equal(native.conv1d_rows(x[:m], panels.panels, b, isa == "avx512"),
                            native.conv1d_rows(x[:m], w, b, isa == "avx512")), m
@@ -139,6 +140,8 @@ def test_kernels_reject_what_they_do_not_handle(native) -> None:
         native.conv1d_rows(torch.zeros(1, 128), torch.zeros(4, 1, 32, 64), torch.zeros(64), False)
     with pytest.raises(RuntimeError, match="shapes do not chain"):
         native.conv1d_rows(torch.zeros(1, 512), torch.zeros(8, 1, 32, 64), torch.zeros(128), False)
+    with pytest.raises(RuntimeError, match=r"unpack_panels: expected contiguous bfloat16 or float32 panels"):
+        native.unpack_panels(torch.zeros(8, 1, 16, 64))
     with pytest.raises(RuntimeError, match="float32 x and b, float32 or bfloat16 w only"):
         native.conv1d_rows(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(4, 4), torch.zeros(4), False)
     with pytest.raises(RuntimeError, match="shapes do not chain"):

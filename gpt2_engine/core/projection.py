@@ -54,7 +54,8 @@ def as_float32(w: torch.Tensor | QuantizedMatrix | PanelMatrix) -> torch.Tensor:
     if isinstance(w, QuantizedMatrix):
         return dequantize(w)
     if isinstance(w, PanelMatrix):
-        return w.dense(torch.float32)
+        native = decode_kernels()
+        return native.unpack_panels(w.panels) if native is not None else w.dense(torch.float32)
     return w if w.dtype in (torch.float32, torch.float64) else w.float()
 
 

@@ -548,6 +548,32 @@ torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, boo
   return rows<F32>(x, {w.data_ptr<float>(), N, panels}, K, N, b.data_ptr<float>(), avx512);
 }
 
+// Panels [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (bfloat16 or float32) -> the (K, N) float32 matrix, for the GEMMs
+// of longer inputs: each band read once in address order, each of its rows widened into 64 contiguous columns (torch's
+// copy from the permuted view ran prefill at about 0.97x the plain matrix's widening).
+torch::Tensor unpack_panels(torch::Tensor panels) {
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == PANEL_ROWS && panels.size(3) == 64 && panels.is_contiguous() &&
+                  (panels.scalar_type() == at::kBFloat16 || panels.scalar_type() == at::kFloat),
+              "unpack_panels: expected contiguous bfloat16 or float32 panels [K / ", PANEL_ROWS, ", N / 64, ",
+              PANEL_ROWS, ", 64]");
+  const int64_t bands = panels.size(0), tiles = panels.size(1), N = tiles * 64;
+  auto out = torch::empty({bands * PANEL_ROWS, N}, panels.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  const void* src = panels.data_ptr();
+  at::parallel_for(0, bands, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t t = 0; t < tiles; ++t)
+        for (int64_t r = 0; r < PANEL_ROWS; ++r) {
+          const int64_t from = ((b * tiles + t) * PANEL_ROWS + r) * 64;
+          float* to = o + (b * PANEL_ROWS + r) * N + t * 64;
+          for (int64_t c = 0; c < 64; ++c)
+            to[c] = bf16 ? BF16::one(static_cast<const uint16_t*>(src)[from + c]) : static_cast<const float*>(src)[from + c];
+        }
+  });
+  return out;
+}
+
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "dot_rows: float32 x, float32 or bfloat16 w only");

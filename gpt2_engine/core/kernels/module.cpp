@@ -9,6 +9,7 @@
 // decode.cpp
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
+torch::Tensor unpack_panels(torch::Tensor panels);
 // attention.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
@@ -37,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order", release());
   m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order", release());
+  m.def("unpack_panels", &unpack_panels, "the float32 (K, N) matrix of a weight in panels", release());
   m.def("reduce_rows", &reduce_rows, "each row's argmax (skipping a banned token), its logit and logsumexp "
         "(block.cpp)", release());
   m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",
