@@ -14,7 +14,7 @@ from gpt2_engine import GPT2
 from gpt2_engine.core.config import DECODE_ROWS
 from gpt2_engine.core.kernels import cpu, decode_kernels
 from gpt2_engine.core.model import linear, lm_head
-from gpt2_engine.core.weights import HeadPanels, PanelMatrix
+from gpt2_engine.core.weights import PanelMatrix
 
 ISAS = [isa for isa, have in (("avx2", cpu().avx2), ("avx512", cpu().avx512)) if have]
 
@@ -135,23 +135,6 @@ def test_a_weight_in_panels_gives_the_bits_of_the_plain_weight(native, isa: str,
                            native.conv1d_rows(x[:m], w, b, isa == "avx512")), m
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
-@pytest.mark.parametrize("V,C", [(50257, 768), (1001, 64), (13, 48)])
-def test_a_head_in_panels_gives_the_bits_of_the_plain_head(native, isa: str, dtype: torch.dtype, V: int, C: int) -> None:
-    """weights.HeadPanels changes only the order in which dot_rows reads wte (its last V % 8 rows stay plain): the
-    same logits at every row count, and its rows gathered back are wte's."""
-    g = torch.Generator().manual_seed(V + C)
-    wte, x = torch.randn(V, C, generator=g).to(dtype), torch.randn(8, C, generator=g)
-    head = HeadPanels.of(wte, dtype)
-    assert head.data.shape == (V * C,) and head.shape == (V, C)
-    assert torch.equal(head.dense(), wte) and torch.equal(head.block(slice(V - 9, V)), wte[V - 9 :].float())
-    ids = torch.tensor([[0, V - 1, V // 2], [V - 1, 7, 8]])
-    assert torch.equal(head.rows(ids), wte[ids].float())
-    for m in range(1, 9):
-        assert torch.equal(native.dot_rows(x[:m], head.data, isa == "avx512"), native.dot_rows(x[:m], wte, isa == "avx512")), m
-
-
 def test_kernels_reject_what_they_do_not_handle(native) -> None:
     with pytest.raises(RuntimeError, match=r"panels must be \[K / 32, N / 64, 32, 64\] with K a multiple of 256"):
         native.conv1d_rows(torch.zeros(1, 128), torch.zeros(4, 1, 32, 64), torch.zeros(64), False)
@@ -159,8 +142,6 @@ def test_kernels_reject_what_they_do_not_handle(native) -> None:
         native.conv1d_rows(torch.zeros(1, 512), torch.zeros(8, 1, 32, 64), torch.zeros(128), False)
     with pytest.raises(RuntimeError, match=r"unpack_panels: expected contiguous bfloat16 or float32 panels"):
         native.unpack_panels(torch.zeros(8, 1, 16, 64))
-    with pytest.raises(RuntimeError, match=r"dot_rows: expected w \[V, C\] or its panels \(V \* C values, C a multiple of 16\)"):
-        native.dot_rows(torch.zeros(1, 24), torch.zeros(48), False)
     with pytest.raises(RuntimeError, match="float32 x and b, float32 or bfloat16 w only"):
         native.conv1d_rows(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(4, 4), torch.zeros(4), False)
     with pytest.raises(RuntimeError, match="shapes do not chain"):

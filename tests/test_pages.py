@@ -10,7 +10,7 @@ import torch
 import gpt2_engine.api as api
 from gpt2_engine import GPT2
 from gpt2_engine.core.pages import HUGE_PAGE, huge_pages_available, move_to_huge_pages
-from gpt2_engine.core.weights import HeadPanels, PanelMatrix, QuantizedMatrix, file_pages, find_weights_file
+from gpt2_engine.core.weights import PanelMatrix, QuantizedMatrix, file_pages, find_weights_file
 
 THP = huge_pages_available()
 
@@ -79,8 +79,7 @@ def test_a_loaded_model_streams_its_matrices_from_one_region_with_the_same_bits(
         ms = [getattr(b, n).weight for b in w.blocks for n in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
         ms.append(w.head)
         return [t for m in ms for t in ((m.packed, m.scales) if isinstance(m, QuantizedMatrix)
-                                        else (m.panels,) if isinstance(m, PanelMatrix)
-                                        else (m.data,) if isinstance(m, HeadPanels) else (m,))]
+                                        else (m.panels,) if isinstance(m, PanelMatrix) else (m,))]
 
     storages = {t.untyped_storage().data_ptr() for t in parts(placed.weights)}
     if THP:

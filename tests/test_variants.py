@@ -15,7 +15,7 @@ from gpt2_engine.cli import main
 from gpt2_engine.commands.compare import long_prompt
 from gpt2_engine.core.model import linear
 from gpt2_engine.core.quantize import dequantize, pack, quantize_groups, quantize_matrix, unpack
-from gpt2_engine.core.weights import HeadPanels, Linear, PanelMatrix, QuantizedMatrix, named_tensors
+from gpt2_engine.core.weights import Linear, PanelMatrix, QuantizedMatrix, named_tensors
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])
@@ -131,11 +131,6 @@ def test_bfloat16_projections_are_kept_in_panels_on_amd_with_the_files_values(bf
         assert torch.equal(named_tensors(paneled.weights)[f"h.{i}.{name}.weight"], expected)
         assert torch.equal(getattr(plain.weights.blocks[i], field).weight, expected)
     assert not PanelMatrix.fits((64, 192)) and not PanelMatrix.fits((100, 37)) and PanelMatrix.fits((3072, 768))
-    # the tied head and embedding: wte in the head's panels on AMD, one object for both
-    wte = raw["wte.weight"].bfloat16()
-    head = paneled.weights.head
-    assert isinstance(head, HeadPanels) and paneled.weights.wte is head and torch.equal(head.dense(), wte)
-    assert torch.equal(named_tensors(paneled.weights)["wte.weight"], wte) and torch.equal(plain.weights.head, wte)
 
 
 def test_bfloat16_in_panels_gives_the_bits_of_the_plain_matrices(bf16_both: tuple[GPT2, GPT2]) -> None:

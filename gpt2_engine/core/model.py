@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .config import GPT2Config
 from .kernels import cpu, decode_kernels
 from .projection import head_logits, lora_rows, project
-from .weights import Block, GPT2Weights, HeadPanels, LayerNorm, Linear, QuantizedMatrix, split_qkv
+from .weights import Block, GPT2Weights, LayerNorm, Linear, QuantizedMatrix, split_qkv
 
 
 @dataclass(frozen=True)
@@ -328,8 +328,6 @@ def embed(w: GPT2Weights, ids: torch.Tensor) -> torch.Tensor:
     keeps wte's float32 pages out of its memory (GPT2Weights.wte_pages), so that it stays the quantized size: a
     decode step's few rows are read from the file (FilePages.read_rows); longer inputs go EMBED_CHUNK ids at a time
     through the mapping, whose pages are then dropped, since each distinct id can map a folio of ~1 MB."""
-    if isinstance(w.wte, HeadPanels):  # a bfloat16 head kept in panels (kernels.CPU.bf16_panels)
-        return w.wte.rows(ids)  # [..., C]
     if w.wte_pages is None:
         return w.wte[ids].float()  # [..., C]
     flat = ids.reshape(-1)

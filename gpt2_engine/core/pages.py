@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .weights import GPT2Weights, HeadPanels, PanelMatrix, QuantizedMatrix, libc, release_heap
+from .weights import GPT2Weights, PanelMatrix, QuantizedMatrix, libc, release_heap
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 LINE = 64  # bytes
@@ -75,7 +75,6 @@ def matrices_on_huge_pages(w: GPT2Weights) -> None:
     matrices = [getattr(b, name).weight for b in w.blocks for name in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
     matrices.append(w.head)  # GPT-2's head is wte itself (tied), or its quantized transpose
     tensors = [t for m in matrices for t in ((m.packed, m.scales) if isinstance(m, QuantizedMatrix)
-                                             else (m.panels,) if isinstance(m, PanelMatrix)
-                                             else (m.data,) if isinstance(m, HeadPanels) else (m,))]
+                                             else (m.panels,) if isinstance(m, PanelMatrix) else (m,))]
     if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         move_to_huge_pages(list({id(t): t for t in tensors}.values()))

@@ -26,7 +26,7 @@ import torch
 from .config import DECODE_ROWS
 from .kernels import cpu, decode_kernels
 from .quantize import GROUP, PANEL, dequantize, unpack
-from .weights import HeadPanels, Linear, LoraStack, PanelMatrix, QuantizedMatrix
+from .weights import Linear, LoraStack, PanelMatrix, QuantizedMatrix
 
 # Decoding multiplies only a few rows (one per sequence) by each weight matrix: a memory-bound GEMV. Up to
 # config.DECODE_ROWS rows, float32 projections and the head run on the native row-invariant kernels, and the weight
@@ -59,12 +59,10 @@ def as_float32(w: torch.Tensor | QuantizedMatrix | PanelMatrix) -> torch.Tensor:
     return w if w.dtype in (torch.float32, torch.float64) else w.float()
 
 
-def head_rows(head: torch.Tensor | QuantizedMatrix | HeadPanels, rows: slice = slice(None)) -> torch.Tensor:
+def head_rows(head: torch.Tensor | QuantizedMatrix, rows: slice = slice(None)) -> torch.Tensor:
     """Rows of the output head as (n, C) float32 (a quantized head is stored transposed, (C, V))."""
     if isinstance(head, QuantizedMatrix):
         return dequantize(head).t()[rows]
-    if isinstance(head, HeadPanels):
-        return head.block(rows)
     return head[rows] if head.dtype in (torch.float32, torch.float64) else head[rows].float()
 
 
@@ -143,17 +141,14 @@ def native_projection(p: Linear) -> tuple[list[torch.Tensor], int] | None:
     return [*tensors, p.bias, lora.a, lora.b, lora.scale], bits
 
 
-def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix | HeadPanels) -> torch.Tensor:
-    """[M, C] -> [M, V] logits through the tied head: wte (V, C) in float32 or bfloat16 (plain or in panels), or its
-    quantized (C, V)."""
+def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
+    """[M, C] -> [M, V] logits through the tied head: wte (V, C) in float32 or bfloat16, or its quantized (C, V)."""
     if isinstance(head, QuantizedMatrix):
         return project(x2, head, None)
     M, C = x2.shape
     V = head.shape[0]
     grad = x2.requires_grad
     native = decode_kernels() if M <= DECODE_ROWS and not grad else None
-    if native is not None and isinstance(head, HeadPanels):
-        return native.dot_rows(x2, head.data, cpu().avx512)
     if native is not None and head.dtype in NATIVE_DTYPES and head.is_contiguous():
         return native.dot_rows(x2, head, cpu().avx512)
     if head.dtype != torch.float32:  # bfloat16: widened a block of rows at a time

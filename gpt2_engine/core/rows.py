@@ -14,7 +14,7 @@ from .config import GPT2Config
 from .kernels import cpu, decode_kernels
 from .model import Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
 from .projection import native_projection
-from .weights import Block, GPT2Weights, HeadPanels, QuantizedMatrix, split_qkv
+from .weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,6 @@ def native_head(w: GPT2Weights, config: GPT2Config) -> Any | None:
         return None
     if isinstance(head, QuantizedMatrix):
         tensors, bits, vocab = (head.packed, head.scales), head.bits, head.out_features
-    elif isinstance(head, HeadPanels):  # decode.cpp reads the panels as they are
-        tensors, bits, vocab = (head.data, torch.empty(0)), 0, head.vocab
     elif head.dtype in (torch.float32, torch.bfloat16) and head.is_contiguous():
         tensors, bits, vocab = (head, torch.empty(0)), 0, head.shape[0]
     else:

@@ -104,72 +104,6 @@ class PanelMatrix:
 
 
 @dataclass(frozen=True)
-class HeadPanels:
-    """wte (V, C) in bfloat16, stored for the head's kernel (decode.cpp's HeadLayout) where the CPU reads it faster
-    (kernels.CPU.bf16_panels): the first V - V % 8 rows as [V / 8, C / 16, 8, 16], so that a block of 8 vocabulary
-    rows is read in address order, then the V % 8 rows left over, plain; all V * C values in one 1-D tensor. It is the
-    embedding too (GPT-2 ties them): rows() gathers token rows from it. Same values, same bits as the plain wte."""
-
-    ROWS: ClassVar[int] = 8  # decode.cpp's HEAD_ROWS
-    COLS: ClassVar[int] = 16  # decode.cpp's HEAD_COLS
-
-    data: torch.Tensor  # bfloat16 [V * C]
-    vocab: int  # V
-    width: int  # C
-
-    @classmethod
-    def fits(cls, shape: torch.Size) -> bool:
-        V, C = shape
-        return V >= cls.ROWS and C > 0 and C % cls.COLS == 0
-
-    @classmethod
-    def of(cls, wte: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> HeadPanels:
-        """A contiguous (V, C) wte (one that fits) in `dtype`, converted as it is copied."""
-        V, C = wte.shape
-        whole = V - V % cls.ROWS
-        data = torch.empty(V * C, dtype=dtype)
-        cls._panels(data, V, C).copy_(wte[:whole].view(whole // cls.ROWS, cls.ROWS, C // cls.COLS, cls.COLS)
-                                      .permute(0, 2, 1, 3))
-        data[whole * C :].view(V - whole, C).copy_(wte[whole:])
-        return cls(data, V, C)
-
-    @classmethod
-    def _panels(cls, data: torch.Tensor, V: int, C: int) -> torch.Tensor:
-        """The panel part of data: [V // 8, C / 16, 8, 16]."""
-        whole = V - V % cls.ROWS
-        return data[: whole * C].view(whole // cls.ROWS, C // cls.COLS, cls.ROWS, cls.COLS)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.vocab, self.width))
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] (each in [0, V)) -> their rows [..., C], float32."""
-        V, C = self.vocab, self.width
-        flat = ids.reshape(-1)
-        whole = V - V % self.ROWS
-        safe = flat.clamp(max=whole - 1)  # the last V % 8 rows are plain, after the panels
-        out = self._panels(self.data, V, C)[safe // self.ROWS, :, safe % self.ROWS].reshape(-1, C).float()  # [n, C]
-        if whole < V and bool((flat >= whole).any()):
-            at = (flat >= whole).nonzero()[:, 0]
-            out[at] = self.data[whole * C :].view(-1, C)[flat[at] - whole].float()
-        return out.view(*ids.shape, C)
-
-    def block(self, rows: slice) -> torch.Tensor:
-        """Vocabulary rows [start, stop) as (n, C) float32."""
-        start, stop, _ = rows.indices(self.vocab)
-        return self.rows(torch.arange(start, max(start, stop)))
-
-    def dense(self) -> torch.Tensor:
-        """The (V, C) matrix, in a tensor of its own (the data's dtype)."""
-        return self.block(slice(0, self.vocab)).to(self.dtype)
-
-
-@dataclass(frozen=True)
 class LoraStack:
     """Low-rank adapters on one projection (core/lora.py makes them), n of them stacked so that each row of a pass
     can use its own: row m adds scale[i] * (x_m a[i]) b[i] for its adapter i. Ranks below r are zero-padded."""
@@ -270,11 +204,11 @@ def libc() -> ctypes.CDLL:
 
 @dataclass(frozen=True)
 class GPT2Weights:
-    wte: torch.Tensor | HeadPanels  # (V, C) token embedding
+    wte: torch.Tensor  # (V, C) token embedding
     wpe: torch.Tensor  # (n_positions, C)
     blocks: tuple[Block, ...]
     ln_f: LayerNorm
-    head: torch.Tensor | QuantizedMatrix | HeadPanels  # wte (V, C) itself (GPT-2 ties them), or its quantized transpose (C, V)
+    head: torch.Tensor | QuantizedMatrix  # wte (V, C) itself (GPT-2 ties them), or its quantized transpose (C, V)
     # Set when the head is quantized and wte is read from the mapped file: the embedding lookup then drops wte's
     # pages after each use (model.embed). A page fault on a file mapping maps the whole page-cache folio around the
     # row, about 0.9 MB here, so without this every distinct token would leave ~1 MB of float32 wte resident.
@@ -491,13 +425,7 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
         )
         for i in range(config.n_layer)
     )
-    table = tensors["wte.weight"]
-    if panels and dtype == torch.bfloat16 and HeadPanels.fits(table.shape) and table.is_contiguous():
-        wte = HeadPanels.of(table, dtype)
-        if not resident:
-            release_pages(table, path)
-    else:
-        wte = t("wte.weight", dtype)
+    wte = t("wte.weight", dtype)
     return GPT2Weights(wte=wte, wpe=t("wpe.weight"), blocks=blocks, ln_f=ln("ln_f"), head=wte)
 
 
@@ -508,7 +436,7 @@ BLOCK_PARTS = {"ln_1": "ln_1", "c_attn": "attn.c_attn", "attn_c_proj": "attn.c_p
 
 def named_tensors(w: GPT2Weights) -> dict[str, torch.Tensor]:
     """Every parameter under its official name, in expected_shapes' order (the tied head is wte, not listed)."""
-    named = {"wte.weight": w.wte.dense() if isinstance(w.wte, HeadPanels) else w.wte, "wpe.weight": w.wpe}
+    named = {"wte.weight": w.wte, "wpe.weight": w.wpe}
     for i, blk in enumerate(w.blocks):
         for field, part in BLOCK_PARTS.items():
             p = getattr(blk, field)

@@ -26,7 +26,7 @@ from ..core.errors import GPT2EngineError
 from ..core.files import atomic_write
 from ..core.hooks import Recorder
 from ..core.model import logits, residual_stream
-from ..core.projection import as_float32, head_rows
+from ..core.projection import as_float32
 from ..core.sae import SAE, Spliced, check_saes
 from ..core.tokenizer import Tokenizer
 from ..documents import read_documents
@@ -183,7 +183,7 @@ def logit_effects(model: GPT2, sae: SAE, features: Sequence[int], k: int = 10) -
         d = d @ as_float32(w.blocks[int(name.split(".")[1])].mlp_c_proj.weight)
     elif d.shape[-1] != model.config.n_embd or point.endswith("hook_normalized") or point.startswith(("attn.", "mlp.")):
         return [None] * len(features)
-    effect = (d * w.ln_f.weight.float()) @ head_rows(w.wte).T  # [F, V]: wte's rows in float32, in whichever layout
+    effect = (d * w.ln_f.weight.float()) @ w.wte.float().T  # [F, V]
     up, down = effect.topk(k, dim=-1), (-effect).topk(k, dim=-1)
     text = model.tokenizer.token_text
     return [{"top": [[text(int(i)), round(float(v), 4)] for i, v in zip(up.indices[f], up.values[f])],

@@ -23,7 +23,6 @@
 // decode.cpp, quant.cpp, attention.cpp (its exp8 and sum8 too), lora.cpp
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
-void check_head(const torch::Tensor& w, int64_t C, const char* who);
 void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, int64_t n, float* y, int64_t ldy,
                     bool avx512);
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
@@ -288,7 +287,7 @@ class RowBlock {
 };
 
 // The final layer norm and the tied head over the rows of a decode-sized pass: logits [R, V] = ln_f(x) wte^T, with
-// wte (V, C) in float32 or bfloat16, plain or in panels (decode.cpp's dot_rows), or packed int8 as (C, V) (quant.cpp), as model.logits()
+// wte (V, C) in float32 or bfloat16 (decode.cpp's dot_rows) or packed int8 as (C, V) (quant.cpp), as model.logits()
 // computes them for these rows, in one call.
 class RowHead {
  public:
@@ -338,7 +337,9 @@ class RowHead {
     auto out = torch::empty({kept, vocab_}, x.options());
     float* op = out.data_ptr<float>();
     std::vector<Pick> picks(P * R);
-    check_head(head_, h.size(1), "RowHead.select");
+    TORCH_CHECK(head_.dim() == 2 && head_.size(1) == h.size(1) && head_.is_contiguous() &&
+                    (head_.scalar_type() == at::kFloat || head_.scalar_type() == at::kBFloat16),
+                "RowHead.select: the head must be a contiguous float32 or bfloat16 [V, C]");
     at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
       std::vector<float> buf(R * SUB);  // one piece's logits [R, SUB], in L1
       for (int64_t i = begin; i < end; ++i) {

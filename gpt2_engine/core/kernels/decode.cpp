@@ -395,49 +395,22 @@ torch::Tensor rows(torch::Tensor x, Layout<typename W::T> w, int64_t K, int64_t 
 template <typename W>
 constexpr int64_t LINE() { return 64 / sizeof(typename W::T); }
 
-// Where vocabulary row v's column c is (c a multiple of 8): a plain (V, C) head, or its panels (weights.HeadPanels):
-// the first V - V % 8 rows as [V / 8, C / 16, 8, 16] (8 rows' 16 columns one 256- or 512-byte run: a block reads its
-// rows in address order), then the V % 8 rows left over, plain. The same values, the same chains.
-constexpr int64_t HEAD_ROWS = 8, HEAD_COLS = 16;
-
-template <typename T>
-struct HeadLayout {
-  const T* w;
-  int64_t V, C;
-  bool panels;
-  const T* at(int64_t v, int64_t c) const {
-    if (!panels || v >= V - V % HEAD_ROWS) return w + v * C + c;
-    return w + ((v / HEAD_ROWS) * (C / HEAD_COLS) + c / HEAD_COLS) * (HEAD_ROWS * HEAD_COLS) + (v % HEAD_ROWS) * HEAD_COLS +
-           c % HEAD_COLS;
-  }
-};
-
 // While a block reads column c of its NV vocabulary rows, the first row group prefetches that column's line in every
 // other row of the next block; the hardware prefetchers fetch the rest (every row, or the next block's lines in
 // address order, measured slower: docs/benchmarks.md has the figures).
 // Each row of the block HEAD_AHEAD blocks on is also asked for into L2 (past the end of w, harmlessly): the head is
 // GPT-2's largest matrix (154 MB in float32), and its one stream ran below the machine's bandwidth without it.
-// Panels are one stream: a block asks only for the run PANEL_AHEAD bytes on, into L1 (at one row of bfloat16 on a
-// Zen 3 EPYC, the head in panels read at 1.26x the plain head's rate with it, 1.20x without).
 constexpr int64_t HEAD_AHEAD = 8;
 
 template <int NV, typename W>
-inline void prefetch_next(HeadLayout<typename W::T> w, int64_t v0, int64_t c) {
-  if (w.panels) {
-    const char* run = reinterpret_cast<const char*>(w.at(v0, c)) + PANEL_AHEAD;
-    for (int64_t j = 0; j < int64_t(HEAD_ROWS * HEAD_COLS * sizeof(typename W::T)) / 64; ++j)
-      _mm_prefetch(run + 64 * j, _MM_HINT_T0);
-    return;
-  }
-  for (int i = 0; i < NV; i += 2) _mm_prefetch(reinterpret_cast<const char*>(w.at(v0 + NV + i, c)), _MM_HINT_T0);
-  for (int i = 0; i < NV; ++i)  // and every row of the block HEAD_AHEAD blocks on, into L2
-    _mm_prefetch(reinterpret_cast<const char*>(w.at(v0 + NV * HEAD_AHEAD + i, c)), _MM_HINT_T1);
+inline void prefetch_next(const typename W::T* w, int64_t C, int64_t v0, int64_t c) {
+  for (int i = 0; i < NV; i += 2) _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV + i) * C + c), _MM_HINT_T0);
 }
 
 template <int R, int NV, typename W>
-__attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, HeadLayout<typename W::T> w, float* y,
-                                                              int64_t ldy, int64_t y0, int64_t m0, int64_t v0) {
-  const int64_t C = w.C;
+__attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, const typename W::T* w, float* y,
+                                                              int64_t C, int64_t ldy, int64_t y0, int64_t m0,
+                                                              int64_t v0) {
   __m512 acc[NV][R];
   for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -445,24 +418,27 @@ __attribute__((target("avx512f,fma"))) void head_block_avx512(const float* x, He
   for (; c + 16 <= C; c += 16) {
     __m512 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(x + (m0 + r) * C + c);
-    if (m0 == 0 && c % (w.panels ? HEAD_COLS : LINE<W>()) == 0) prefetch_next<NV, W>(w, v0, c);
+    if (m0 == 0 && c % LINE<W>() == 0) {
+      prefetch_next<NV, W>(w, C, v0, c);
+      for (int i = 0; i < NV; ++i)  // and every row of the block HEAD_AHEAD blocks on, into L2
+        _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV * HEAD_AHEAD + i) * C + c), _MM_HINT_T1);
+    }
     for (int i = 0; i < NV; ++i) {
-      const __m512 wv = W::load16(w.at(v0 + i, c));
+      const __m512 wv = W::load16(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(xs[r], wv, acc[i][r]);
     }
   }
   for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) {
       float t = _mm512_reduce_add_ps(acc[i][r]);
-      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w.w[(v0 + i) * C + cc]), t);
+      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
       y[(m0 + r) * ldy + v0 - y0 + i] = t;
     }
 }
 
 template <int R, int NV, typename W>
-__attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, HeadLayout<typename W::T> w, float* y,
+__attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const typename W::T* w, float* y, int64_t C,
                                                          int64_t ldy, int64_t y0, int64_t m0, int64_t v0) {
-  const int64_t C = w.C;
   __m256 acc[NV][R];
   for (int i = 0; i < NV; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
@@ -470,13 +446,16 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, HeadLay
   for (; c + 8 <= C; c += 8) {
     __m256 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (m0 + r) * C + c);
-    // as the AVX-512 body, but for one row of a plain float32 head: on an AVX2-only EPYC (Zen 3) its two threads read
-    // the head at about 0.8x the rate with these prefetches (docs/benchmarks.md); a bfloat16 row, or several rows,
-    // read faster with them
-    if (m0 == 0 && c % (w.panels ? HEAD_COLS : LINE<W>()) == 0 && (w.panels || !(R == 1 && std::is_same_v<W, F32>)))
-      prefetch_next<NV, W>(w, v0, c);
+    // as the AVX-512 body, but for one row of float32 weights: on an AVX2-only EPYC (Zen 3) its two threads read the
+    // head at about 0.8x the rate with these prefetches (docs/benchmarks.md); a bfloat16 row, or several rows, read
+    // faster with them
+    if (m0 == 0 && c % LINE<W>() == 0 && !(R == 1 && std::is_same_v<W, F32>)) {
+      prefetch_next<NV, W>(w, C, v0, c);
+      for (int i = 0; i < NV; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (v0 + NV * HEAD_AHEAD + i) * C + c), _MM_HINT_T1);
+    }
     for (int i = 0; i < NV; ++i) {
-      const __m256 wv = W::load8(w.at(v0 + i, c));
+      const __m256 wv = W::load8(w + (v0 + i) * C + c);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(xs[r], wv, acc[i][r]);
     }
   }
@@ -487,7 +466,7 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, HeadLay
       __m128 s4 = _mm_add_ps(lo, hi);
       __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
       float t = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w.w[(v0 + i) * C + cc]), t);
+      for (int64_t cc = c; cc < C; ++cc) t = __builtin_fmaf(x[(m0 + r) * C + cc], W::one(w[(v0 + i) * C + cc]), t);
       y[(m0 + r) * ldy + v0 - y0 + i] = t;
     }
 }
@@ -497,48 +476,40 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, HeadLay
 // blocks are 8 wide at every R (at R = 4 the 32 accumulators spill a little, which measured faster than 4 wide and
 // re-reading x); AVX2's 16 registers take 8, 4, 2 and 2 at R = 1..4.
 template <int R, typename W>
-void head_rows(const float* x, HeadLayout<typename W::T> w, float* y, int64_t ldy, int64_t y0, int64_t m0, int64_t v0,
-               int64_t nv, bool avx512) {
+void head_rows(const float* x, const typename W::T* w, float* y, int64_t C, int64_t ldy, int64_t y0, int64_t m0,
+               int64_t v0, int64_t nv, bool avx512) {
   constexpr int N512 = 8;
   constexpr int N256 = R == 1 ? 8 : R == 2 ? 4 : 2;
   const int64_t n = avx512 ? N512 : N256;
   int64_t v = v0;
   for (; v + n <= v0 + nv; v += n)
-    avx512 ? head_block_avx512<R, N512, W>(x, w, y, ldy, y0, m0, v) : head_block_avx2<R, N256, W>(x, w, y, ldy, y0, m0, v);
+    avx512 ? head_block_avx512<R, N512, W>(x, w, y, C, ldy, y0, m0, v)
+           : head_block_avx2<R, N256, W>(x, w, y, C, ldy, y0, m0, v);
   for (; v < v0 + nv; ++v)
-    avx512 ? head_block_avx512<R, 1, W>(x, w, y, ldy, y0, m0, v) : head_block_avx2<R, 1, W>(x, w, y, ldy, y0, m0, v);
+    avx512 ? head_block_avx512<R, 1, W>(x, w, y, C, ldy, y0, m0, v) : head_block_avx2<R, 1, W>(x, w, y, C, ldy, y0, m0, v);
 }
 
 template <typename W>
-torch::Tensor head(torch::Tensor x, HeadLayout<typename W::T> w, bool avx512) {
+torch::Tensor head(torch::Tensor x, const typename W::T* w, int64_t V, bool avx512) {
   x = x.contiguous();
-  const int64_t M = x.size(0), V = w.V;
+  const int64_t M = x.size(0), C = x.size(1);
   auto y = torch::empty({M, V}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (V + VB - 1) / VB, 64, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t v0 = blk * VB, nv = std::min<int64_t>(VB, V - v0);
-      for_rows(M, [&](auto R, int64_t m0) { head_rows<decltype(R)::value, W>(xp, w, yp, V, 0, m0, v0, nv, avx512); });
+      for_rows(M, [&](auto R, int64_t m0) { head_rows<decltype(R)::value, W>(xp, w, yp, C, V, 0, m0, v0, nv, avx512); });
     }
   });
   return y;
-}
-
-// A head tensor as the kernels above read it: (V, C), or its panels flattened to V * C values (1-D; HeadLayout), with
-// C = x's width.
-template <typename T>
-HeadLayout<T> head_layout(const torch::Tensor& w, int64_t C) {
-  const bool panels = w.dim() == 1;
-  const T* p = reinterpret_cast<const T*>(w.data_ptr());
-  return {p, panels ? (C ? w.numel() / C : 0) : w.size(0), C, panels};
 }
 
 }  // namespace
 
 // dot_rows for vocabulary rows [v0, v0 + n) only, into y [M, ldy] (its column 0 at row v0), on the calling thread,
 // each logit dot_rows' own bits (the same blocks in the same order): block.cpp's greedy picks make the head a piece at
-// a time this way and reduce each piece while it is in L1. x: contiguous float32 [M, C]; w: as dot_rows'.
+// a time this way and reduce each piece while it is in L1. x: contiguous float32 [M, C]; w: [V, C] as dot_rows'.
 void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, int64_t n, float* y, int64_t ldy,
                     bool avx512) {
   const int64_t M = x.size(0), C = x.size(1);
@@ -547,21 +518,12 @@ void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, 
     const int64_t nv = std::min<int64_t>(VB, v0 + n - b);
     for_rows(M, [&](auto R, int64_t m0) {
       if (w.scalar_type() == at::kBFloat16)
-        head_rows<decltype(R)::value, BF16>(xp, head_layout<uint16_t>(w, C), y, ldy, v0, m0, b, nv, avx512);
+        head_rows<decltype(R)::value, BF16>(xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), y, C, ldy,
+                                            v0, m0, b, nv, avx512);
       else
-        head_rows<decltype(R)::value, F32>(xp, head_layout<float>(w, C), y, ldy, v0, m0, b, nv, avx512);
+        head_rows<decltype(R)::value, F32>(xp, w.data_ptr<float>(), y, C, ldy, v0, m0, b, nv, avx512);
     });
   }
-}
-
-// Checks a head for dot_rows and RowHead: a contiguous float32 or bfloat16 (V, C), or its panels (1-D, V * C values,
-// C a multiple of 16: weights.HeadPanels).
-void check_head(const torch::Tensor& w, int64_t C, const char* who) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, who, ": float32 or bfloat16 w only");
-  TORCH_CHECK(w.is_contiguous(), who, ": w must be contiguous");
-  TORCH_CHECK((w.dim() == 2 && w.size(1) == C) ||
-                  (w.dim() == 1 && C > 0 && C % HEAD_COLS == 0 && w.numel() % C == 0),
-              who, ": expected w [V, C] or its panels (V * C values, C a multiple of ", HEAD_COLS, "), with C = ", C);
 }
 
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
@@ -615,8 +577,9 @@ torch::Tensor unpack_panels(torch::Tensor panels) {
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "dot_rows: float32 x, float32 or bfloat16 w only");
-  TORCH_CHECK(x.dim() == 2, "dot_rows: expected x [M, C]");
-  check_head(w, x.size(1), "dot_rows");
-  if (w.scalar_type() == at::kBFloat16) return head<BF16>(x, head_layout<uint16_t>(w, x.size(1)), avx512);
-  return head<F32>(x, head_layout<float>(w, x.size(1)), avx512);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dot_rows: expected x [M, C], w [V, C]");
+  TORCH_CHECK(w.is_contiguous(), "dot_rows: w must be contiguous");
+  if (w.scalar_type() == at::kBFloat16)
+    return head<BF16>(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), avx512);
+  return head<F32>(x, w.data_ptr<float>(), w.size(0), avx512);
 }
