@@ -135,7 +135,7 @@ def engine_bytes(w) -> int:
             return sum(size(o) for o in obj)
         return 0
 
-    # one row of each embedding; wte's is part of the head where they are one tensor (or the head's panels)
+    # one row of each embedding; wte's is part of the head where they are one tensor
     wte_row = w.wte.shape[1] * w.wte.dtype.itemsize
     rows = (0 if w.head is w.wte else wte_row) + w.wpe[0].numel() * w.wpe.element_size()
     return size(w.blocks) + size(w.ln_f) + size(w.head) + rows
