@@ -3,13 +3,13 @@
 
     python scripts/bench_memory.py [--threads 2] [--gib 1] [--passes 5] [--rounds 3]
 
-A STREAM-like read (scripts/memory_read.cpp): T threads each sum their contiguous part of a float32 buffer far larger
-than the last-level cache, with native loads of each width this CPU has (32 bytes AVX2, 64 AVX-512), plain or
+A STREAM-like read (scripts/memory_read.cpp): T threads each sum their contiguous part of a float32 buffer far
+larger than the last-level cache, with native loads of each width this CPU has (32 bytes AVX2, 64 AVX-512), plain or
 non-temporal (vmovntdqa), with software prefetch 0 / 512 / 2,048 / 8,192 bytes ahead, on 4 KB pages and (where the
-kernel gives transparent huge pages, as the engine's matrices get them: core/pages.py) on 2 MB pages. Every variant runs --passes
-timed passes, best kept, and the variants alternate for --rounds rounds (a shared host's bandwidth moves by the
-minute: the table is the median round's best per variant). The ceiling is the best variant's median: the rate a
-decode step that reads each weight once could reach on these threads.
+kernel gives transparent huge pages, as the engine's matrices get them: core/pages.py) on 2 MB pages. Every variant
+runs --passes timed passes, best kept, and the variants alternate for --rounds rounds (a shared host's bandwidth
+moves by the minute: the table is the median round's best per variant). The ceiling is the best variant's median:
+the rate a decode step that reads each weight once could reach on these threads.
 """
 
 from __future__ import annotations

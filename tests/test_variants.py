@@ -142,7 +142,8 @@ def test_bfloat16_in_panels_gives_the_bits_of_the_plain_matrices(bf16_both: tupl
     prompts = [[464, 2068, 7586], [15496, 11, 616, 1438, 318], [40]]
     assert paneled.generate_ids(prompts[0], max_new_tokens=16, temperature=0) == \
         plain.generate_ids(prompts[0], max_new_tokens=16, temperature=0)
-    batch = [[c.token_ids for c in m.generation(prompts, max_new_tokens=8, temperature=0).run()] for m in (paneled, plain)]
+    batch = [[c.token_ids for c in m.generation(prompts, max_new_tokens=8, temperature=0).run()]
+             for m in (paneled, plain)]
     assert batch[0] == batch[1] and all(len(t) == 8 for t in batch[0])
 
 

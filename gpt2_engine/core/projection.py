@@ -3,11 +3,12 @@
   float32        decode-sized inputs (<= DECODE_ROWS rows): the native row-invariant kernels (kernels/decode.cpp);
                  longer inputs: MKL's addmm; without the native kernels, a GEMV split over the cores.
   bfloat16       decode-sized inputs: the same native kernels, reading bf16 and widening it in registers (half the
-                 bytes, float32 arithmetic), from panels (weights.PanelMatrix) where the loader kept them so. Longer inputs (prefill, scoring) on a CPU with AMX or AVX512-BF16:
-                 oneDNN's bf16 GEMM, which rounds the activations and the outputs to bf16 and accumulates in float32;
-                 elsewhere (AVX2, where that GEMM is ~7x slower than float32) widened to float32, then MKL. The head
-                 always keeps float32 arithmetic: through the bf16 GEMM it cost top-1 agreement on the trained
-                 checkpoint (98.9%, below the 99.5% this mode promises; 99.8% with the projections alone in bf16).
+                 bytes, float32 arithmetic), from panels (weights.PanelMatrix) where the loader kept them so. Longer
+                 inputs (prefill, scoring) on a CPU with AMX or AVX512-BF16: oneDNN's bf16 GEMM, which rounds the
+                 activations and the outputs to bf16 and accumulates in float32; elsewhere (AVX2, where that GEMM is
+                 ~7x slower than float32) widened to float32, then MKL. The head always keeps float32 arithmetic:
+                 through the bf16 GEMM it cost top-1 agreement on the trained checkpoint (98.9%, below the 99.5% this
+                 mode promises; 99.8% with the projections alone in bf16).
   int8 / int4    (QuantizedMatrix) the native blockwise kernel (kernels/quant.cpp) at every row count, so prefill,
                  scoring and decode share one arithmetic; quantized_reference() is the same arithmetic in torch: the
                  fallback where the native kernels are missing, and what the tests hold the kernel to.
@@ -91,7 +92,8 @@ def quantized_reference(x2: torch.Tensor, m: QuantizedMatrix, bias: torch.Tensor
     return acc if bias is None else acc + bias
 
 
-def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
+            bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] @ w (K, N) (+ bias) -> [M, N] float32, by the weight's format (see the module docstring)."""
     M = x2.shape[0]
     grad = x2.requires_grad

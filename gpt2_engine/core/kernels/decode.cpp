@@ -93,8 +93,8 @@ void for_rows(int64_t M, Body body) {
 
 // 64 columns (4 zmm) for rows [m0, m0 + R), weight rows [k0, k0 + kn): load the accumulators, kn multiply-adds in k
 // order, store. wk points at weight row k0's column n, and row k0 + i is i * ldw further (N in a plain weight, 64 in
-// panels, whose passes never leave a band). Streaming the weight row by row, kb rows at a time (KB_FEW or KB_MANY), gives the prefetchers contiguous
-// streams; panels are one stream already, and ask for nothing ahead.
+// panels, whose passes never leave a band). Streaming the weight row by row, kb rows at a time (KB_FEW or KB_MANY),
+// gives the prefetchers contiguous streams; panels are one stream already, and ask for nothing ahead.
 enum class Ahead { nothing, next_tile, next_pass };
 
 template <int R, typename W>
@@ -298,7 +298,9 @@ __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, Layou
       });
     if constexpr (std::is_same_v<W, F32>)
       if (n < c1)
-        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w.w, y, K, N, m0, n, c1 - n, k0, kn, fresh); });
+        for_rows(M, [&](auto R, int64_t m0) {
+          edge<decltype(R)::value>(x, w.w, y, K, N, m0, n, c1 - n, k0, kn, fresh);
+        });
   }
 }
 
@@ -568,7 +570,8 @@ torch::Tensor unpack_panels(torch::Tensor panels) {
           const int64_t from = ((b * tiles + t) * PANEL_ROWS + r) * 64;
           float* to = o + (b * PANEL_ROWS + r) * N + t * 64;
           for (int64_t c = 0; c < 64; ++c)
-            to[c] = bf16 ? BF16::one(static_cast<const uint16_t*>(src)[from + c]) : static_cast<const float*>(src)[from + c];
+            to[c] = bf16 ? BF16::one(static_cast<const uint16_t*>(src)[from + c])
+                         : static_cast<const float*>(src)[from + c];
         }
   });
   return out;
