@@ -45,7 +45,8 @@ constexpr int KB_MANY = 128;
 // smaller (eight short chains). The count is fixed, never the thread count, so the bits are the same on every
 // machine.
 constexpr int64_t KPIECES = 8;
-// Weight rows per band of a weight in panels (core/panels.py; Layout below): K must be whole bands in every piece.
+// Weight rows per band of a weight in panels (weights.PanelMatrix; Layout below): K must be whole bands in every
+// piece.
 constexpr int64_t PANEL_ROWS = 32;
 constexpr int VB = 8;   // vocabulary rows per pass of the head
 
@@ -126,9 +127,9 @@ __attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* x, c
 
 // AVX2 has 16 registers: 32 columns (4 ymm) and up to 2 rows at a time.
 template <int R, typename W>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const typename W::T* wk, int64_t ldw, float* y,
-                                                          int64_t K, int64_t N, int64_t m0, int64_t n, int64_t k0,
-                                                          int64_t kn, Ahead ahead, bool fresh) {
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const typename W::T* wk, int64_t ldw,
+                                                          float* y, int64_t K, int64_t N, int64_t m0, int64_t n,
+                                                          int64_t k0, int64_t kn, Ahead ahead, bool fresh) {
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (m0 + r) * N + n + 8 * j);
@@ -239,16 +240,12 @@ __attribute__((target("avx2,fma"))) void edge_avx2(const float* x, const float* 
     for (int j = 0; j < 4; ++j) _mm256_maskstore_ps(y + (m0 + r) * N + n + 8 * j, mask[j], a[r][j]);
 }
 
-// From 3 rows on the multiply-adds keep the loads busy, and a 64-byte load that straddles two cache lines costs two
-// (a memory-mapped safetensors file aligns a tensor to 8 bytes at best, so float32 weights used in place often sit
-// mid-line): those passes start their tiles at the weight rows' first 64-byte boundary, with masked tiles for the
-// columns before it and after the last whole tile. Rows of a (K, N) weight with N a multiple of 16 all share that
-// boundary. Each body computes y (one piece's partial sums) = x[:, ka:kz] @ w[ka:kz, c0:c1], from zero.
 // Where weight row k's column n is (n a multiple of 32): a plain (K, N) weight, or panels
-// [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (core/panels.py), where PANEL_ROWS rows of 64 columns are one contiguous
-// run. A thread's share of plain rows is contiguous too, but a pass reads it as kb streams (one per weight row, a
-// tile's 64-256 bytes each), which the hardware prefetchers follow badly: at one row, bfloat16 read at about 0.75x
-// the rate of the same pass over panels, from memory and from cache alike (docs/benchmarks.md).
+// [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (weights.PanelMatrix), where PANEL_ROWS rows of 64 columns are one
+// contiguous run. A thread's share of plain rows is contiguous too, but a pass reads it as kb streams (one per weight
+// row, a tile's 64-256 bytes each), which AMD's hardware prefetchers follow badly: at one row on a Zen 3 EPYC,
+// bfloat16 read at about 0.8x the rate of the same pass over panels, from memory and from cache alike (an Intel Xeon
+// read plain weights faster: kernels.CPU.bf16_panels chooses; docs/benchmarks.md).
 template <typename T>
 struct Layout {
   const T* w;
@@ -291,7 +288,9 @@ __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, Layou
     int64_t n = c0 + lead;
     if constexpr (std::is_same_v<W, F32>)
       if (lead)
-        for_rows(M, [&](auto R, int64_t m0) { edge<decltype(R)::value>(x, w.w, y, K, N, m0, c0, lead, k0, kn, fresh); });
+        for_rows(M, [&](auto R, int64_t m0) {
+          edge<decltype(R)::value>(x, w.w, y, K, N, m0, c0, lead, k0, kn, fresh);
+        });
     for (; n + 64 <= c1; n += 64)
       for_rows(M, [&](auto R, int64_t m0) {
         tile_avx512<decltype(R)::value, W>(x, w.at(k0, n), w.ld(), y, K, N, m0, n, k0, kn, ahead, fresh);
@@ -530,8 +529,8 @@ void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, 
 
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
 
-// w: a plain (K, N) weight, or panels [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (core/panels.py), with K whole bands in
-// each of the KPIECES pieces.
+// w: a plain (K, N) weight, or panels [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (weights.PanelMatrix), with K whole
+// bands in each of the KPIECES pieces.
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
