@@ -325,3 +325,23 @@ def test_gpt2_inspect_sae_adds_the_features_that_drive_the_target(made, tmp_path
     assert report["sae"]["sae"].startswith("SAE(standard, blocks.1.attn.hook_z") and len(report["sae"]["top"]) == 10
     code, err = cli("inspect", "hi", "--sae-hook", "blocks.0.hook_resid_pre", "--weights", str(trained_dir))
     assert code == 2 and "--sae-hook names the hook of an --sae" in err
+
+
+def test_logit_effects_through_a_quantized_projection(made, trained_dir: Path, trained_model: GPT2) -> None:
+    """A hook_z SAE's logit table goes through W_O (attn.c_proj): on an int8 model that matrix is packed, and the
+    table uses its dequantized values (as_float32), which agree with the float32 model's on the top tokens."""
+    from gpt2_engine.core.projection import as_float32
+    from gpt2_engine.inspect.sae import logit_effects
+
+    directory, _ = made
+    sae = SAE.load(directory / "z")
+    int8 = GPT2.from_pretrained(trained_dir, quantize="int8")
+    got, want = logit_effects(int8, sae, [0, 3], k=5), logit_effects(trained_model, sae, [0, 3], k=5)
+    w = int8.weights
+    d = sae.W_dec[[0, 3]] @ as_float32(w.blocks[1].attn_c_proj.weight)
+    effect = (d * w.ln_f.weight) @ w.wte.float().T
+    top = effect.topk(5, dim=-1)
+    for f in range(2):
+        assert [t for t, _ in got[f]["top"]] == [int8.tokenizer.token_text(int(i)) for i in top.indices[f]]
+        assert [v for _, v in got[f]["top"]] == [round(float(v), 4) for v in top.values[f]]
+        assert got[f]["top"][0][0] == want[f]["top"][0][0]
