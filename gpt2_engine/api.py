@@ -94,18 +94,20 @@ class GPT2:
             adapter = load_adapter(lora, config)
             if not force:
                 check_base(adapter, Path(lora), directory)
-        # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read)
-        # bfloat16 projections in panels where this CPU reads them faster (kernels.CPU.bf16_panels)
-        panels = cpu().bf16_panels
+        # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read).
+        # The projections in panels where this CPU reads them faster (kernels.CPU.panels): bfloat16 ones always,
+        # float32 ones where the file's matrices stay beside them for GEMMs at no memory of the process's own (read
+        # in place, not converted from another format) and are not about to be quantized.
+        in_place = converted is None and not quantize and dtype == torch.float32
+        panels = cpu().panels and (dtype == torch.bfloat16 or in_place)
         if converted is not None:
             weights = weights_from_tensors(converted, config, directory, dtype, panels=panels)
         else:
-            weights = load_weights(directory, config, dtype, resident=not quantize and dtype == torch.float32,
-                                   panels=panels)
+            weights = load_weights(directory, config, dtype, resident=in_place, panels=panels)
         if quantize:
             weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
-        if converted is not None or quantize or dtype != torch.float32:  # not the file's own pages: see core/pages.py
-            matrices_on_huge_pages(weights)
+        # what the loader made (not the file's own pages, where float32 is read in place): see core/pages.py
+        matrices_on_huge_pages(weights, in_place=in_place)
         if adapter is not None:
             weights = attach(weights, [adapter])
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,

@@ -129,8 +129,8 @@ def engine_bytes(w) -> int:
                 return 0
             seen.add(obj.data_ptr())
             return obj.numel() * obj.element_size()
-        if dataclasses.is_dataclass(obj):
-            return sum(size(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        if dataclasses.is_dataclass(obj):  # a PanelMatrix's plain matrix is what a GEMM reads, not decode
+            return sum(size(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name != "plain")
         if isinstance(obj, (tuple, list)):
             return sum(size(o) for o in obj)
         return 0

@@ -72,7 +72,7 @@ def test_a_loaded_model_streams_its_matrices_from_one_region_with_the_same_bits(
     """from_pretrained moves a converted or quantized model's block matrices and head into one mapping; its logits
     and greedy tokens are those of the same weights left where loading put them."""
     placed = GPT2.from_pretrained(tiny_dir, **kwargs)
-    monkeypatch.setattr(api, "matrices_on_huge_pages", lambda w: w)
+    monkeypatch.setattr(api, "matrices_on_huge_pages", lambda w, **_: w)
     plain = GPT2.from_pretrained(tiny_dir, **kwargs)
 
     def parts(w) -> list[torch.Tensor]:

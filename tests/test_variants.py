@@ -96,8 +96,8 @@ def test_bfloat16_keeps_the_matrices_in_bf16_and_the_rest_in_float32(variants: d
     assert w.blocks[0].c_fc.bias.dtype == w.blocks[0].ln_1.weight.dtype == w.wpe.dtype == torch.float32
 
 
-def load_bf16(small_dir: Path, vendor: str) -> GPT2:
-    """The fixture in bfloat16 as from_pretrained loads it on a CPU of `vendor` (kernels.CPU.bf16_panels)."""
+def load_on(small_dir: Path, vendor: str, dtype: str = "bfloat16", **kwargs: object) -> GPT2:
+    """The fixture as from_pretrained loads it on a CPU of `vendor` (kernels.CPU.panels)."""
     import dataclasses
 
     from gpt2_engine import api
@@ -105,7 +105,11 @@ def load_bf16(small_dir: Path, vendor: str) -> GPT2:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(api, "cpu", lambda: dataclasses.replace(cpu(), vendor=vendor))
-        return GPT2.from_pretrained(small_dir, dtype="bfloat16")
+        return GPT2.from_pretrained(small_dir, dtype=dtype, **kwargs)
+
+
+def load_bf16(small_dir: Path, vendor: str) -> GPT2:
+    return load_on(small_dir, vendor)
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +155,61 @@ def test_bfloat16_panels_are_chosen_by_cpu_vendor() -> None:
     from gpt2_engine.core.kernels import CPU
 
     amd = CPU("AMD EPYC", True, False, False, False, False, "AuthenticAMD")
-    assert amd.bf16_panels and not CPU("Intel Xeon", True, True, True, True, True, "GenuineIntel").bf16_panels
-    assert not CPU("unknown CPU", False, False, False, False, False, "").bf16_panels
+    assert amd.panels and not CPU("Intel Xeon", True, True, True, True, True, "GenuineIntel").panels
+    assert not CPU("unknown CPU", False, False, False, False, False, "").panels
+
+
+@pytest.fixture(scope="module")
+def f32_both(small_dir: Path) -> tuple[GPT2, GPT2]:
+    """The float32 fixture with its projections in panels (an AMD CPU) and plain (an Intel one)."""
+    return load_on(small_dir, "AuthenticAMD", "float32"), load_on(small_dir, "GenuineIntel", "float32")
+
+
+def test_float32_projections_are_kept_in_panels_on_amd_beside_the_files_matrices(f32_both: tuple[GPT2, GPT2],
+                                                                                  small_dir: Path) -> None:
+    """On an AMD CPU each float32 projection gets panels for decode and keeps the file's matrix, in place in the
+    mapping, for GEMMs (PanelMatrix.plain): as_float32 and named_tensors give that very tensor, no copy. The head and
+    the matrices of a CPU without panels stay in the file as before."""
+    from safetensors.torch import load_file
+
+    from gpt2_engine.core.projection import as_float32
+    from gpt2_engine.core.weights import file_pages, find_weights_file
+
+    paneled, plain = f32_both
+    path = find_weights_file(small_dir)
+    raw = load_file(str(path))
+    for i, field, name in ((0, "c_attn", "attn.c_attn"), (11, "mlp_c_proj", "mlp.c_proj")):
+        m = getattr(paneled.weights.blocks[i], field).weight
+        assert isinstance(m, PanelMatrix) and m.dtype == torch.float32 and m.plain is not None
+        assert file_pages(m.plain, path) is not None and file_pages(m.panels, path) is None
+        assert torch.equal(m.plain, raw[f"h.{i}.{name}.weight"]) and torch.equal(m.dense(), m.plain)
+        assert as_float32(m) is m.plain and named_tensors(paneled.weights)[f"h.{i}.{name}.weight"] is m.plain
+        assert file_pages(getattr(plain.weights.blocks[i], field).weight, path) is not None
+    assert file_pages(paneled.weights.head, path) is not None
+    with pytest.raises(ValueError, match="a kept plain matrix must be torch.float32, got torch.bfloat16"):
+        PanelMatrix.of(torch.zeros(256, 64, dtype=torch.bfloat16), torch.float32, keep=True)
+
+
+def test_float32_in_panels_gives_the_bits_of_the_plain_matrices(f32_both: tuple[GPT2, GPT2]) -> None:
+    """A prompt's logits (MKL on the file's matrices), greedy decoding one row and batched (the native kernels on
+    the panels), the numpy reference and an int4 self-speculation drafter quantized from the target: all as with
+    the plain matrices."""
+    from gpt2_engine.core import numpy_ref
+
+    paneled, plain = f32_both
+    ids = torch.tensor([paneled.tokenizer.encode(long_prompt())[:40]])
+    assert torch.equal(paneled(ids), plain(ids))
+    prompts = [[464, 2068, 7586], [15496, 11, 616, 1438, 318], [40]]
+    one = [m.generate_ids(prompts[0], max_new_tokens=16, temperature=0, ignore_eos=True) for m in (paneled, plain)]
+    assert one[0] == one[1] and len(one[0]) == 16
+    batch = [[c.token_ids for c in m.generation(prompts, max_new_tokens=8, temperature=0).run()]
+             for m in (paneled, plain)]
+    assert batch[0] == batch[1] and all(len(t) == 8 for t in batch[0])
+    short = ids[0, :6].numpy()
+    got = numpy_ref.forward(paneled.weights, paneled.config, short)
+    assert (got == numpy_ref.forward(plain.weights, plain.config, short)).all()
+    drafted = [m.generate_ids(prompts[1], max_new_tokens=12, temperature=0, speculate="int4") for m in (paneled, plain)]
+    assert drafted[0] == drafted[1] == plain.generate_ids(prompts[1], max_new_tokens=12, temperature=0)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "bfloat16"])

@@ -64,17 +64,18 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
         release_heap()  # the old memory, where it was on the C heap (malloc keeps freed heap pages otherwise)
 
 
-def matrices_on_huge_pages(w: GPT2Weights) -> None:
-    """Move the block matrices and the head of `w` (bfloat16, float32 or packed, with their scales) onto huge pages
-    (move_to_huge_pages), where the system has them; the values, and so every result, stay the same. Float32 weights
-    used in place from the checkpoint file are left there (GPT2.from_pretrained does not call this for them): the
-    page cache maps the file in large physically contiguous folios, which read as fast here, and a copy would add
-    the weights' size to the process's memory."""
+def matrices_on_huge_pages(w: GPT2Weights, in_place: bool = False) -> None:
+    """Move the block matrices and the head of `w` (bfloat16, float32 or packed, with their scales, or panels) onto
+    huge pages (move_to_huge_pages), where the system has them; the values, and so every result, stay the same.
+    in_place: float32 weights used in place from the checkpoint file, which stay there (the page cache maps the
+    file in large physically contiguous folios, which read as fast here, and a copy would add the weights' size to
+    the process's memory); only the panels made from them (PanelMatrix) move."""
     if not huge_pages_available():
         return
     matrices = [getattr(b, name).weight for b in w.blocks for name in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
     matrices.append(w.head)  # GPT-2's head is wte itself (tied), or its quantized transpose
     tensors = [t for m in matrices for t in ((m.packed, m.scales) if isinstance(m, QuantizedMatrix)
-                                             else (m.panels,) if isinstance(m, PanelMatrix) else (m,))]
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+                                             else (m.panels,) if isinstance(m, PanelMatrix)
+                                             else () if in_place else (m,))]
+    if tensors and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         move_to_huge_pages(list({id(t): t for t in tensors}.values()))

@@ -1,7 +1,8 @@
 """How a projection runs, for each weight format: the one place that model.linear() and model.lm_head() dispatch to.
 
-  float32        decode-sized inputs (<= DECODE_ROWS rows): the native row-invariant kernels (kernels/decode.cpp);
-                 longer inputs: MKL's addmm; without the native kernels, a GEMV split over the cores.
+  float32        decode-sized inputs (<= DECODE_ROWS rows): the native row-invariant kernels (kernels/decode.cpp),
+                 from panels where the loader kept them (weights.PanelMatrix); longer inputs: MKL's addmm on the
+                 file's (K, N) matrix; without the native kernels, a GEMV split over the cores.
   bfloat16       decode-sized inputs: the same native kernels, reading bf16 and widening it in registers (half the
                  bytes, float32 arithmetic), from panels (weights.PanelMatrix) where the loader kept them so. Longer
                  inputs (prefill, scoring) on a CPU with AMX or AVX512-BF16: oneDNN's bf16 GEMM, which rounds the
@@ -55,6 +56,8 @@ def as_float32(w: torch.Tensor | QuantizedMatrix | PanelMatrix) -> torch.Tensor:
     if isinstance(w, QuantizedMatrix):
         return dequantize(w)
     if isinstance(w, PanelMatrix):
+        if w.plain is not None:  # float32, the file's own matrix
+            return w.plain
         native = decode_kernels()
         return native.unpack_panels(w.panels) if native is not None else w.dense(torch.float32)
     return w if w.dtype in (torch.float32, torch.float64) else w.float()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .errors import GPT2EngineError
-from .weights import Block, GPT2Weights, Linear, QuantizedMatrix, file_pages, release_heap, release_pages
+from .weights import Block, GPT2Weights, Linear, PanelMatrix, QuantizedMatrix, file_pages, release_heap, release_pages
 
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel
@@ -149,8 +149,9 @@ def quantize_weights(w: GPT2Weights, fmt: str, source: Path | None = None) -> GP
             release_pages(t, source)
 
     def linear(p: Linear) -> Linear:
-        q = quantize_matrix(p.weight, bits)
-        release(p.weight)
+        w = p.weight.matrix() if isinstance(p.weight, PanelMatrix) else p.weight  # a float32 target's file matrix
+        q = quantize_matrix(w, bits)
+        release(w)
         release_heap()
         return Linear(q, p.bias)
 

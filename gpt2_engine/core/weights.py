@@ -58,23 +58,30 @@ class QuantizedMatrix:
 
 @dataclass(frozen=True)
 class PanelMatrix:
-    """A (K, N) bfloat16 weight matrix stored in panels, the order kernels/decode.cpp reads at decode (load_weights
-    keeps bfloat16 projections so where asked, and GPT2.from_pretrained asks where the CPU reads them faster:
-    kernels.CPU.bf16_panels).
+    """A (K, N) float32 or bfloat16 weight matrix stored in panels, the order kernels/decode.cpp reads at decode
+    (load_weights keeps projections so where asked, and GPT2.from_pretrained asks where the CPU reads them faster:
+    kernels.CPU.panels).
 
     panels[b, t, r, c] = W[b * ROWS + r, t * COLS + c]: a band of ROWS weight rows of COLS columns is one contiguous
     run of memory. decode.cpp's projections read a plain (K, N) weight as one stream per weight row of a pass, which
     AMD's hardware prefetchers follow badly; panels they read in address order (docs/benchmarks.md). Same values, same
     bits.
+
+    `plain`: the same matrix as the (K, N) tensor it was made from, where that costs no memory of the process's own:
+    a float32 matrix lies in the memory-mapped checkpoint file, and longer inputs (prefill, scoring) hand it to MKL's
+    GEMM as before (widening the panels for each such call cost a 128-token prefill 0.77x). Its pages are released
+    once the panels are made and come back from the page cache on the first such call. None for bfloat16, which the
+    file does not hold: a GEMM widens the panels (decode.cpp's unpack_panels).
     """
 
     ROWS: ClassVar[int] = 32  # decode.cpp's PANEL_ROWS
     COLS: ClassVar[int] = 64  # a tile of its AVX-512 body
     PIECES: ClassVar[int] = 8  # decode.cpp's KPIECES: each piece of K must be whole bands
 
-    panels: torch.Tensor  # bfloat16 [K / ROWS, N / COLS, ROWS, COLS]
+    panels: torch.Tensor  # float32 or bfloat16 [K / ROWS, N / COLS, ROWS, COLS]
     in_features: int  # K
     out_features: int  # N
+    plain: torch.Tensor | None = None  # (K, N), the panels' dtype, or None
 
     @classmethod
     def fits(cls, shape: torch.Size) -> bool:
@@ -83,13 +90,15 @@ class PanelMatrix:
         return K > 0 and K % (cls.PIECES * cls.ROWS) == 0 and N > 0 and N % cls.COLS == 0
 
     @classmethod
-    def of(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> PanelMatrix:
+    def of(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, keep: bool = False) -> PanelMatrix:
         """A contiguous (K, N) matrix (one that fits) in panels of `dtype`, converted as it is copied (one pass, and no
-        (K, N) copy in between)."""
+        (K, N) copy in between); keep: `w` itself is kept as `plain` (it must be of `dtype`)."""
         K, N = w.shape
+        if keep and w.dtype != dtype:
+            raise ValueError(f"PanelMatrix.of: a kept plain matrix must be {dtype}, got {w.dtype}")
         panels = torch.empty(K // cls.ROWS, N // cls.COLS, cls.ROWS, cls.COLS, dtype=dtype)
         panels.copy_(w.view(K // cls.ROWS, cls.ROWS, N // cls.COLS, cls.COLS).permute(0, 2, 1, 3))
-        return cls(panels, K, N)
+        return cls(panels, K, N, w if keep else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,6 +110,10 @@ class PanelMatrix:
         out = torch.empty(K, N, dtype=dtype or self.panels.dtype)
         out.view(K // self.ROWS, self.ROWS, N // self.COLS, self.COLS).copy_(self.panels.permute(0, 2, 1, 3))
         return out
+
+    def matrix(self) -> torch.Tensor:
+        """The (K, N) matrix in the panels' dtype: `plain` where kept (no copy), else dense()."""
+        return self.plain if self.plain is not None else self.dense()
 
 
 @dataclass(frozen=True)
@@ -140,7 +153,8 @@ class Block:
 
     def qkv(self) -> tuple[Linear, Linear, Linear]:
         """The Q, K and V projections as (C, C) views of the fused c_attn (no copy)."""
-        ws, bs = split_qkv(self.c_attn.weight), split_qkv(self.c_attn.bias)
+        w = self.c_attn.weight
+        ws, bs = split_qkv(w.matrix() if isinstance(w, PanelMatrix) else w), split_qkv(self.c_attn.bias)
         return Linear(ws[0], bs[0]), Linear(ws[1], bs[1]), Linear(ws[2], bs[2])
 
 
@@ -349,7 +363,9 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
 
     `dtype` is that of the weight matrices (and wte); everything else stays float32. resident=False: the pages that
     checking read are released again (release_pages), for a caller that quantizes the matrices one at a time.
-    panels: keep bfloat16 projections in panels (PanelMatrix) where their shape allows.
+    panels: keep the projections in panels (PanelMatrix) where their shape allows; float32 ones only where the file
+    is memory-mapped, and with the file's matrix beside them (PanelMatrix.plain: its pages released until a GEMM
+    reads them).
     """
     path = find_weights_file(Path(directory))
     return weights_from_tensors(read_tensors(path), config, path, dtype, resident, panels)
@@ -404,11 +420,18 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
     # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision).
     def lin(prefix: str) -> Linear:
         weight = tensors[prefix + ".weight"]
-        if panels and dtype == torch.bfloat16 and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
-            kept = PanelMatrix.of(weight, dtype)
-            if not resident:
-                release_pages(weight, path)
-            return Linear(kept, t(prefix + ".bias"))
+        if panels and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
+            if dtype == torch.bfloat16:
+                kept = PanelMatrix.of(weight, dtype)
+                if not resident:
+                    release_pages(weight, path)
+                return Linear(kept, t(prefix + ".bias"))
+            # float32: the file's matrix stays beside the panels (PanelMatrix.plain), so only where it is that very
+            # matrix, in the mapping; decode reads the panels, and a GEMM's first call reads its pages back
+            if dtype == weight.dtype == torch.float32 and (pages := file_pages(weight, path)) is not None:
+                kept = PanelMatrix.of(weight, dtype, keep=True)
+                pages.release(weight)
+                return Linear(kept, t(prefix + ".bias"))
         return Linear(t(prefix + ".weight", dtype), t(prefix + ".bias"))
 
     def ln(prefix: str) -> LayerNorm:
@@ -442,7 +465,7 @@ def named_tensors(w: GPT2Weights) -> dict[str, torch.Tensor]:
             p = getattr(blk, field)
             if isinstance(p.weight, QuantizedMatrix):
                 raise ValueError(f"h.{i}.{part}.weight is quantized; only float weights have named tensors")
-            weight = p.weight.dense() if isinstance(p.weight, PanelMatrix) else p.weight
+            weight = p.weight.matrix() if isinstance(p.weight, PanelMatrix) else p.weight
             named[f"h.{i}.{part}.weight"], named[f"h.{i}.{part}.bias"] = weight, p.bias
     named["ln_f.weight"], named["ln_f.bias"] = w.ln_f.weight, w.ln_f.bias
     return named

@@ -16,7 +16,7 @@ from ..core.config import GPT2Config
 from ..core.errors import GenerationError, WeightsError
 from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import Tokenizer, load_tokenizer
-from ..core.weights import CONFIG, GPT2Weights, load_weights
+from ..core.weights import CONFIG, GPT2Weights, QuantizedMatrix, load_weights
 from .plan import Draft, DraftAsk, Segment
 from .runner import ModelRunner
 from .sampling import argmax, probabilities
@@ -172,7 +172,7 @@ def load_speculation(source: str | Path, weights: GPT2Weights, config: GPT2Confi
     if source == "ngram":
         return Speculation(source, None, None, policy)
     if source in FORMATS:
-        if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 for t in (weights.wte, weights.blocks[0].c_fc.weight)):
+        if any(isinstance(t, QuantizedMatrix) or t.dtype != torch.float32 for t in (weights.wte, weights.blocks[0].c_fc.weight)):
             raise GenerationError(f"speculate={source!r} quantizes the target's float32 weights; this model is already "
                                   "quantized or bfloat16 (use 'ngram' or a draft checkpoint)", param="speculate")
         return Speculation(source, quantize_weights(weights, source), config, policy)
