@@ -106,8 +106,12 @@ class GPT2:
             weights = load_weights(directory, config, dtype, resident=in_place, panels=panels)
         if quantize:
             weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
-        # what the loader made (not the file's own pages, where float32 is read in place): see core/pages.py
-        matrices_on_huge_pages(weights, in_place=in_place)
+        # what the loader made onto huge pages (core/pages.py); float32 read in place stays in the file but for the
+        # panels made from it and the head
+        if not in_place:
+            matrices_on_huge_pages(weights)
+        elif panels:
+            matrices_on_huge_pages(weights, find_weights_file(directory))
         if adapter is not None:
             weights = attach(weights, [adapter])
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,

@@ -96,9 +96,25 @@ def test_a_loaded_model_streams_its_matrices_from_one_region_with_the_same_bits(
         plain.generate_ids(prompt, max_new_tokens=12, temperature=0)
 
 
-def test_float32_weights_stay_in_the_checkpoint_file(tiny_dir: Path) -> None:
-    """Float32 matrices are used in place from the mapped file, never copied (core/pages.py says why)."""
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_float32_weights_are_read_in_place_from_the_checkpoint_file(tiny_dir: Path, vendor: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 matrices are used in place from the mapped file (core/pages.py says why). Where the projections are
+    kept in panels (an AMD CPU), the panels and the head are the process's own, the head on huge pages and read as
+    wte too; the plain matrices stay in the file for GEMMs."""
+    import dataclasses
+
+    from gpt2_engine.core.kernels import cpu
+
+    monkeypatch.setattr(api, "cpu", lambda: dataclasses.replace(cpu(), vendor=vendor))
     model = GPT2.from_pretrained(tiny_dir)
     path = find_weights_file(tiny_dir)
-    assert file_pages(model.weights.head, path) is not None
-    assert file_pages(model.weights.blocks[1].c_fc.weight, path) is not None
+    w = model.weights
+    down = w.blocks[1].mlp_c_proj.weight  # (4C, C): a shape that fits panels here
+    if not api.cpu().panels:
+        assert file_pages(w.head, path) is not None and file_pages(down, path) is not None
+        return
+    assert isinstance(down, PanelMatrix) and file_pages(down.plain, path) is not None
+    assert file_pages(down.panels, path) is None and w.wte is w.head
+    if THP:
+        assert file_pages(w.head, path) is None and anon_huge_kb(w.head.data_ptr()) >= 2 * HUGE_PAGE // 1024

@@ -168,8 +168,8 @@ def f32_both(small_dir: Path) -> tuple[GPT2, GPT2]:
 def test_float32_projections_are_kept_in_panels_on_amd_beside_the_files_matrices(f32_both: tuple[GPT2, GPT2],
                                                                                   small_dir: Path) -> None:
     """On an AMD CPU each float32 projection gets panels for decode and keeps the file's matrix, in place in the
-    mapping, for GEMMs (PanelMatrix.plain): as_float32 and named_tensors give that very tensor, no copy. The head and
-    the matrices of a CPU without panels stay in the file as before."""
+    mapping, for GEMMs (PanelMatrix.plain): as_float32 and named_tensors give that very tensor, no copy. The head
+    holds the file's values (test_pages checks where); a CPU without panels reads every matrix from the file."""
     from safetensors.torch import load_file
 
     from gpt2_engine.core.projection import as_float32
@@ -185,7 +185,7 @@ def test_float32_projections_are_kept_in_panels_on_amd_beside_the_files_matrices
         assert torch.equal(m.plain, raw[f"h.{i}.{name}.weight"]) and torch.equal(m.dense(), m.plain)
         assert as_float32(m) is m.plain and named_tensors(paneled.weights)[f"h.{i}.{name}.weight"] is m.plain
         assert file_pages(getattr(plain.weights.blocks[i], field).weight, path) is not None
-    assert file_pages(paneled.weights.head, path) is not None
+    assert file_pages(plain.weights.head, path) is not None and torch.equal(paneled.weights.head, raw["wte.weight"])
     with pytest.raises(ValueError, match="a kept plain matrix must be torch.float32, got torch.bfloat16"):
         PanelMatrix.of(torch.zeros(256, 64, dtype=torch.bfloat16), torch.float32, keep=True)
 

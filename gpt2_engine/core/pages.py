@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .weights import GPT2Weights, PanelMatrix, QuantizedMatrix, libc, release_heap
+from .weights import GPT2Weights, PanelMatrix, QuantizedMatrix, file_pages, libc, release_heap
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 LINE = 64  # bytes
+COPY_CHUNK = 8 << 20  # bytes of a file-backed tensor copied between releases of its pages
 MADV_HUGEPAGE = 14  # Linux
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -38,11 +39,14 @@ def huge_pages_available(mode_file: Path = THP_MODE) -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
+def move_to_huge_pages(tensors: list[torch.Tensor], file: Path | None = None) -> None:
     """Move contiguous CPU `tensors` into one anonymous mapping advised as huge pages, each at its old offset within
     a 64-byte line. Each tensor's storage is swapped for its copy (Tensor.set_) as soon as the copy is made, so every
     holder of these tensor objects reads the copy, and the old memory goes tensor by tensor (where nothing else
-    holds it): a load's peak grows by one tensor, not by all of them. The mapping lives as long as any of them."""
+    holds it): a load's peak grows by one tensor, not by all of them. The mapping lives as long as any of them.
+    file: a checkpoint file that some of `tensors` are read in place from (the file's mapping outlives them, held by
+    its other tensors): their pages there are released as they are copied, COPY_CHUNK bytes at a time, so that such
+    a tensor adds one chunk to the peak, not its size."""
     starts, end = [], 0
     for t in tensors:
         end += (t.data_ptr() - end) % LINE  # the old offset within a line
@@ -59,23 +63,36 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
     for t, at in zip(tensors, starts):
         nbytes = t.numel() * t.element_size()
         copy = raw[base + at : base + at + nbytes].view(t.dtype).view(t.shape)
+        pages = None if file is None else file_pages(t, file)
         with torch.no_grad():
-            t.set_(copy.copy_(t))
+            if pages is None:
+                copy.copy_(t)
+            else:
+                src, dst, step = t.view(-1), copy.view(-1), COPY_CHUNK // t.element_size()
+                for i in range(0, src.numel(), step):
+                    dst[i : i + step].copy_(src[i : i + step])
+                    pages.release(src[i : i + step])
+            t.set_(copy)
         release_heap()  # the old memory, where it was on the C heap (malloc keeps freed heap pages otherwise)
 
 
-def matrices_on_huge_pages(w: GPT2Weights, in_place: bool = False) -> None:
+def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None) -> None:
     """Move the block matrices and the head of `w` (bfloat16, float32 or packed, with their scales, or panels) onto
     huge pages (move_to_huge_pages), where the system has them; the values, and so every result, stay the same.
-    in_place: float32 weights used in place from the checkpoint file, which stay there (the page cache maps the
-    file in large physically contiguous folios, which read as fast here, and a copy would add the weights' size to
-    the process's memory); only the panels made from them (PanelMatrix) move."""
+
+    file: the checkpoint that float32 weights are read in place from (GPT2.from_pretrained passes it only where the
+    projections are in panels). Then only the panels and the head move: the plain matrices kept beside the panels
+    stay in the file for GEMMs, at no memory of the process's own, and the head's pages there are released as it
+    moves. The head reads 1.1x faster off huge pages than through the file's 4 KB mappings (whole decode
+    1.016x, docs/benchmarks.md)."""
     if not huge_pages_available():
         return
     matrices = [getattr(b, name).weight for b in w.blocks for name in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
-    matrices.append(w.head)  # GPT-2's head is wte itself (tied), or its quantized transpose
     tensors = [t for m in matrices for t in ((m.packed, m.scales) if isinstance(m, QuantizedMatrix)
                                              else (m.panels,) if isinstance(m, PanelMatrix)
-                                             else () if in_place else (m,))]
-    if tensors and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        move_to_huge_pages(list({id(t): t for t in tensors}.values()))
+                                             else () if file is not None else (m,))]
+    # GPT-2's head is wte itself (tied), or its quantized transpose
+    tensors += [w.head.packed, w.head.scales] if isinstance(w.head, QuantizedMatrix) else [w.head]
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return
+    move_to_huge_pages(list({id(t): t for t in tensors}.values()), file)
