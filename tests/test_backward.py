@@ -11,6 +11,7 @@ import torch
 
 from gpt2_engine import GPT2
 from gpt2_engine.core.model import Layer, attention_mask, causal_self_attention, query_blocks
+from gpt2_engine.core.projection import as_float32
 from gpt2_engine.core.weights import Linear
 from gpt2_engine.train.backward import (
     attention_backward,
@@ -133,7 +134,7 @@ def test_gradients_match_autograd_on_random_inputs(B: int, T: int, C: int, n_hea
 
 def fixture_block(model: GPT2, layer: int) -> tuple[Linear, Linear]:
     blk = model.weights.blocks[layer]
-    as64 = lambda p: Linear(p.weight.double(), p.bias.double())  # noqa: E731
+    as64 = lambda p: Linear(as_float32(p.weight).double(), p.bias.double())  # noqa: E731 (panels on some CPUs)
     return as64(blk.c_attn), as64(blk.attn_c_proj)
 
 

@@ -16,6 +16,7 @@ from gpt2_engine import GPT2
 from gpt2_engine.core.errors import GPT2EngineError
 from gpt2_engine.core.hooks import hook_names
 from gpt2_engine.core.model import forward
+from gpt2_engine.core.projection import as_float32
 from gpt2_engine.inspect import attribution, direct_logit_attribution, head_scores, lens_logits, logit_lens
 
 PROMPT = "Return a new file object, and close the file when it is done. If the file is"
@@ -103,7 +104,7 @@ def test_zeroing_a_heads_z_equals_removing_the_head_by_hand(trained_model: GPT2)
     patched = model.run_with_hooks(ids, {f"blocks.{layer}.attn.hook_z": ablate})
     # by hand: the head's rows of c_proj set to zero, the rest of the checkpoint unchanged
     blk = model.weights.blocks[layer]
-    w_o = blk.attn_c_proj.weight.clone()
+    w_o = as_float32(blk.attn_c_proj.weight).clone()  # the (C, C) matrix, whichever layout this CPU keeps
     w_o[head * hs : (head + 1) * hs] = 0.0
     blocks = list(model.weights.blocks)
     blocks[layer] = dataclasses.replace(blk, attn_c_proj=dataclasses.replace(blk.attn_c_proj, weight=w_o))

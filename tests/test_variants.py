@@ -15,7 +15,7 @@ from gpt2_engine.cli import main
 from gpt2_engine.commands.compare import long_prompt
 from gpt2_engine.core.model import linear
 from gpt2_engine.core.quantize import dequantize, pack, quantize_groups, quantize_matrix, unpack
-from gpt2_engine.core.weights import Linear, PanelMatrix, QuantizedMatrix, named_tensors
+from gpt2_engine.core.weights import Linear, PanelMatrix, QuantizedMatrix, assemble, named_tensors
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])
@@ -192,8 +192,8 @@ def test_float32_projections_are_kept_in_panels_on_amd_beside_the_files_matrices
 
 def test_float32_in_panels_gives_the_bits_of_the_plain_matrices(f32_both: tuple[GPT2, GPT2]) -> None:
     """A prompt's logits (MKL on the file's matrices), greedy decoding one row and batched (the native kernels on
-    the panels), the numpy reference and an int4 self-speculation drafter quantized from the target: all as with
-    the plain matrices."""
+    the panels), the numpy reference on the named tensors and an int4 self-speculation drafter quantized from the
+    target: all as with the plain matrices."""
     from gpt2_engine.core import numpy_ref
 
     paneled, plain = f32_both
@@ -206,7 +206,7 @@ def test_float32_in_panels_gives_the_bits_of_the_plain_matrices(f32_both: tuple[
              for m in (paneled, plain)]
     assert batch[0] == batch[1] and all(len(t) == 8 for t in batch[0])
     short = ids[0, :6].numpy()
-    got = numpy_ref.forward(paneled.weights, paneled.config, short)
+    got = numpy_ref.forward(assemble(named_tensors(paneled.weights), paneled.config), paneled.config, short)
     assert (got == numpy_ref.forward(plain.weights, plain.config, short)).all()
     drafted = [m.generate_ids(prompts[1], max_new_tokens=12, temperature=0, speculate="int4") for m in (paneled, plain)]
     assert drafted[0] == drafted[1] == plain.generate_ids(prompts[1], max_new_tokens=12, temperature=0)

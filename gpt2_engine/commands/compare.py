@@ -88,8 +88,10 @@ def engine_outputs(model, ids: torch.Tensor, engine: str) -> tuple[torch.Tensor,
         logits = model.forward(ids, hidden_states=blocks)
         return logits.float(), [b.float() for b in blocks]
     from ..core import numpy_ref
+    from ..core.weights import assemble, named_tensors
 
-    logits = numpy_ref.forward(model.weights, model.config, ids[0].numpy(), hidden_states=blocks)
+    plain = assemble(named_tensors(model.weights), model.config)  # the (K, N) matrices, however the loader keeps them
+    logits = numpy_ref.forward(plain, model.config, ids[0].numpy(), hidden_states=blocks)
     return torch.from_numpy(logits)[None].float(), [torch.from_numpy(b)[None].float() for b in blocks]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import GPT2Config
-from .weights import Block, GPT2Weights, LayerNorm, Linear, PanelMatrix
+from .weights import Block, GPT2Weights, LayerNorm, Linear
 
 
 def layer_norm(x: np.ndarray, p: LayerNorm, eps: float) -> np.ndarray:
@@ -22,8 +22,7 @@ def layer_norm(x: np.ndarray, p: LayerNorm, eps: float) -> np.ndarray:
 
 def linear(x: np.ndarray, p: Linear) -> np.ndarray:
     """[T, in] -> [T, out]; Conv1D layout, W is (in, out)."""
-    w = p.weight.matrix() if isinstance(p.weight, PanelMatrix) else p.weight  # the (K, N) matrix, however stored
-    return x @ w.numpy() + p.bias.numpy()
+    return x @ p.weight.numpy() + p.bias.numpy()
 
 
 def gelu(x: np.ndarray) -> np.ndarray:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from .weights import GPT2Weights, PanelMatrix, QuantizedMatrix, file_pages, libc, release_heap
+from .weights import FilePages, GPT2Weights, PanelMatrix, QuantizedMatrix, file_pages, libc, release_heap
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 LINE = 64  # bytes
@@ -39,13 +40,13 @@ def huge_pages_available(mode_file: Path = THP_MODE) -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def move_to_huge_pages(tensors: list[torch.Tensor], file: Path | None = None) -> None:
+def move_to_huge_pages(tensors: list[torch.Tensor], in_file: Mapping[int, FilePages] | None = None) -> None:
     """Move contiguous CPU `tensors` into one anonymous mapping advised as huge pages, each at its old offset within
     a 64-byte line. Each tensor's storage is swapped for its copy (Tensor.set_) as soon as the copy is made, so every
     holder of these tensor objects reads the copy, and the old memory goes tensor by tensor (where nothing else
     holds it): a load's peak grows by one tensor, not by all of them. The mapping lives as long as any of them.
-    file: a checkpoint file that some of `tensors` are read in place from (the file's mapping outlives them, held by
-    its other tensors): their pages there are released as they are copied, COPY_CHUNK bytes at a time, so that such
+    in_file: the pages of those `tensors` read in place from the checkpoint file, by id(tensor) (the file's mapping
+    outlives them, held by its other tensors): released as they are copied, COPY_CHUNK bytes at a time, so that such
     a tensor adds one chunk to the peak, not its size."""
     starts, end = [], 0
     for t in tensors:
@@ -63,7 +64,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor], file: Path | None = None) ->
     for t, at in zip(tensors, starts):
         nbytes = t.numel() * t.element_size()
         copy = raw[base + at : base + at + nbytes].view(t.dtype).view(t.shape)
-        pages = None if file is None else file_pages(t, file)
+        pages = None if in_file is None else in_file.get(id(t))
         with torch.no_grad():
             if pages is None:
                 copy.copy_(t)
@@ -95,4 +96,5 @@ def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None) -> None:
     tensors += [w.head.packed, w.head.scales] if isinstance(w.head, QuantizedMatrix) else [w.head]
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return
-    move_to_huge_pages(list({id(t): t for t in tensors}.values()), file)
+    pages = None if file is None else file_pages(w.head, file)
+    move_to_huge_pages(list({id(t): t for t in tensors}.values()), None if pages is None else {id(w.head): pages})

@@ -199,6 +199,14 @@ class FilePages:
             os.close(fd)
         return out
 
+    def within(self, tensor: torch.Tensor) -> FilePages | None:
+        """The pages under `tensor`, if it is contiguous and lies within these (None otherwise)."""
+        first = tensor.data_ptr()
+        end = first + tensor.numel() * tensor.element_size()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or not self.start <= first <= end <= self.end:
+            return None
+        return FilePages(first, end, self.path, self.offset + first - self.start, self.inode)
+
     def release(self, tensor: torch.Tensor) -> bool:
         """Drop this process's resident pages under `tensor` (madvise DONTNEED, ~10 us); False, leaving it alone,
         unless it is contiguous and lies within the checked tensor (not a copy, not on another device)."""
@@ -417,6 +425,18 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
             release_pages(tensor, path)
         return converted
 
+    mappings: list[FilePages] = []  # the file's mappings found so far: one /proc/self/maps read for each
+
+    def in_file(tensor: torch.Tensor) -> FilePages | None:
+        """The pages under `tensor` if it lies in a mapping of the file `path`."""
+        for mapping in mappings:
+            if (pages := mapping.within(tensor)) is not None:
+                return pages
+        if (mapping := file_mapping(tensor, path)) is None:
+            return None
+        mappings.append(mapping)
+        return mapping.within(tensor)
+
     # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision).
     def lin(prefix: str) -> Linear:
         weight = tensors[prefix + ".weight"]
@@ -428,7 +448,7 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
                 return Linear(kept, t(prefix + ".bias"))
             # float32: the file's matrix stays beside the panels (PanelMatrix.plain), so only where it is that very
             # matrix, in the mapping; decode reads the panels, and a GEMM's first call reads its pages back
-            if dtype == weight.dtype == torch.float32 and (pages := file_pages(weight, path)) is not None:
+            if dtype == weight.dtype == torch.float32 and (pages := in_file(weight)) is not None:
                 kept = PanelMatrix.of(weight, dtype, keep=True)
                 pages.release(weight)
                 return Linear(kept, t(prefix + ".bias"))
@@ -534,7 +554,13 @@ def release_pages(tensor: torch.Tensor, source: Path) -> bool:
 
 def file_pages(tensor: torch.Tensor, source: Path) -> FilePages | None:
     """The pages under `tensor` if it lies in a memory mapping of the file `source`, else None (read from
-    /proc/self/maps, ~1 ms: check once, release often)."""
+    /proc/self/maps, ~1 ms: check once, release often; file_mapping, then FilePages.within, for many tensors)."""
+    mapping = file_mapping(tensor, source)
+    return None if mapping is None else mapping.within(tensor)
+
+
+def file_mapping(tensor: torch.Tensor, source: Path) -> FilePages | None:
+    """The pages of the whole memory mapping of the file `source` that `tensor` lies in, else None."""
     if sys.platform != "linux" or tensor.numel() == 0 or not tensor.is_contiguous() or tensor.device.type != "cpu":
         return None
     start = tensor.data_ptr()
@@ -554,7 +580,7 @@ def file_pages(tensor: torch.Tensor, source: Path) -> FilePages | None:
                 st = os.stat(target)
             except OSError:
                 return None
-            return FilePages(start, end, target, int(fields[2], 16) + start - low, (st.st_dev, st.st_ino))
+            return FilePages(low, high, target, int(fields[2], 16), (st.st_dev, st.st_ino))
     return None
 
 
