@@ -19,13 +19,13 @@ from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predic
 from .core.kernels import cpu
 from .core.lora import LoraAdapter, LoraSettings, attach, check_base, load_adapter
 from .core.model import forward
-from .core.pages import matrices_on_huge_pages
+from .core.pages import HugeArena, huge_pages_available, matrices_on_huge_pages
 from .core.quantize import FORMATS, quantize_weights
 from .core.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
 from .core.steering import Steering, check_steering
 from .core.tokenizer import Tokenizer, load_tokenizer
-from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, weights_directory, weights_from_tensors,
-                           weights_fingerprint)
+from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, panel_bytes, weights_directory,
+                           weights_fingerprint, weights_from_tensors)
 from .documents import expand_paths, read_documents
 from .runtime.constraints import Grammars
 from .runtime.drafters import Speculation, load_speculation
@@ -100,18 +100,21 @@ class GPT2:
         # in place, not converted from another format) and are not about to be quantized.
         in_place = converted is None and not quantize and dtype == torch.float32
         panels = cpu().panels and (dtype == torch.bfloat16 or in_place)
+        # the panels are written straight onto huge pages (core/pages.py), not made and then moved
+        arena = HugeArena(panel_bytes(config, dtype)) if panels and huge_pages_available() else None
+        alloc = None if arena is None else arena.take
         if converted is not None:
-            weights = weights_from_tensors(converted, config, directory, dtype, panels=panels)
+            weights = weights_from_tensors(converted, config, directory, dtype, panels=panels, alloc=alloc)
         else:
-            weights = load_weights(directory, config, dtype, resident=in_place, panels=panels)
+            weights = load_weights(directory, config, dtype, resident=in_place, panels=panels, alloc=alloc)
         if quantize:
             weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
         # what the loader made onto huge pages (core/pages.py); float32 read in place stays in the file but for the
         # panels made from it and the head
         if not in_place:
-            matrices_on_huge_pages(weights)
+            matrices_on_huge_pages(weights, arena=arena)
         elif panels:
-            matrices_on_huge_pages(weights, find_weights_file(directory))
+            matrices_on_huge_pages(weights, find_weights_file(directory), arena)
         if adapter is not None:
             weights = attach(weights, [adapter])
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,

@@ -9,7 +9,7 @@ import torch
 
 import gpt2_engine.api as api
 from gpt2_engine import GPT2
-from gpt2_engine.core.pages import HUGE_PAGE, huge_pages_available, move_to_huge_pages
+from gpt2_engine.core.pages import HUGE_PAGE, HugeArena, huge_pages_available, move_to_huge_pages
 from gpt2_engine.core.weights import PanelMatrix, QuantizedMatrix, file_pages, find_weights_file
 
 THP = huge_pages_available()
@@ -36,6 +36,22 @@ def test_huge_pages_available_reads_the_kernels_mode(tmp_path: Path) -> None:
         mode.write_text(text)
         assert huge_pages_available(mode) is expected, text
     assert huge_pages_available(tmp_path / "missing") is False
+
+
+def test_an_arena_hands_out_line_aligned_pieces_on_huge_pages() -> None:
+    """HugeArena: the loader writes panels straight into it; pieces start on 64-byte lines, one after another, and
+    asking past its size is an error, not an overlap."""
+    arena = HugeArena(3 * 4096 + 100)
+    a = arena.take((10, 3), torch.float32)  # 120 bytes: the next piece starts at 128
+    b = arena.take((3, 1024), torch.bfloat16)
+    assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() == a.data_ptr() + 128 and arena.holds(a)
+    assert b.shape == (3, 1024) and b.dtype == torch.bfloat16 and not arena.holds(torch.empty(3))
+    b.fill_(1.5)
+    assert float(b.float().sum()) == 1.5 * 3 * 1024
+    if THP:
+        assert anon_huge_kb(b.data_ptr()) >= HUGE_PAGE // 1024
+    with pytest.raises(MemoryError, match="HugeArena: 8192 bytes asked with"):
+        arena.take((2048,), torch.float32)
 
 
 def test_moved_tensors_keep_values_shapes_and_offsets_within_a_line() -> None:
@@ -69,10 +85,12 @@ def test_the_moved_tensors_lie_on_huge_pages() -> None:
                          ids=["bfloat16", "int8", "int4"])
 def test_a_loaded_model_streams_its_matrices_from_one_region_with_the_same_bits(
         tiny_dir: Path, kwargs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """from_pretrained moves a converted or quantized model's block matrices and head into one mapping; its logits
-    and greedy tokens are those of the same weights left where loading put them."""
+    """from_pretrained moves a converted or quantized model's block matrices and head into one mapping (panels are
+    written into one of their own); its logits and greedy tokens are those of the same weights left where loading
+    put them."""
     placed = GPT2.from_pretrained(tiny_dir, **kwargs)
-    monkeypatch.setattr(api, "matrices_on_huge_pages", lambda w, **_: w)
+    monkeypatch.setattr(api, "matrices_on_huge_pages", lambda w, *_, **__: w)
+    monkeypatch.setattr(api, "huge_pages_available", lambda: False)  # and no arena for the panels
     plain = GPT2.from_pretrained(tiny_dir, **kwargs)
 
     def parts(w) -> list[torch.Tensor]:
@@ -82,8 +100,9 @@ def test_a_loaded_model_streams_its_matrices_from_one_region_with_the_same_bits(
                                         else (m.panels,) if isinstance(m, PanelMatrix) else (m,))]
 
     storages = {t.untyped_storage().data_ptr() for t in parts(placed.weights)}
-    if THP:
-        assert len(storages) == 1
+    if THP:  # the panels' arena, where the loader keeps panels (on AMD's cores), and the mapping the rest moved to
+        paneled = any(isinstance(b.mlp_c_proj.weight, PanelMatrix) for b in placed.weights.blocks)
+        assert len(storages) == 1 + paneled
         assert len({t.untyped_storage().data_ptr() for t in parts(plain.weights)}) > 1
     for a, b in zip(parts(placed.weights), parts(plain.weights)):
         assert torch.equal(a, b) and a.data_ptr() % 64 == b.data_ptr() % 64
@@ -116,5 +135,9 @@ def test_float32_weights_are_read_in_place_from_the_checkpoint_file(tiny_dir: Pa
         return
     assert isinstance(down, PanelMatrix) and file_pages(down.plain, path) is not None
     assert file_pages(down.panels, path) is None and w.wte is w.head
-    if THP:
+    if THP:  # the panels written in place into one arena, the head moved beside it
+        assert len({getattr(b, f).weight.panels.untyped_storage().data_ptr() for b in w.blocks
+                    for f in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")
+                    if isinstance(getattr(b, f).weight, PanelMatrix)}) == 1
+        assert anon_huge_kb(down.panels.data_ptr()) >= HUGE_PAGE // 1024
         assert file_pages(w.head, path) is None and anon_huge_kb(w.head.data_ptr()) >= 2 * HUGE_PAGE // 1024

@@ -13,6 +13,7 @@ tiles to the line) and give the same bits; only the page size changes.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 from collections.abc import Mapping
@@ -40,6 +41,40 @@ def huge_pages_available(mode_file: Path = THP_MODE) -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
+def huge_region(nbytes: int) -> torch.Tensor:
+    """[nbytes] uint8 of a new anonymous mapping advised as huge pages, starting on a 2 MB boundary (a huge page
+    must); the tensor and its views hold the mapping alive. Untouched: the advice is given before the first touch,
+    so that the page faults allocate huge pages (if it fails, 4 KB pages: the same values, at the old speed)."""
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # [size + 2 MB] bytes, holding `region` alive
+    base = -raw.data_ptr() % HUGE_PAGE  # the first 2 MB boundary
+    libc().madvise(ctypes.c_void_p(raw.data_ptr() + base), ctypes.c_size_t(size), MADV_HUGEPAGE)
+    return raw[base : base + nbytes]
+
+
+class HugeArena:
+    """Room on huge pages for tensors the loader makes (PanelMatrix's panels): each is written once, in place, where
+    making it elsewhere and then moving it (move_to_huge_pages) wrote it twice. Pieces start on 64-byte lines, as
+    torch's own allocations do, so the kernels take the same paths."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.raw = huge_region(nbytes)
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of `shape` and `dtype` in the arena (a MemoryError past its size)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.used + nbytes > self.raw.numel():
+            raise MemoryError(f"HugeArena: {nbytes} bytes asked with {self.raw.numel() - self.used} left")
+        piece = self.raw[self.used : self.used + nbytes].view(dtype).view(shape)
+        self.used += nbytes + -nbytes % LINE
+        return piece
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() == self.raw.untyped_storage().data_ptr()
+
+
 def move_to_huge_pages(tensors: list[torch.Tensor], in_file: Mapping[int, FilePages] | None = None) -> None:
     """Move contiguous CPU `tensors` into one anonymous mapping advised as huge pages, each at its old offset within
     a 64-byte line. Each tensor's storage is swapped for its copy (Tensor.set_) as soon as the copy is made, so every
@@ -54,16 +89,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor], in_file: Mapping[int, FilePa
         starts.append(end)
         end += t.numel() * t.element_size()
         end += -end % LINE
-    size = -(-end // HUGE_PAGE) * HUGE_PAGE
-    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # [size + 2 MB] bytes, holding `region` alive
-    base = -raw.data_ptr() % HUGE_PAGE  # the first 2 MB boundary: a huge page must start on one
-    # before the first touch, so that the page faults allocate huge pages (if the advice fails, 4 KB pages: the same
-    # values, at the old speed)
-    libc().madvise(ctypes.c_void_p(raw.data_ptr() + base), ctypes.c_size_t(size), MADV_HUGEPAGE)
+    raw = huge_region(end)
     for t, at in zip(tensors, starts):
         nbytes = t.numel() * t.element_size()
-        copy = raw[base + at : base + at + nbytes].view(t.dtype).view(t.shape)
+        copy = raw[at : at + nbytes].view(t.dtype).view(t.shape)
         pages = None if in_file is None else in_file.get(id(t))
         with torch.no_grad():
             if pages is None:
@@ -77,9 +106,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor], in_file: Mapping[int, FilePa
         release_heap()  # the old memory, where it was on the C heap (malloc keeps freed heap pages otherwise)
 
 
-def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None) -> None:
+def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None, arena: HugeArena | None = None) -> None:
     """Move the block matrices and the head of `w` (bfloat16, float32 or packed, with their scales, or panels) onto
     huge pages (move_to_huge_pages), where the system has them; the values, and so every result, stay the same.
+    Those the loader wrote into `arena` are there already.
 
     file: the checkpoint that float32 weights are read in place from (GPT2.from_pretrained passes it only where the
     projections are in panels). Then only the panels and the head move: the plain matrices kept beside the panels
@@ -94,7 +124,10 @@ def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None) -> None:
                                              else () if file is not None else (m,))]
     # GPT-2's head is wte itself (tied), or its quantized transpose
     tensors += [w.head.packed, w.head.scales] if isinstance(w.head, QuantizedMatrix) else [w.head]
+    tensors = [t for t in tensors if arena is None or not arena.holds(t)]  # placed there by the loader already
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return
+    if not tensors:
         return
     pages = None if file is None else file_pages(w.head, file)
     move_to_huge_pages(list({id(t): t for t in tensors}.values()), None if pages is None else {id(w.head): pages})

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -56,6 +57,9 @@ class QuantizedMatrix:
     out_features: int  # N
 
 
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> an uninitialised tensor
+
+
 @dataclass(frozen=True)
 class PanelMatrix:
     """A (K, N) float32 or bfloat16 weight matrix stored in panels, the order kernels/decode.cpp reads at decode
@@ -90,13 +94,20 @@ class PanelMatrix:
         return K > 0 and K % (cls.PIECES * cls.ROWS) == 0 and N > 0 and N % cls.COLS == 0
 
     @classmethod
-    def of(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, keep: bool = False) -> PanelMatrix:
+    def shape_of(cls, K: int, N: int) -> tuple[int, int, int, int]:
+        return K // cls.ROWS, N // cls.COLS, cls.ROWS, cls.COLS
+
+    @classmethod
+    def of(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, keep: bool = False,
+           alloc: Allocator | None = None) -> PanelMatrix:
         """A contiguous (K, N) matrix (one that fits) in panels of `dtype`, converted as it is copied (one pass, and no
-        (K, N) copy in between); keep: `w` itself is kept as `plain` (it must be of `dtype`)."""
+        (K, N) copy in between); keep: `w` itself is kept as `plain` (it must be of `dtype`). alloc(shape, dtype):
+        where the panels go (None: a new tensor)."""
         K, N = w.shape
         if keep and w.dtype != dtype:
             raise ValueError(f"PanelMatrix.of: a kept plain matrix must be {dtype}, got {w.dtype}")
-        panels = torch.empty(K // cls.ROWS, N // cls.COLS, cls.ROWS, cls.COLS, dtype=dtype)
+        shape = cls.shape_of(K, N)
+        panels = torch.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
         panels.copy_(w.view(K // cls.ROWS, cls.ROWS, N // cls.COLS, cls.COLS).permute(0, 2, 1, 3))
         return cls(panels, K, N, w if keep else None)
 
@@ -114,6 +125,13 @@ class PanelMatrix:
     def matrix(self) -> torch.Tensor:
         """The (K, N) matrix in the panels' dtype: `plain` where kept (no copy), else dense()."""
         return self.plain if self.plain is not None else self.dense()
+
+
+def panel_bytes(config: GPT2Config, dtype: torch.dtype) -> int:
+    """Room for the panels of every projection of `config` whose shape fits, in `dtype`, each on its own 64-byte
+    line: what load_weights(panels=True) may write through its `alloc`."""
+    shapes = [s for name, s in expected_shapes(config).items() if name.startswith("h.") and len(s) == 2]
+    return sum(-(-math.prod(s) * dtype.itemsize // 64) * 64 for s in shapes if PanelMatrix.fits(s))
 
 
 @dataclass(frozen=True)
@@ -366,21 +384,22 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype = torch.float32,
-                 resident: bool = True, panels: bool = False) -> GPT2Weights:
+                 resident: bool = True, panels: bool = False, alloc: Allocator | None = None) -> GPT2Weights:
     """Read and check every tensor of the checkpoint in `directory`; raise WeightsError on any mismatch.
 
     `dtype` is that of the weight matrices (and wte); everything else stays float32. resident=False: the pages that
     checking read are released again (release_pages), for a caller that quantizes the matrices one at a time.
     panels: keep the projections in panels (PanelMatrix) where their shape allows; float32 ones only where the file
     is memory-mapped, and with the file's matrix beside them (PanelMatrix.plain: its pages released until a GEMM
-    reads them).
+    reads them). alloc: where the panels are written (pages.HugeArena.take; None: new tensors).
     """
     path = find_weights_file(Path(directory))
-    return weights_from_tensors(read_tensors(path), config, path, dtype, resident, panels)
+    return weights_from_tensors(read_tensors(path), config, path, dtype, resident, panels, alloc)
 
 
 def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path: Path,
-                         dtype: torch.dtype = torch.float32, resident: bool = True, panels: bool = False) -> GPT2Weights:
+                         dtype: torch.dtype = torch.float32, resident: bool = True, panels: bool = False,
+                         alloc: Allocator | None = None) -> GPT2Weights:
     """load_weights' checks and assembly, on tensors by official name (read from `path`, which errors name)."""
     expected = expected_shapes(config)
 
@@ -442,14 +461,14 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
         weight = tensors[prefix + ".weight"]
         if panels and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
             if dtype == torch.bfloat16:
-                kept = PanelMatrix.of(weight, dtype)
+                kept = PanelMatrix.of(weight, dtype, alloc=alloc)
                 if not resident:
                     release_pages(weight, path)
                 return Linear(kept, t(prefix + ".bias"))
             # float32: the file's matrix stays beside the panels (PanelMatrix.plain), so only where it is that very
             # matrix, in the mapping; decode reads the panels, and a GEMM's first call reads its pages back
             if dtype == weight.dtype == torch.float32 and (pages := in_file(weight)) is not None:
-                kept = PanelMatrix.of(weight, dtype, keep=True)
+                kept = PanelMatrix.of(weight, dtype, keep=True, alloc=alloc)
                 pages.release(weight)
                 return Linear(kept, t(prefix + ".bias"))
         return Linear(t(prefix + ".weight", dtype), t(prefix + ".bias"))
