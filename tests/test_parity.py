@@ -9,6 +9,7 @@ import torch
 from gpt2_engine import GPT2
 from gpt2_engine.commands.compare import reference_outputs
 from gpt2_engine.core import numpy_ref
+from gpt2_engine.core.weights import assemble, named_tensors
 
 # Relative tolerances, as a fraction of max |reference|: float32 rounding over 12 blocks measures ~1e-6.
 TORCH_RTOL = 1e-4
@@ -51,7 +52,8 @@ def test_numpy_reference_matches_torch(model: GPT2, length: int) -> None:
     torch_blocks: list[torch.Tensor] = []
     logits = model.forward(ids, hidden_states=torch_blocks)[0].numpy()
     np_blocks: list[np.ndarray] = []
-    ref = numpy_ref.forward(model.weights, model.config, ids[0].numpy(), hidden_states=np_blocks)
+    plain = assemble(named_tensors(model.weights), model.config)  # the (K, N) matrices, whichever layout is kept
+    ref = numpy_ref.forward(plain, model.config, ids[0].numpy(), hidden_states=np_blocks)
     assert ref.shape == logits.shape
     assert_close(torch.from_numpy(ref), torch.from_numpy(logits), NUMPY_RTOL, "numpy logits")
     assert np.array_equal(ref.argmax(-1), logits.argmax(-1))

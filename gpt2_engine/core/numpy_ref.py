@@ -54,7 +54,8 @@ def causal_self_attention(x: np.ndarray, blk: Block, n_head: int) -> np.ndarray:
 
 def forward(w: GPT2Weights, config: GPT2Config, ids: np.ndarray,
             hidden_states: list[np.ndarray] | None = None) -> np.ndarray:
-    """Logits for one sequence of token ids [T] -> [T, V], computed in the weights' dtype (float32)."""
+    """Logits for one sequence of token ids [T] -> [T, V] in the weights' dtype (float32), from plain tensors: the
+    loader's, or a loaded model's as assemble(named_tensors(model.weights)) (its projections may be in panels)."""
     T = len(ids)
     eps = config.layer_norm_epsilon
     x = w.wte.numpy()[ids] + w.wpe.numpy()[:T]  # [T, C]

@@ -7,7 +7,8 @@ transparent huge pages where it is advised to (MADV_HUGEPAGE; THP in "madvise" o
 allocations in "madvise" mode. So a loaded model's converted or quantized block matrices and head are moved into
 one such mapping (one for all of them: each rounded to 2 MB on its own would waste up to 4 MB a matrix). Each copy
 starts at its source's offset within a 64-byte line, so the kernels take the same paths (decode.cpp aligns some
-tiles to the line) and give the same bits; only the page size changes.
+tiles to the line) and give the same bits; only the page size changes. Panels (weights.PanelMatrix) are written
+into such a mapping of their own as the loader makes them (HugeArena), which saves moving them after.
 """
 
 from __future__ import annotations
