@@ -48,8 +48,8 @@ class CPU:
     def panels(self) -> bool:
         """Whether decode.cpp reads float32 and bfloat16 projections faster in panels (weights.PanelMatrix) than as
         plain (K, N) matrices. On AMD's cores the hardware prefetchers follow a pass's stream per weight row badly and
-        panels, read in address order, won (a Zen 3 EPYC, whole batch-1 decode: bfloat16 1.08x, float32 1.09-1.11x;
-        batch 8 about even); an Intel Xeon (AVX-512, BF16) read the plain bfloat16 matrices at 94% of its memory rate
+        panels, read in address order, won (a Zen 3 EPYC, whole batch-1 decode: bfloat16 1.08x, float32 1.09-1.19x;
+        batch 8: 0.98x, 1.10x); an Intel Xeon (AVX-512, BF16) read the plain bfloat16 matrices at 94% of its memory rate
         and panels at 0.68x of that, float32 the same either way at one row and plain faster at 8
         (docs/benchmarks.md). Zen 4 is taken to be as the other Zen cores: not measured."""
         return self.vendor == "AuthenticAMD" and self.avx2
