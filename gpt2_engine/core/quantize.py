@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .errors import GPT2EngineError
-from .weights import Block, GPT2Weights, Linear, PanelMatrix, QuantizedMatrix, file_pages, release_heap, release_pages
+from .weights import Block, GPT2Weights, Linear, QuantizedMatrix, file_pages, float_matrix, release_heap, release_pages
 
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel
@@ -149,7 +149,7 @@ def quantize_weights(w: GPT2Weights, fmt: str, source: Path | None = None) -> GP
             release_pages(t, source)
 
     def linear(p: Linear) -> Linear:
-        w = p.weight.matrix() if isinstance(p.weight, PanelMatrix) else p.weight  # a float32 target's file matrix
+        w = float_matrix(p.weight)  # a float32 target in panels: the file's matrix beside them
         q = quantize_matrix(w, bits)
         release(w)
         release_heap()

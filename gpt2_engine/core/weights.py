@@ -94,10 +94,6 @@ class PanelMatrix:
         return K > 0 and K % (cls.PIECES * cls.ROWS) == 0 and N > 0 and N % cls.COLS == 0
 
     @classmethod
-    def shape_of(cls, K: int, N: int) -> tuple[int, int, int, int]:
-        return K // cls.ROWS, N // cls.COLS, cls.ROWS, cls.COLS
-
-    @classmethod
     def of(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, keep: bool = False,
            alloc: Allocator | None = None) -> PanelMatrix:
         """A contiguous (K, N) matrix (one that fits) in panels of `dtype`, converted as it is copied (one pass, and no
@@ -106,7 +102,7 @@ class PanelMatrix:
         K, N = w.shape
         if keep and w.dtype != dtype:
             raise ValueError(f"PanelMatrix.of: a kept plain matrix must be {dtype}, got {w.dtype}")
-        shape = cls.shape_of(K, N)
+        shape = (K // cls.ROWS, N // cls.COLS, cls.ROWS, cls.COLS)
         panels = torch.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
         panels.copy_(w.view(K // cls.ROWS, cls.ROWS, N // cls.COLS, cls.COLS).permute(0, 2, 1, 3))
         return cls(panels, K, N, w if keep else None)
@@ -125,6 +121,11 @@ class PanelMatrix:
     def matrix(self) -> torch.Tensor:
         """The (K, N) matrix in the panels' dtype: `plain` where kept (no copy), else dense()."""
         return self.plain if self.plain is not None else self.dense()
+
+
+def float_matrix(w: torch.Tensor | PanelMatrix) -> torch.Tensor:
+    """A float projection's (K, N) matrix as a tensor, however it is stored (a PanelMatrix: its matrix())."""
+    return w.matrix() if isinstance(w, PanelMatrix) else w
 
 
 def panel_bytes(config: GPT2Config, dtype: torch.dtype) -> int:
@@ -171,8 +172,7 @@ class Block:
 
     def qkv(self) -> tuple[Linear, Linear, Linear]:
         """The Q, K and V projections as (C, C) views of the fused c_attn (no copy)."""
-        w = self.c_attn.weight
-        ws, bs = split_qkv(w.matrix() if isinstance(w, PanelMatrix) else w), split_qkv(self.c_attn.bias)
+        ws, bs = split_qkv(float_matrix(self.c_attn.weight)), split_qkv(self.c_attn.bias)
         return Linear(ws[0], bs[0]), Linear(ws[1], bs[1]), Linear(ws[2], bs[2])
 
 
@@ -228,10 +228,9 @@ class FilePages:
     def release(self, tensor: torch.Tensor) -> bool:
         """Drop this process's resident pages under `tensor` (madvise DONTNEED, ~10 us); False, leaving it alone,
         unless it is contiguous and lies within the checked tensor (not a copy, not on another device)."""
-        first = tensor.data_ptr()
-        end = first + tensor.numel() * tensor.element_size()
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or not self.start <= first <= end <= self.end:
+        if self.within(tensor) is None:
             return False
+        first, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
         first = max(self.start - self.start % mmap.PAGESIZE, first - first % mmap.PAGESIZE)
         return libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_DONTNEED) == 0
 
@@ -504,8 +503,7 @@ def named_tensors(w: GPT2Weights) -> dict[str, torch.Tensor]:
             p = getattr(blk, field)
             if isinstance(p.weight, QuantizedMatrix):
                 raise ValueError(f"h.{i}.{part}.weight is quantized; only float weights have named tensors")
-            weight = p.weight.matrix() if isinstance(p.weight, PanelMatrix) else p.weight
-            named[f"h.{i}.{part}.weight"], named[f"h.{i}.{part}.bias"] = weight, p.bias
+            named[f"h.{i}.{part}.weight"], named[f"h.{i}.{part}.bias"] = float_matrix(p.weight), p.bias
     named["ln_f.weight"], named["ln_f.bias"] = w.ln_f.weight, w.ln_f.bias
     return named
 

@@ -18,7 +18,7 @@ import torch
 
 from ..core.model import gelu, query_blocks, split_heads
 from ..core.projection import HEAD_BLOCK, dequantize_columns, project
-from ..core.weights import LayerNorm, Linear, PanelMatrix, QuantizedMatrix
+from ..core.weights import LayerNorm, Linear, QuantizedMatrix, float_matrix
 
 
 def draw_keep(keep: torch.Tensor | None, p: float, generator: torch.Generator) -> None:
@@ -70,17 +70,11 @@ def linear_forward(x: torch.Tensor, p: Linear, out: torch.Tensor, accumulate: bo
         else:
             out.copy_(project(x, p.weight, p.bias))
         return
-    w = matrix(p.weight)
+    w = float_matrix(p.weight)  # a frozen LoRA base that inference keeps in panels: the file's matrix beside them
     if accumulate:
         out.addmm_(x, w)  # beta = 1 inside the GEMM: no separate pass over out
     else:
         torch.addmm(p.bias, x, w, out=out)
-
-
-def matrix(w: torch.Tensor | PanelMatrix) -> torch.Tensor:
-    """A float weight as a (in, out) tensor: a frozen LoRA base that inference keeps in panels gives the file's
-    matrix kept beside them (PanelMatrix.plain)."""
-    return w.matrix() if isinstance(w, PanelMatrix) else w
 
 
 def linear_backward(d_out: torch.Tensor, x: torch.Tensor, p: Linear, grad: Linear | None,
@@ -97,8 +91,8 @@ def linear_backward(d_out: torch.Tensor, x: torch.Tensor, p: Linear, grad: Linea
     w = p.weight
     if isinstance(w, QuantizedMatrix):
         w = dequantize_columns(w, 0, w.out_features, scratch)  # (in, out), maybe a strided view of the padded panels
-    elif isinstance(w, PanelMatrix):
-        w = w.matrix()
+    else:
+        w = float_matrix(w)
     if accumulate:
         d_x.addmm_(d_out, w.t())
     else:
