@@ -1,6 +1,6 @@
 """The native decode path of a pass (kernels/block.cpp): a block and the head as one call each, against model.py's
 torch functions; their row invariance; the per-row logsumexp and argmax the scheduler reads; the quantized model's
-embedding rows read from the file."""
+embedding rows read from the file; a pass's embedding as one call."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 
 from gpt2_engine import GPT2
 from gpt2_engine.core.kernels import decode_kernels
-from gpt2_engine.core.model import KVCache, embed, logits
+from gpt2_engine.core.model import FEW_IDS, KVCache, embed, logits
 from gpt2_engine.core.projection import reduce_rows
-from gpt2_engine.core.rows import RowLayout
+from gpt2_engine.core.rows import RowLayout, embeds_natively, native_embed
 from gpt2_engine.runtime.plan import Picks, Segment
 from gpt2_engine.runtime.runner import NO_ADAPTERS, Pass, native_rows, rows_block
 from gpt2_engine.runtime.sampling import argmax
@@ -151,14 +151,18 @@ def test_the_heads_greedy_picks_are_its_logits_reduced(models: dict[str, GPT2], 
     head = native_rows(model.weights, model.config).head
     x = torch.randn(6, model.config.n_embd, generator=torch.Generator().manual_seed(5))
     full = head(x)  # [6, V]
-    banned = torch.tensor([-1, 50256, -1, -1, 50256, -1])
-    keep = torch.tensor([-1, 0, -1, 1, -1, -1])
+    banned = [-1, 50256, -1, -1, 50256, -1]
+    keep = [-1, 0, -1, 1, -1, -1]
     tokens, best, lse, kept = head.select(x, banned, keep, 2)
     assert torch.equal(kept, full[[1, 3]])
-    assert (tokens.tolist(), best.tolist(), lse) == reduce_rows(full, banned.tolist())
-    one = head.select(x[4:5].contiguous(), banned[4:5], torch.tensor([-1]), 0)
+    assert (tokens, best, lse) == reduce_rows(full, banned)
+    one = head.select(x[4:5].contiguous(), banned[4:5], [-1], 0)
     assert one[3].shape == (0, model.config.vocab_size)
-    assert (one[0].tolist(), one[2]) == ([tokens[4].item()], [lse[4]])
+    assert (one[0], one[1], one[2]) == ([tokens[4]], [best[4]], [lse[4]])
+    with pytest.raises(RuntimeError, match="expected a banned token and a keep place for each of the 6 rows"):
+        head.select(x, banned[:5], keep, 2)
+    with pytest.raises(RuntimeError, match="keep numbers past kept"):
+        head.select(x, banned, keep, 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -188,3 +192,25 @@ def test_a_quantized_model_reads_its_embedding_rows_from_the_file(models: dict[s
         embed(w, torch.tensor([50257]))
     other = replace(w.wte_pages, inode=(0, 0))  # as if the file on disk were replaced since it was mapped
     assert other.read_rows(w.wte, [464]) is None
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_passs_embedding_in_one_native_call_is_models(models: dict[str, GPT2], name: str) -> None:
+    """rows.native_embed (what a pass's rows start from unsteered): the bits of model.embed + wpe in every format
+    (bfloat16's wte widened, a quantized model's rows read from the file, past FEW_IDS rows left to model.embed);
+    an id or a position out of range is named."""
+    w, cfg = models[name].weights, models[name].config
+    assert embeds_natively(w) and native_rows(w, cfg).embeds
+    ids, positions = [464, 0, cfg.vocab_size - 1, 13], [0, 7, cfg.n_positions - 1, 7]
+    got = native_embed(w, ids, positions)  # [1, 4, C]
+    expected = embed(w, torch.tensor(ids)) + w.wpe[torch.tensor(positions)]  # [4, C]
+    assert got is not None and got.shape == (1, 4, cfg.n_embd) and torch.equal(got[0], expected)
+    many = native_embed(w, list(range(FEW_IDS + 1)), list(range(FEW_IDS + 1)))
+    assert (many is None) == (w.wte_pages is not None)
+    native = decode_kernels()
+    with pytest.raises(RuntimeError, match=f"token id {cfg.vocab_size} is out of range for {cfg.vocab_size} rows"):
+        native.embed_rows(w.wte, [cfg.vocab_size], w.wpe, [0])
+    with pytest.raises(RuntimeError, match=f"position -1 is out of range for {cfg.n_positions} positions"):
+        native.embed_rows(w.wte, [1], w.wpe, [-1])
+    with pytest.raises(RuntimeError, match="expected as many positions as ids"):
+        native.embed_rows(w.wte, [1, 2], w.wpe, [0])

@@ -218,8 +218,7 @@ def reduce_rows(logits: torch.Tensor, banned: list[int] | None = None) -> tuple[
     native = decode_kernels()
     if native is not None and logits.dtype == torch.float32:
         rows = logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous()
-        tokens, best, lse = native.reduce_rows(rows, torch.tensor(banned, dtype=torch.long))
-        return tokens.tolist(), best.tolist(), lse
+        return native.reduce_rows(rows, banned)
     tokens, best, lse = [], [], []
     for row, ban in zip(logits.float(), banned):
         total = float(torch.logsumexp(row, -1))

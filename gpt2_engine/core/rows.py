@@ -12,7 +12,7 @@ import torch
 
 from .config import GPT2Config
 from .kernels import cpu, decode_kernels
-from .model import Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
+from .model import FEW_IDS, Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
 from .projection import native_projection
 from .weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
 
@@ -21,20 +21,22 @@ from .weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
 class RowLayout:
     """Where the rows of a continuous-batching pass go, worked out once for all blocks: spans (slot, start, n) in row
     order (n new tokens of the sequence in cache slot `slot`, at positions [start, start + n)), each span's first
-    row, and for every row its cache slot and position (what the native attention kernel reads)."""
+    row, and for every row its cache slot and position (what the native attention kernel reads). Slots and positions
+    are lists, which the native calls take as they are: a decode step starts on caches that the last step's head has
+    flushed, where making a small tensor costs more than a block's element-wise work (kernels/block.cpp)."""
 
     spans: list[tuple[int, int, int]]
     first_rows: list[int]  # each span's first row
-    slots: torch.Tensor  # [R] the slot of each row
-    positions: torch.Tensor  # [R] the position of each row in its sequence
+    slots: list[int]  # [R] the slot of each row
+    positions: list[int]  # [R] the position of each row in its sequence
 
     @classmethod
     def of(cls, spans: list[tuple[int, int, int]]) -> RowLayout:
         firsts = [0]
         for _, _, n in spans[:-1]:
             firsts.append(firsts[-1] + n)
-        slots = torch.tensor([slot for slot, _, n in spans for _ in range(n)], dtype=torch.long)
-        positions = torch.tensor([p for _, start, n in spans for p in range(start, start + n)], dtype=torch.long)
+        slots = [slot for slot, _, n in spans for _ in range(n)]
+        positions = [p for _, start, n in spans for p in range(start, start + n)]
         return cls(spans, firsts, slots, positions)
 
 
@@ -59,7 +61,8 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
     native = decode_kernels() if k_cache.is_contiguous() else None
     if native is not None:
         out = native.decode_attention(q[0].view(R, n_head, hs), k[0].view(R, n_head, hs), v[0].view(R, n_head, hs),
-                                      k_cache, v_cache, layout.slots, layout.positions, cpu().avx512)
+                                      k_cache, v_cache, torch.tensor(layout.slots, dtype=torch.long),
+                                      torch.tensor(layout.positions, dtype=torch.long), cpu().avx512)
         out = hooked(tap, "attn.hook_z", out.view(1, R, n_head, hs))
         return linear(out.reshape(1, R, C), blk.attn_c_proj, adapters)  # [1, R, C]
     out = torch.empty(1, R, C)  # [1, R, C]
@@ -71,6 +74,25 @@ def self_attention_segments(x: torch.Tensor, blk: Block, n_head: int, k_cache: t
                                                       causal=start == 0))
     out = hooked(tap, "attn.hook_z", out.view(1, R, n_head, hs)).reshape(1, R, C)
     return linear(out, blk.attn_c_proj, adapters)  # [1, R, C]
+
+
+def embeds_natively(w: GPT2Weights) -> bool:
+    """Whether native_embed applies to these weights: the native kernels, wte in float32 or bfloat16 and wpe in
+    float32, each contiguous. Decided once per runner (runtime/runner.py's NativeRows), not in every step."""
+    return (decode_kernels() is not None and w.wte.dtype in (torch.float32, torch.bfloat16) and w.wte.is_contiguous()
+            and w.wpe.dtype == torch.float32 and w.wpe.is_contiguous())
+
+
+def native_embed(w: GPT2Weights, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+    """model.embed(w, ids) + wpe[positions], float32 [1, R, C], as one native call (kernels/block.cpp's embed_rows,
+    the same bits) for a pass's rows, where embeds_natively(w). None where a quantized model reads these rows through
+    the mapping (more than FEW_IDS of them: model.embed); its few rows are read from the file, as model.embed does."""
+    table, rows = w.wte, ids
+    if w.wte_pages is not None:
+        if len(ids) > FEW_IDS or (table := w.wte_pages.read_rows(w.wte, ids)) is None:
+            return None
+        rows = list(range(len(ids)))
+    return decode_kernels().embed_rows(table, rows, w.wpe, positions)
 
 
 def native_block(blk: Block, config: GPT2Config, layer: int) -> Any | None:

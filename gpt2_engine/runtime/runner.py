@@ -25,20 +25,27 @@ import torch
 from ..core.config import DECODE_ROWS, GPT2Config
 from ..core.model import KVCache, Layer, ScopedTap, block, embed, hooked, logits
 from ..core.projection import reduce_rows
-from ..core.rows import RowLayout, native_block, native_head, self_attention_segments
+from ..core.rows import RowLayout, embeds_natively, native_block, native_embed, native_head, self_attention_segments
 from ..core.steering import Rows, Steering, SteeringTap, between_blocks
 from ..core.weights import GPT2Weights
 from .plan import Outputs, Picks, Prefilled, Segment
 from .prefix import PrefixCache, prefill
 
 
-def embed_rows(w: GPT2Weights, segments: list[Segment], tap: SteeringTap | None = None) -> tuple[torch.Tensor, RowLayout]:
+def embed_rows(w: GPT2Weights, segments: list[Segment], tap: SteeringTap | None = None,
+               native: bool = False) -> tuple[torch.Tensor, RowLayout]:
     """Segments' tokens -> their residual stream [1, R, C] at their own positions, and the layout of their rows;
-    `tap`: their steering (hook_embed, hook_pos_embed)."""
-    ids = torch.tensor([t for s in segments for t in s.ids])  # [R]
+    `tap`: their steering (hook_embed, hook_pos_embed). `native` (rows.embeds_natively(w)) and unsteered: one native
+    call, rows.native_embed (this runs first in a decode step, on the caches the last step's head has flushed, where
+    the four small torch ops below cost ~0.2 ms)."""
+    ids = [t for s in segments for t in s.ids]  # [R]
     layout = RowLayout.of([(s.slot, s.start, len(s.ids)) for s in segments])
-    tokens = hooked(tap, "hook_embed", embed(w, ids)[None])  # [1, R, C]
-    return tokens + hooked(tap, "hook_pos_embed", w.wpe[layout.positions][None]), layout  # [1, R, C]
+    if native and tap is None and (x := native_embed(w, ids, layout.positions)) is not None:
+        return x, layout  # [1, R, C]
+    with torch.inference_mode():
+        tokens = hooked(tap, "hook_embed", embed(w, torch.tensor(ids, dtype=torch.long))[None])  # [1, R, C]
+        pos = hooked(tap, "hook_pos_embed", w.wpe[torch.tensor(layout.positions, dtype=torch.long)][None])  # [1, R, C]
+        return tokens + pos, layout  # [1, R, C]
 
 
 def steering_tap(w: GPT2Weights, config: GPT2Config, segments: list[Segment]) -> SteeringTap | None:
@@ -73,17 +80,19 @@ NO_ADAPTERS = torch.empty(0, dtype=torch.long)  # RowBlock's `adapters` where no
 class NativeRows(NamedTuple):
     """The weights' blocks and head as one native call each (rows.native_block, rows.native_head): how a pass of
     up to DECODE_ROWS rows runs. Every such pass runs there, so a row's bits never depend on which path its
-    neighbours took."""
+    neighbours took. `embeds`: whether its rows' embedding is one native call too (rows.embeds_natively; the
+    same bits as torch's, so that is only a matter of speed)."""
 
     blocks: list[Any]
     head: Any
+    embeds: bool
 
 
 def native_rows(w: GPT2Weights, config: GPT2Config) -> NativeRows | None:
     """NativeRows of these weights, or None where a block or the head has no native call."""
     blocks = [native_block(b, config, i) for i, b in enumerate(w.blocks)]
     head = native_head(w, config)
-    return None if None in blocks or head is None else NativeRows(blocks, head)
+    return None if None in blocks or head is None else NativeRows(blocks, head, embeds_natively(w))
 
 
 def rows_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, layout: RowLayout,
@@ -114,16 +123,17 @@ class Pass:
     ops, in inference mode.
     """
 
-    @torch.inference_mode()
     def __init__(self, w: GPT2Weights, config: GPT2Config, cache: KVCache, segments: list[Segment],
                  native: NativeRows | None = None) -> None:
-        """`native`: the weights' native_rows, built once by the runner (the default builds them for this pass)."""
+        """`native`: the weights' native_rows, built once by the runner (the default builds them for this pass). No
+        inference-mode switch here (it costs ~80 us on a decode step's cold caches): embed_rows's torch ops take
+        one where they run."""
         self.w, self.config, self.cache = w, config, cache
         native = native if native is not None else native_rows(w, config)
         self.native = native if cache.k.is_contiguous() and cache.v.is_contiguous() else None
         self.segments = list(segments)
         self.steer = steering_tap(w, config, self.segments)
-        self.x, self.layout = embed_rows(w, self.segments, self.steer)  # [1, R, C]
+        self.x, self.layout = embed_rows(w, self.segments, self.steer, self.native is not None and self.native.embeds)
         self.adapters = adapter_rows(self.segments)  # [R] or None
         self.layer = 0  # the next block to run
 
@@ -141,7 +151,7 @@ class Pass:
         if not segments:
             return
         steer = steering_tap(self.w, self.config, segments)
-        y, layout = embed_rows(self.w, segments, steer)  # [1, R', C]
+        y, layout = embed_rows(self.w, segments, steer, self.native is not None and self.native.embeds)  # [1, R', C]
         adapters = adapter_rows(segments)
         for j in range(self.layer):
             y = self._block(j, y, layout, adapters, steer)
@@ -193,9 +203,8 @@ class Pass:
             for want in wanted:
                 keep.append(places if want else -1)
                 places += want
-            tokens, best, lse, kept = self.native.head.select(x, torch.tensor(banned, dtype=torch.long),
-                                                              torch.tensor(keep, dtype=torch.long), places)
-            return Outputs(kept, Picks(tokens.tolist(), best.tolist(), lse))
+            tokens, best, lse, kept = self.native.head.select(x, banned, keep, places)
+            return Outputs(kept, Picks(tokens, best, lse))
         lg = self._head(x, tap, steered)  # [n, V]
         return Outputs(lg if all(wanted) else lg[torch.tensor(wanted)], Picks(*reduce_rows(lg, banned)))
 

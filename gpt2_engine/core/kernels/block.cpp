@@ -146,13 +146,16 @@ __attribute__((target("avx2,fma"))) Pick reduce_piece(const float* y, int64_t n,
   return p;
 }
 
-using Selected = std::tuple<torch::Tensor, torch::Tensor, std::vector<double>>;  // (argmax [M], its logit [M], lse)
+// Each row's argmax, its logit and the logsumexp, as vectors (Python lists through the binding, what the scheduler
+// reads): a decode step returns here right after the head has streamed through the caches, where creating a tensor
+// and reading it back cost far more than building a list.
+using Selected = std::tuple<std::vector<int64_t>, std::vector<float>, std::vector<double>>;
 
 // picks [P pieces][M rows], in vocabulary order -> each row's argmax (-1: none), that logit, and the logsumexp over
 // all its logits: the largest max, then the pieces' sums rescaled to it, in float64.
 Selected merge_picks(const std::vector<Pick>& picks, int64_t M, int64_t P) {
-  auto at = torch::empty({M}, torch::kLong);
-  auto best = torch::empty({M}, torch::kFloat);
+  std::vector<int64_t> at(M);
+  std::vector<float> best(M);
   std::vector<double> lse(M);
   for (int64_t r = 0; r < M; ++r) {
     int64_t a = -1;
@@ -172,7 +175,7 @@ Selected merge_picks(const std::vector<Pick>& picks, int64_t M, int64_t P) {
       for (int64_t i = 0; i < P; ++i) sum += double(picks[i * M + r].sum) * std::exp(double(picks[i * M + r].max) - m);
       l = m + std::log(sum);
     }
-    at.data_ptr<int64_t>()[r] = a, best.data_ptr<float>()[r] = b, lse[r] = l;
+    at[r] = a, best[r] = b, lse[r] = l;
   }
   return {at, best, lse};
 }
@@ -181,17 +184,16 @@ Selected merge_picks(const std::vector<Pick>& picks, int64_t M, int64_t P) {
 
 // Each row's argmax (skipping banned[m]; -1: none), its logit and the logsumexp, of logits computed elsewhere [M, V]
 // (rows may be strided, columns contiguous): the same pieces and merge as RowHead::select, so the same bits.
-Selected reduce_rows(torch::Tensor logits, torch::Tensor banned) {
+Selected reduce_rows(torch::Tensor logits, std::vector<int64_t> banned) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && (logits.size(1) <= 1 || logits.stride(1) == 1),
               "reduce_rows: expected float32 [M, V] with contiguous rows");
-  TORCH_CHECK(banned.scalar_type() == at::kLong && banned.dim() == 1 && banned.size(0) == logits.size(0) &&
-                  banned.is_contiguous(), "reduce_rows: banned must be int64 [M]");
+  TORCH_CHECK(static_cast<int64_t>(banned.size()) == logits.size(0), "reduce_rows: expected one banned token a row");
   const int64_t M = logits.size(0), V = logits.size(1), P = (V + SUB - 1) / SUB;
   std::vector<Pick> picks(P * M);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t i = 0; i < P; ++i)
       picks[i * M + r] = reduce_piece(logits.data_ptr<float>() + r * logits.stride(0) + i * SUB,
-                                      std::min(SUB, V - i * SUB), i * SUB, banned.data_ptr<int64_t>()[r]);
+                                      std::min(SUB, V - i * SUB), i * SUB, banned[r]);
   return merge_picks(picks, M, P);
 }
 
@@ -242,24 +244,29 @@ class RowBlock {
   }
 
   // x [..., R, C] -> the same shape; k_cache, v_cache [n_layer, slots, nh, L, hs] (this block reads and writes its
-  // layer's); slots, positions [R] int64 (each row's cache slot and position); adapters [R] int64 (each row's LoRA
-  // adapter, -1 none), empty: adapter 0 for every row.
-  torch::Tensor operator()(torch::Tensor x_in, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                           torch::Tensor positions, torch::Tensor adapters) const {
+  // layer's); slots, positions: R each (each row's cache slot and position; lists from Python, core/rows.py's
+  // RowLayout, since a tensor made per step costs more than this call's element-wise work); adapters [R] int64 (each
+  // row's LoRA adapter, -1 none), empty: adapter 0 for every row.
+  torch::Tensor operator()(torch::Tensor x_in, torch::Tensor k_cache, torch::Tensor v_cache,
+                           std::vector<int64_t> slots, std::vector<int64_t> positions, torch::Tensor adapters) const {
     const int64_t C = ln_[0].numel(), hs = C / n_head_;
     TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.size(-1) == C, "RowBlock: x must be float32 [..., C]");
     TORCH_CHECK(k_cache.dim() == 5 && layer_ < k_cache.size(0), "RowBlock: caches must be [n_layer, slots, nh, L, hs]");
     const torch::Tensor x = x_in.reshape({-1, C}).contiguous();  // [R, C]
     const int64_t R = x.size(0);
+    TORCH_CHECK(static_cast<int64_t>(slots.size()) == R && static_cast<int64_t>(positions.size()) == R,
+                "RowBlock: expected a slot and a position for each of the ", R, " rows");
+    const auto long_options = torch::TensorOptions().dtype(torch::kLong);
     // each row's adapter, for the projections with LoRA (none: adapter 0 for every row, the single-adapter model)
-    const torch::Tensor index = adapters.numel() || !lora_ ? adapters : torch::zeros({R}, slots.options());
+    const torch::Tensor index = adapters.numel() || !lora_ ? adapters : torch::zeros({R}, long_options);
     auto out = torch::empty_like(x);  // [R, C]: the residual stream after this block
     auto h = torch::empty_like(x);  // [R, C]: a layer norm's output
     norm(x, ln_[0], ln_[1], h);
     const torch::Tensor qkv = proj_[0](h, index, avx512_, vnni_);  // [R, 3C]: Q, K, V side by side (split_qkv)
     const auto heads = [&](int64_t i) { return qkv.narrow(1, i * C, C).reshape({R, n_head_, hs}); };
-    const torch::Tensor a = decode_attention(heads(0), heads(1), heads(2), k_cache[layer_], v_cache[layer_], slots,
-                                             positions, avx512_);
+    const torch::Tensor a = decode_attention(heads(0), heads(1), heads(2), k_cache[layer_], v_cache[layer_],
+                                             torch::from_blob(slots.data(), {R}, long_options),
+                                             torch::from_blob(positions.data(), {R}, long_options), avx512_);
     add(x, proj_[1](a.view({R, C}), index, avx512_, vnni_), out);  // x + attn
     norm(out, ln_[2], ln_[3], h);
     torch::Tensor f = proj_[2](h, index, avx512_, vnni_);  // [R, 4C]
@@ -315,25 +322,26 @@ class RowHead {
   // with keep[r] >= 0 as out[keep[r]] (out [kept, V]; keep numbers the kept rows in order): the greedy picks above,
   // on the head's logits a piece at a time (decode.cpp's dot_rows_slice); a packed head's logits are made whole
   // first (its kernel runs whole panels of the vocabulary) and reduced the same way.
-  std::tuple<torch::Tensor, torch::Tensor, std::vector<double>, torch::Tensor> select(torch::Tensor x,
-                                                                                      torch::Tensor banned,
-                                                                                      torch::Tensor keep,
-                                                                                      int64_t kept) const {
+  std::tuple<std::vector<int64_t>, std::vector<float>, std::vector<double>, torch::Tensor> select(
+      torch::Tensor x, std::vector<int64_t> banned, std::vector<int64_t> keep, int64_t kept) const {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == ln_w_.numel(), "RowHead: x must be float32 [R, C]");
+    const int64_t R = x.size(0), P = (vocab_ + SUB - 1) / SUB;
+    TORCH_CHECK(static_cast<int64_t>(banned.size()) == R && static_cast<int64_t>(keep.size()) == R,
+                "RowHead.select: expected a banned token and a keep place for each of the ", R, " rows");
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(keep[r] < kept, "RowHead.select: keep numbers past kept");
     x = x.contiguous();
     auto h = torch::empty_like(x);  // [R, C]
     norm_rows(x, ln_w_, ln_b_, eps_, h);
     if (bits_) {
       const torch::Tensor all = packed_rows(h, head_, scales_, torch::empty({0}, x.options()), vocab_, bits_, vnni_);
       auto [at, best, lse] = reduce_rows(all, banned);
-      return {at, best, lse, all.index_select(0, keep.ge(0).nonzero().select(1, 0))};
+      std::vector<int64_t> rows;
+      for (int64_t r = 0; r < R; ++r)
+        if (keep[r] >= 0) rows.push_back(r);
+      const auto index = torch::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, torch::kLong);
+      return {at, best, lse, all.index_select(0, index)};
     }
-    TORCH_CHECK(banned.scalar_type() == at::kLong && keep.scalar_type() == at::kLong && banned.numel() == x.size(0) &&
-                    keep.numel() == x.size(0) && banned.is_contiguous() && keep.is_contiguous(),
-                "RowHead.select: banned and keep must be int64 [R]");
-    const int64_t R = x.size(0), P = (vocab_ + SUB - 1) / SUB;
-    const int64_t *bp = banned.data_ptr<int64_t>(), *kp = keep.data_ptr<int64_t>();
-    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(kp[r] < kept, "RowHead.select: keep numbers past kept");
+    const int64_t *bp = banned.data(), *kp = keep.data();
     auto out = torch::empty({kept, vocab_}, x.options());
     float* op = out.data_ptr<float>();
     std::vector<Pick> picks(P * R);
@@ -380,6 +388,49 @@ torch::Tensor gelu(torch::Tensor x, std::optional<torch::Tensor> out) {
   return y;
 }
 
+// A pass's first residual rows in one call: y[0, r] = table[ids[r]] + wpe[positions[r]], float32 [1, R, C] (the
+// pass's residual stream, core/rows.py). table: wte
+// (V, C) in float32 or bfloat16 (widened exactly, as model.embed's .float()), or a quantized model's rows already
+// read from the file; wpe float32 (n_positions, C). One addition an element, model.embed's `tokens + pos`, so the same
+// bits. ids and positions are lists, as RowBlock's slots and positions are, and for the same reason: this runs first
+// in a decode step, on caches the last step's head has just flushed, where each small torch op (making the ids'
+// tensor, two lookups, the add) costs tens of microseconds.
+torch::Tensor embed_rows(torch::Tensor table, std::vector<int64_t> ids, torch::Tensor wpe,
+                         std::vector<int64_t> positions) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous() &&
+                  (table.scalar_type() == at::kFloat || table.scalar_type() == at::kBFloat16),
+              "embed_rows: the table must be a contiguous float32 or bfloat16 [V, C]");
+  TORCH_CHECK(wpe.dim() == 2 && wpe.is_contiguous() && wpe.scalar_type() == at::kFloat && wpe.size(1) == table.size(1),
+              "embed_rows: wpe must be a contiguous float32 [n_positions, C] of the table's C");
+  TORCH_CHECK(ids.size() == positions.size(), "embed_rows: expected as many positions as ids");
+  const int64_t R = static_cast<int64_t>(ids.size()), V = table.size(0), P = wpe.size(0), C = table.size(1);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(0 <= ids[r] && ids[r] < V, "embed_rows: token id ", ids[r], " is out of range for ", V, " rows");
+    TORCH_CHECK(0 <= positions[r] && positions[r] < P, "embed_rows: position ", positions[r], " is out of range for ",
+                P, " positions");
+  }
+  auto y = torch::empty({1, R, C}, wpe.options());
+  float* yp = y.data_ptr<float>();
+  const float* pp = wpe.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* pos = pp + positions[r] * C;
+    float* out = yp + r * C;
+    if (table.scalar_type() == at::kFloat) {
+      const float* tok = table.data_ptr<float>() + ids[r] * C;
+      for (int64_t c = 0; c < C; ++c) out[c] = tok[c] + pos[c];
+    } else {  // bfloat16 is a float32's top half
+      const uint16_t* tok = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()) + ids[r] * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const uint32_t bits = static_cast<uint32_t>(tok[c]) << 16;
+        float t;
+        std::memcpy(&t, &bits, sizeof t);
+        out[c] = t + pos[c];
+      }
+    }
+  }
+  return y;
+}
+
 void bind_row_block(py::module& m) {
   py::class_<RowBlock>(m, "RowBlock")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, bool, bool>())
@@ -391,6 +442,8 @@ void bind_row_block(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("select", &RowHead::select, "x [R, C], banned [R], keep [R], kept -> (argmax, its logit, lse, kept "
            "logits) (see block.cpp)", py::call_guard<py::gil_scoped_release>());
+  m.def("embed_rows", &embed_rows, "table[ids] + wpe[positions] as float32 [1, R, C] (block.cpp)", py::arg("table"),
+        py::arg("ids"), py::arg("wpe"), py::arg("positions"), py::call_guard<py::gil_scoped_release>());
   m.def("gelu", &gelu, "GPT-2's GELU (tanh form) of a float32 tensor, into out where given (block.cpp)", py::arg("x"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

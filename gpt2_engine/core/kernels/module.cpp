@@ -25,7 +25,8 @@ void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor 
 
 // block.cpp
 void bind_row_block(py::module& m);
-std::tuple<torch::Tensor, torch::Tensor, std::vector<double>> reduce_rows(torch::Tensor logits, torch::Tensor banned);
+std::tuple<std::vector<int64_t>, std::vector<float>, std::vector<double>> reduce_rows(torch::Tensor logits,
+                                                                                   std::vector<int64_t> banned);
 
 // training.cpp
 void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, double lr, double beta1, double beta2,
