@@ -69,6 +69,17 @@ struct BF16 {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
+  // 16 consecutive weights as two float32 vectors: lane i of `even` is weight 2i, of `odd` weight 2i + 1. A 32-bit
+  // lane holds two bfloat16, so one shift and one mask widen both: three instructions for 16 weights where two
+  // load8 take four. From 4 rows, where each weight row is widened once per pair of rows, the AVX2 projections read
+  // about 1.05x faster so (at 1 and 2 rows, bound by memory, the same; docs/benchmarks.md). The accumulators of a
+  // kernel that keeps one per column are then in this order, and go back to column order when they are stored
+  // (split_columns, join_columns): each column's chain is unchanged, so are the bits.
+  __attribute__((target("avx2"))) static void load16_split(const uint16_t* p, __m256& even, __m256& odd) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
   static float one(uint16_t v) {
     const uint32_t bits = static_cast<uint32_t>(v) << 16;
     float f;
@@ -76,6 +87,19 @@ struct BF16 {
     return f;
   }
 };
+
+// 16 columns as two vectors in column order (lo: 0-7, hi: 8-15) -> as BF16::load16_split orders them (even: columns
+// 0, 2, .., 14; odd: 1, 3, .., 15), and back. Exact (moves only).
+__attribute__((target("avx2"))) inline void split_columns(__m256 lo, __m256 hi, __m256& even, __m256& odd) {
+  const __m256 a = _mm256_permute2f128_ps(lo, hi, 0x20), b = _mm256_permute2f128_ps(lo, hi, 0x31);  // 0-3 8-11, 4-7 12-15
+  even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+  odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+}
+__attribute__((target("avx2"))) inline void join_columns(__m256 even, __m256 odd, __m256& lo, __m256& hi) {
+  const __m256 a = _mm256_unpacklo_ps(even, odd), b = _mm256_unpackhi_ps(even, odd);  // 0-3 8-11, 4-7 12-15
+  lo = _mm256_permute2f128_ps(a, b, 0x20);
+  hi = _mm256_permute2f128_ps(a, b, 0x31);
+}
 
 // Rows in groups of MR, then the 1 to 3 left over: each row's arithmetic is the same in every group size.
 template <typename Body>
@@ -130,9 +154,14 @@ template <int R, typename W>
 __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const typename W::T* wk, int64_t ldw,
                                                           float* y, int64_t K, int64_t N, int64_t m0, int64_t n,
                                                           int64_t k0, int64_t kn, Ahead ahead, bool fresh) {
+  constexpr bool split = std::is_same_v<W, BF16>;  // accumulators in load16_split's order: (even, odd) x 2
   __m256 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (m0 + r) * N + n + 8 * j);
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + (m0 + r) * N + n;
+    for (int j = 0; j < 4; ++j) a[r][j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(yr + 8 * j);
+    if (split && !fresh)
+      for (int h = 0; h < 4; h += 2) split_columns(a[r][h], a[r][h + 1], a[r][h], a[r][h + 1]);
+  }
   for (int64_t i = 0; i < kn; ++i) {
     const typename W::T* row = wk + i * ldw;
     __m256 wv[4];
@@ -142,14 +171,20 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* x, const 
     else if (ahead == Ahead::next_pass && m0 == 0)  // as the AVX-512 body
       for (int j = 0; j < int(sizeof(typename W::T)) / 2; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(row + KB_FEW * ldw) + 64 * j, _MM_HINT_T1);
-    for (int j = 0; j < 4; ++j) wv[j] = W::load8(row + 8 * j);
+    if constexpr (split)
+      for (int h = 0; h < 4; h += 2) BF16::load16_split(row + 8 * h, wv[h], wv[h + 1]);
+    else
+      for (int j = 0; j < 4; ++j) wv[j] = W::load8(row + 8 * j);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_set1_ps(x[(m0 + r) * K + k0 + i]);
       for (int j = 0; j < 4; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    if (split)
+      for (int h = 0; h < 4; h += 2) join_columns(a[r][h], a[r][h + 1], a[r][h], a[r][h + 1]);
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + (m0 + r) * N + n + 8 * j, a[r][j]);
+  }
 }
 
 // One row over a panel's whole 64 columns (8 ymm): the same chains as two tile_avx2<1> calls, but each weight row of
@@ -162,15 +197,29 @@ template <typename W>
 __attribute__((target("avx2,fma"))) inline void wide_avx2(const float* x, const typename W::T* wk, float* y, int64_t K,
                                                           int64_t N, int64_t m0, int64_t n, int64_t k0, int64_t kn,
                                                           bool fresh) {
+  constexpr bool split = std::is_same_v<W, BF16>;  // accumulators in load16_split's order, as tile_avx2's
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m0 * N + n + 8 * j);
+  if (split && !fresh)
+    for (int h = 0; h < 8; h += 2) split_columns(a[h], a[h + 1], a[h], a[h + 1]);
   for (int64_t i = 0; i < kn; ++i) {
     const typename W::T* row = wk + i * 64;
-    if constexpr (std::is_same_v<W, BF16>)
+    if constexpr (split)
       for (int j = 0; j < 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(row) + PANEL_AHEAD + 64 * j, _MM_HINT_T0);
     const __m256 xv = _mm256_set1_ps(x[m0 * K + k0 + i]);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(xv, W::load8(row + 8 * j), a[j]);
+    if constexpr (split) {
+      for (int h = 0; h < 8; h += 2) {
+        __m256 even, odd;
+        BF16::load16_split(row + 8 * h, even, odd);
+        a[h] = _mm256_fmadd_ps(xv, even, a[h]);
+        a[h + 1] = _mm256_fmadd_ps(xv, odd, a[h + 1]);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(xv, W::load8(row + 8 * j), a[j]);
+    }
   }
+  if (split)
+    for (int h = 0; h < 8; h += 2) join_columns(a[h], a[h + 1], a[h], a[h + 1]);
   for (int j = 0; j < 8; ++j) _mm256_storeu_ps(y + m0 * N + n + 8 * j, a[j]);
 }
 
