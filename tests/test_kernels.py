@@ -123,7 +123,8 @@ def test_bfloat16_weights_give_the_bits_of_their_float32_widening(native, isa: s
 def test_a_weight_in_panels_gives_the_bits_of_the_plain_weight(native, isa: str, dtype: torch.dtype, K: int,
                                                                N: int) -> None:
     """Panels (weights.PanelMatrix) change only the order in which conv1d_rows reads the weight: the same chains
-    in the same order, so the same bits as the plain (K, N) weight, at every row count."""
+    in the same order, so the same bits as the plain (K, N) weight (and as its float32 widening), at every row
+    count."""
     g = torch.Generator().manual_seed(K + N)
     w, b, x = torch.randn(K, N, generator=g).to(dtype), torch.randn(N, generator=g), torch.randn(8, K, generator=g)
     panels = PanelMatrix.of(w, dtype)
@@ -131,8 +132,11 @@ def test_a_weight_in_panels_gives_the_bits_of_the_plain_weight(native, isa: str,
     assert torch.equal(panels.dense(), w)
     assert torch.equal(native.unpack_panels(panels.panels), w.float())  # prefill's float32 matrix
     for m in range(1, 9):
-        assert torch.equal(native.conv1d_rows(x[:m], panels.panels, b, isa == "avx512"),
-                           native.conv1d_rows(x[:m], w, b, isa == "avx512")), m
+        got = native.conv1d_rows(x[:m], panels.panels, b, isa == "avx512")
+        assert torch.equal(got, native.conv1d_rows(x[:m], w, b, isa == "avx512")), m
+        # and bfloat16's are those of its float32 widening: its kernels widen 16 weights into even and odd columns
+        # and put the accumulators back in column order (decode.cpp's BF16::load16_split)
+        assert torch.equal(got, native.conv1d_rows(x[:m], w.float(), b, isa == "avx512")), m
 
 
 def test_kernels_reject_what_they_do_not_handle(native) -> None:
