@@ -389,12 +389,11 @@ torch::Tensor gelu(torch::Tensor x, std::optional<torch::Tensor> out) {
 }
 
 // A pass's first residual rows in one call: y[0, r] = table[ids[r]] + wpe[positions[r]], float32 [1, R, C] (the
-// pass's residual stream, core/rows.py). table: wte
-// (V, C) in float32 or bfloat16 (widened exactly, as model.embed's .float()), or a quantized model's rows already
-// read from the file; wpe float32 (n_positions, C). One addition an element, model.embed's `tokens + pos`, so the same
-// bits. ids and positions are lists, as RowBlock's slots and positions are, and for the same reason: this runs first
-// in a decode step, on caches the last step's head has just flushed, where each small torch op (making the ids'
-// tensor, two lookups, the add) costs tens of microseconds.
+// pass's residual stream, core/rows.py). table: wte (V, C) in float32 or bfloat16 (widened exactly, as model.embed's
+// .float()), or a quantized model's rows already read from the file; wpe float32 (n_positions, C). One addition an
+// element, model.embed's `tokens + pos`, so the same bits. ids and positions are lists, as RowBlock's slots and
+// positions are, and for the same reason: this runs first in a decode step, on caches the last step's head has just
+// flushed, where each small torch op (making the ids' tensor, two lookups, the add) costs tens of microseconds.
 torch::Tensor embed_rows(torch::Tensor table, std::vector<int64_t> ids, torch::Tensor wpe,
                          std::vector<int64_t> positions) {
   TORCH_CHECK(table.dim() == 2 && table.is_contiguous() &&
