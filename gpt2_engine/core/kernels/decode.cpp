@@ -524,12 +524,13 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const float* x, const t
 // Vocabulary rows [v0, v0 + nv) for input rows [m0, m0 + R), into y (row stride ldy, its column 0 at vocabulary
 // row y0): whole blocks, then single rows. AVX-512
 // blocks are 8 wide at every R (at R = 4 the 32 accumulators spill a little, which measured faster than 4 wide and
-// re-reading x); AVX2's 16 registers take 8, 4, 2 and 2 at R = 1..4.
+// re-reading x); AVX2's 16 registers take 8, 4, 2 and 2 at R = 1..4, but bfloat16 at one row takes 2: its 8 rows of
+// 1.5 KB made 8 short streams, read at about 0.88x the rate of 2 (docs/benchmarks.md). The width never changes a bit.
 template <int R, typename W>
 void head_rows(const float* x, const typename W::T* w, float* y, int64_t C, int64_t ldy, int64_t y0, int64_t m0,
                int64_t v0, int64_t nv, bool avx512) {
   constexpr int N512 = 8;
-  constexpr int N256 = R == 1 ? 8 : R == 2 ? 4 : 2;
+  constexpr int N256 = R == 1 ? (std::is_same_v<W, BF16> ? 2 : 8) : R == 2 ? 4 : 2;
   const int64_t n = avx512 ? N512 : N256;
   int64_t v = v0;
   for (; v + n <= v0 + nv; v += n)
