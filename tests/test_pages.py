@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import gpt2_engine.api as api
+import gpt2_engine.core.pages as pages
 from gpt2_engine import GPT2
-from gpt2_engine.core.pages import HUGE_PAGE, HugeArena, huge_pages_available, move_to_huge_pages
+from gpt2_engine.core.config import GPT2Config
+from gpt2_engine.core.model import KVCache
+from gpt2_engine.core.pages import HUGE_PAGE, HugeArena, huge_pages_available, huge_zeros, move_to_huge_pages
 from gpt2_engine.core.weights import PanelMatrix, QuantizedMatrix, file_pages, find_weights_file
 
 THP = huge_pages_available()
@@ -52,6 +55,31 @@ def test_an_arena_hands_out_line_aligned_pieces_on_huge_pages() -> None:
         assert anon_huge_kb(b.data_ptr()) >= HUGE_PAGE // 1024
     with pytest.raises(MemoryError, match="HugeArena: 8192 bytes asked with"):
         arena.take((2048,), torch.float32)
+
+
+def test_the_kv_cache_is_zeros_on_huge_pages_where_it_fills_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huge_zeros: at least 2 MB on a mapping advised as huge pages (zeros until written), less than that, or without
+    transparent huge pages, torch.zeros; KVCache.allocate takes it for both halves of a CPU cache."""
+    big = huge_zeros((2, 3, 1024, 128))  # 3 MB
+    assert big.shape == (2, 3, 1024, 128) and big.dtype == torch.float32 and big.is_contiguous()
+    assert not big.any()
+    big[1, 2, 1023, 127] = 2.5  # the last element: the mapping covers the whole tensor
+    assert float(big.sum()) == 2.5
+    if THP:
+        assert big.data_ptr() % HUGE_PAGE == 0 and anon_huge_kb(big.data_ptr()) >= HUGE_PAGE // 1024
+    cache = KVCache.allocate(GPT2Config(), 2, 64)  # 12 x 2 x 12 x 64 x 64 floats, 4.5 MB each
+    assert cache.k.shape == cache.v.shape == (12, 2, 12, 64, 64) and not cache.k.any() and not cache.v.any()
+    if THP:
+        assert cache.k.data_ptr() % HUGE_PAGE == 0 and cache.v.data_ptr() % HUGE_PAGE == 0
+
+    def no_mapping(nbytes: int) -> torch.Tensor:
+        raise AssertionError(f"a huge-page mapping for {nbytes} bytes")
+
+    monkeypatch.setattr(pages, "huge_region", no_mapping)  # below 2 MB: torch.zeros
+    small = huge_zeros((4, 1000), torch.bfloat16)
+    assert small.shape == (4, 1000) and small.dtype == torch.bfloat16 and not small.any()
+    monkeypatch.setattr(pages, "huge_pages_available", lambda: False)  # no transparent huge pages: torch.zeros
+    assert not huge_zeros((2, 3, 1024, 128)).any()
 
 
 def test_moved_tensors_keep_values_shapes_and_offsets_within_a_line() -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .config import GPT2Config
 from .kernels import cpu, decode_kernels
+from .pages import huge_zeros
 from .projection import head_logits, lora_rows, project
 from .weights import Block, GPT2Weights, LayerNorm, Linear, QuantizedMatrix, split_qkv
 
@@ -36,6 +37,8 @@ class KVCache:
         if not 0 < max_len <= config.n_positions:
             raise ValueError(f"KV cache length must be in 1..{config.n_positions}, got {max_len}")
         shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
+        if torch.device(device).type == "cpu":  # on 2 MB pages where there are some (pages.huge_zeros)
+            return cls(huge_zeros(shape, dtype), huge_zeros(shape, dtype))
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @property

@@ -1,4 +1,4 @@
-"""The matrices a decode step streams, on 2 MB pages.
+"""The matrices a decode step streams, and its KV cache, on 2 MB pages.
 
 Why: a decode step reads every weight once, a few hundred MB, and on 4 KB pages each 64 lines of it need a
 translation of their own, whose page walks sit in the memory stream: on an AVX2 EPYC, a bfloat16, int8 or int4
@@ -8,7 +8,9 @@ allocations in "madvise" mode. So a loaded model's converted or quantized block 
 one such mapping (one for all of them: each rounded to 2 MB on its own would waste up to 4 MB a matrix). Each copy
 starts at its source's offset within a 64-byte line, so the kernels take the same paths (decode.cpp aligns some
 tiles to the line) and give the same bits; only the page size changes. Panels (weights.PanelMatrix) are written
-into such a mapping of their own as the loader makes them (HugeArena), which saves moving them after.
+into such a mapping of their own as the loader makes them (HugeArena), which saves moving them after. The KV cache
+is made on such pages too (huge_zeros): a decode step's attention reads each (row, head)'s keys and values as two
+short streams, and on 4 KB pages their page walks showed in its time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def huge_region(nbytes: int) -> torch.Tensor:
     base = -raw.data_ptr() % HUGE_PAGE  # the first 2 MB boundary
     libc().madvise(ctypes.c_void_p(raw.data_ptr() + base), ctypes.c_size_t(size), MADV_HUGEPAGE)
     return raw[base : base + nbytes]
+
+
+def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero-filled CPU tensor of `shape`, on 2 MB pages where the system gives them and it fills at least one (a
+    new anonymous mapping reads as zeros until written); else torch.zeros. What KVCache.allocate makes a CPU cache
+    of."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not huge_pages_available():
+        return torch.zeros(shape, dtype=dtype)
+    return huge_region(nbytes).view(dtype).view(shape)
 
 
 class HugeArena:
