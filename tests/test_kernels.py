@@ -82,6 +82,21 @@ def test_conv1d_rows_with_fewer_weight_rows_than_pieces_or_none(native, isa: str
         assert torch.equal(empty, b.expand(3, 70))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_conv1d_rows_adds_the_pieces_in_order_then_the_bias(native, isa: str) -> None:
+    """With K = 8 each weight row is a piece (KPIECES) whose partial sum is one rounded product, so the result must be
+    those products added in piece order, then the bias, each addition rounded to float32: bit for bit, in the
+    vectorized columns and the odd ones past them, with 15 rows x 333 columns split between the threads mid-row."""
+    g = torch.Generator().manual_seed(8)
+    M, K, N = 15, 8, 333
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randn(N, generator=g)
+    products = x[:, :, None] * w[None]  # [M, K, N]
+    total = products[:, 0]
+    for p in range(1, K):
+        total = total + products[:, p]
+    assert torch.equal(native.conv1d_rows(x, w, b, isa == "avx512"), total + b)
+
+
 def test_conv1d_rows_is_the_same_on_both_instruction_sets(native) -> None:
     if len(ISAS) < 2:
         pytest.skip("this CPU has AVX2 only; the AVX-512 path is checked on machines that have it")
