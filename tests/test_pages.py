@@ -58,8 +58,8 @@ def test_an_arena_hands_out_line_aligned_pieces_on_huge_pages() -> None:
 
 
 def test_the_kv_cache_is_zeros_on_huge_pages_where_it_fills_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """huge_zeros: at least 2 MB on a mapping advised as huge pages (zeros until written), less than that, or without
-    transparent huge pages, torch.zeros; KVCache.allocate takes it for both halves of a CPU cache."""
+    """huge_zeros: at least 2 MB on the CPU on a mapping advised as huge pages (zeros until written); less than that,
+    another device, or no transparent huge pages: torch.zeros. KVCache.allocate takes it for both halves of a cache."""
     big = huge_zeros((2, 3, 1024, 128))  # 3 MB
     assert big.shape == (2, 3, 1024, 128) and big.dtype == torch.float32 and big.is_contiguous()
     assert not big.any()
@@ -78,6 +78,7 @@ def test_the_kv_cache_is_zeros_on_huge_pages_where_it_fills_one(monkeypatch: pyt
     monkeypatch.setattr(pages, "huge_region", no_mapping)  # below 2 MB: torch.zeros
     small = huge_zeros((4, 1000), torch.bfloat16)
     assert small.shape == (4, 1000) and small.dtype == torch.bfloat16 and not small.any()
+    assert huge_zeros((2, 3, 1024, 128), device="meta").device.type == "meta"  # another device: torch.zeros there
     monkeypatch.setattr(pages, "huge_pages_available", lambda: False)  # no transparent huge pages: torch.zeros
     assert not huge_zeros((2, 3, 1024, 128)).any()
 

@@ -37,9 +37,7 @@ class KVCache:
         if not 0 < max_len <= config.n_positions:
             raise ValueError(f"KV cache length must be in 1..{config.n_positions}, got {max_len}")
         shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
-        if torch.device(device).type == "cpu":  # on 2 MB pages where there are some (pages.huge_zeros)
-            return cls(huge_zeros(shape, dtype), huge_zeros(shape, dtype))
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(huge_zeros(shape, dtype, device), huge_zeros(shape, dtype, device))  # on 2 MB pages where it can
 
     @property
     def max_len(self) -> int:

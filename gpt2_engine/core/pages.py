@@ -56,13 +56,14 @@ def huge_region(nbytes: int) -> torch.Tensor:
     return raw[base : base + nbytes]
 
 
-def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zero-filled CPU tensor of `shape`, on 2 MB pages where the system gives them and it fills at least one (a
-    new anonymous mapping reads as zeros until written); else torch.zeros. What KVCache.allocate makes a CPU cache
+def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero-filled tensor of `shape`: on the CPU, on 2 MB pages where the system gives them and it fills at least
+    one (a new anonymous mapping reads as zeros until written); else torch.zeros. What KVCache.allocate makes a cache
     of."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not huge_pages_available():
-        return torch.zeros(shape, dtype=dtype)
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not huge_pages_available():
+        return torch.zeros(shape, dtype=dtype, device=device)
     return huge_region(nbytes).view(dtype).view(shape)
 
 
