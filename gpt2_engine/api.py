@@ -12,20 +12,23 @@ from typing import Any
 
 import torch
 
-from .core.checkpoints import read_checkpoint
+from .formats.checkpoints import read_checkpoint
 from .core.config import GPT2Config
 from .core.errors import GenerationError, GPT2EngineError, WeightsError
-from .core.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
+from .interp.hooks import ActivationCache, Hook, NameFilter, Recorder, name_predicate
 from .core.kernels import cpu
-from .core.lora import LoraAdapter, LoraSettings, attach, check_base, load_adapter
+from .core.lora import LoraAdapter, LoraSettings, attach
+from .formats.peft import check_base, load_adapter
 from .core.model import forward
-from .core.pages import HugeArena, huge_pages_available, matrices_on_huge_pages
+from .core.pages import HugeArena, huge_pages_available
+from .core.weights import matrices_on_huge_pages
 from .core.quantize import FORMATS, quantize_weights
-from .core.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
-from .core.steering import Steering, check_steering
+from .interp.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
+from .interp.steering import Steering, check_steering
 from .core.tokenizer import Tokenizer, load_tokenizer
-from .core.weights import (CONFIG, GPT2Weights, find_weights_file, load_weights, panel_bytes, weights_directory,
-                           weights_fingerprint, weights_from_tensors)
+from .formats.hf import (CONFIG, find_weights_file, load_weights, weights_directory, weights_fingerprint,
+                         weights_from_tensors)
+from .core.weights import GPT2Weights, panel_bytes
 from .documents import expand_paths, read_documents
 from .runtime.constraints import Grammars
 from .runtime.drafters import Speculation, load_speculation
@@ -80,7 +83,7 @@ class GPT2:
         if device.type != "cpu":  # the int8 kernel, the cache and the sampling loop are written and tested for CPU
             raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
         converted = None
-        if directory.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (core/checkpoints.py), told by content
+        if directory.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (formats/checkpoints.py), told by content
             config, converted = read_checkpoint(directory)
         else:
             find_weights_file(directory)  # a missing path or no weights: the loader's error, before the config's
@@ -134,7 +137,7 @@ class GPT2:
     def run_with_cache(self, ids: torch.Tensor, names: NameFilter = None, *,
                        attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ActivationCache]:
         """(logits [B, T, V], cache): the activations at every hook point `names` selects (a list of names or a
-        predicate; None: all), named as in TransformerLens (core/hooks.py). The logits are model(ids)'s bits.
+        predicate; None: all), named as in TransformerLens (interp/hooks.py). The logits are model(ids)'s bits.
 
         attention_mask [B, T] (1 for a token, 0 for padding) runs a left-padded batch: each row's positions count
         its own tokens only and no token attends to padding, so a row's activations equal its prompt's alone.
@@ -176,7 +179,7 @@ class GPT2:
         """(logits, cache) with the SAEs spliced in: the cache holds the model's hook points `names` selects and,
         by SAELens's names, each SAE's `{hook}.hook_sae_input`, `.hook_sae_acts_pre`, `.hook_sae_acts_post`,
         `.hook_sae_recons`, `.hook_sae_error` (with the error term) and `.hook_sae_output`. Those are in the space
-        the SAE was trained in (its model options: core/sae.py); the model's own points are the engine's."""
+        the SAE was trained in (its model options: interp/sae.py); the model's own points are the engine's."""
         saes = check_saes(saes, self.config)
         extra = set(sae_point_names(saes))
         if names is None or callable(names):

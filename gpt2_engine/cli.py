@@ -22,8 +22,8 @@ from .commands.score import add_score
 from .commands.serve import add_serve
 from .commands.tokenize import add_tokenize
 from .core.errors import GPT2EngineError
-from .core.lora import recorded_base
-from .core.weights import weights_directory
+from .formats.peft import recorded_base
+from .formats.hf import weights_directory
 
 
 def version() -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .core.errors import DownloadError
-from .core.weights import DEFAULT_WEIGHTS
+from .formats.hf import DEFAULT_WEIGHTS
 
 SHORTHANDS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 OFFICIAL_REPO = "openai-community/gpt2"
@@ -218,7 +218,8 @@ def check_loads(dest: Path) -> str:
     """Load the checkpoint with the project's loader (every shape checked); a one-line summary of the model."""
     from .core.config import GPT2Config
     from .core.tokenizer import load_tokenizer
-    from .core.weights import load_weights, parameter_count
+    from .formats.hf import load_weights
+    from .core.weights import parameter_count
 
     config = GPT2Config.from_json(dest / "config.json")
     load_weights(dest, config)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .api import GPT2
 from .core.model import KVCache
-from .core.steering import Steering, check_scoring, check_steering
+from .interp.steering import Steering, check_scoring, check_steering
 from .runtime.generate import Generation
 from .runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache, prefill
 from .runtime.requests import GenerationSettings

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .core.errors import GPT2EngineError
-from .core.weights import DEFAULT_WEIGHTS, DEMO_NAME
+from .formats.hf import DEFAULT_WEIGHTS, DEMO_NAME
 
 
 class UsageError(GPT2EngineError):
@@ -88,8 +88,8 @@ def load_model(options: ModelOptions):
 
 
 def add_steer_option(p: argparse.ArgumentParser) -> None:
-    """--steer SPEC, repeatable (core/steering.py's grammar)."""
-    from .core.steering import SPEC_GRAMMAR
+    """--steer SPEC, repeatable (interp/steering.py's grammar)."""
+    from .interp.steering import SPEC_GRAMMAR
 
     p.add_argument("--steer", action="append", default=[], metavar="SPEC",
                    help=f"steer the model while it runs (repeatable, applied in order): {SPEC_GRAMMAR}. SAE is an "
@@ -102,7 +102,7 @@ def add_steer_option(p: argparse.ArgumentParser) -> None:
 
 def parse_steer_args(specs: list[str]) -> list[dict[str, str] | Path]:
     """The --steer specs parsed (their grammar checked before a model loads): fields, or an lm-eval file's path."""
-    from .core.steering import SteeringError, parse_spec
+    from .interp.steering import SteeringError, parse_spec
 
     out: list[dict[str, str] | Path] = []
     for spec in specs:
@@ -119,8 +119,8 @@ def parse_steer_args(specs: list[str]) -> list[dict[str, str] | Path]:
 def steering_from_args(specs: list[dict[str, str] | Path], config) -> tuple:
     """The Steering edits the parsed --steer specs name, for a model with this config (SAEs and vectors loaded
     once per path)."""
-    from .core.sae import SAE
-    from .core.steering import check_steering, from_fields, load_lm_eval, read_vector
+    from .interp.sae import SAE
+    from .interp.steering import check_steering, from_fields, load_lm_eval, read_vector
 
     saes: dict[str, SAE] = {}
 

@@ -59,7 +59,7 @@ def main() -> int:
 
 
 def cache_names(model: GPT2) -> list[str]:
-    from gpt2_engine.core.hooks import hook_names
+    from gpt2_engine.interp.hooks import hook_names
 
     return hook_names(model.config)
 

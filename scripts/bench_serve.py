@@ -225,7 +225,8 @@ def write_adapters(weights: Path, n: int) -> list[Path]:
     import torch
 
     from gpt2_engine.core.config import GPT2Config
-    from gpt2_engine.core.lora import LoraAdapter, LoraSettings, new_adapter, save_adapter
+    from gpt2_engine.core.lora import LoraAdapter, LoraSettings, new_adapter
+    from gpt2_engine.formats.peft import save_adapter
 
     config = GPT2Config.from_json(weights / "config.json")
     paths = []

@@ -43,7 +43,8 @@ def run_engine(weights: Path, B: int, T: int, steps: int) -> list[float]:
     import torch
 
     from gpt2_engine.core.config import GPT2Config
-    from gpt2_engine.core.weights import load_weights, named_tensors
+    from gpt2_engine.formats.hf import load_weights
+    from gpt2_engine.core.weights import named_tensors
     from gpt2_engine.train.optim import AdamW, AdamWSettings, clip_factor
     from gpt2_engine.train.step import Buffers, decayed, forward_loss, trainable_copy, zero_, zeros_like
 
@@ -74,7 +75,7 @@ def run_engine_lora(weights: Path, B: int, T: int, steps: int, quantize: str | N
     from gpt2_engine.core.config import GPT2Config
     from gpt2_engine.core.lora import LoraSettings, new_adapter, trainable
     from gpt2_engine.core.quantize import quantize_weights
-    from gpt2_engine.core.weights import find_weights_file, load_weights
+    from gpt2_engine.formats.hf import find_weights_file, load_weights
     from gpt2_engine.train.optim import AdamW, AdamWSettings, clip_factor
     from gpt2_engine.train.step import Buffers, adapter_gradients, forward_loss
 
@@ -107,7 +108,8 @@ def run_peft(weights: Path, B: int, T: int, steps: int) -> list[float]:
     from transformers.utils import logging as hf_logging
 
     from gpt2_engine.core.config import GPT2Config
-    from gpt2_engine.core.lora import PEFT_PREFIX, LoraSettings, new_adapter
+    from gpt2_engine.formats.peft import PEFT_PREFIX
+    from gpt2_engine.core.lora import LoraSettings, new_adapter
 
     hf_logging.set_verbosity_error()
     model = GPT2LMHeadModel.from_pretrained(weights, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)

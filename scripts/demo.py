@@ -27,8 +27,8 @@ SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 sys.path.insert(0, str(ROOT))  # the package, also where it is not installed
 
-from gpt2_engine.core.files import atomic_write  # noqa: E402
-from gpt2_engine.core.weights import DEMO_NAME, DEMO_WEIGHTS  # noqa: E402
+from gpt2_engine.formats.files import atomic_write
+from gpt2_engine.formats.hf import DEMO_NAME, DEMO_WEIGHTS
 
 CONFIG = {"n_layer": 4, "n_head": 4, "n_embd": 256, "n_positions": 256, "vocab_size": 50257, "model_type": "gpt2"}
 TRAIN = ["--steps", "300", "--context", "128", "--batch-size", "8", "--lr", "2e-3", "--warmup", "20",

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from conftest import cli
 
 from gpt2_engine import GPT2, WeightsError
-from gpt2_engine.core.checkpoints import LLMC_MAGIC, read_llmc, write_llmc
+from gpt2_engine.formats.llmc import LLMC_MAGIC, read_llmc, write_llmc
 from gpt2_engine.core.weights import named_tensors
 
 VOCAB, PADDED = 50257, 50304

@@ -1,4 +1,4 @@
-"""core/files.py: whole files or none, with a plain file's mode (the user's umask), not a temporary file's 0600."""
+"""formats/files.py: whole files or none, with a plain file's mode (the user's umask), not a temporary file's 0600."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2_engine.core.files import atomic_write, umask
+from gpt2_engine.formats.files import atomic_write, umask
 
 
 def test_umask_is_read_without_changing_it() -> None:

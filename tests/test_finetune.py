@@ -20,7 +20,7 @@ from test_training import TINY, hf_model, random_batch, tiny_weights
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
-from gpt2_engine.core.files import umask as current_umask
+from gpt2_engine.formats.files import umask as current_umask
 from gpt2_engine.core.kernels import training_kernels
 from gpt2_engine.core.weights import named_tensors
 from gpt2_engine.train.optim import AdamW, AdamWSettings, adamw_reference, clip_factor, learning_rate

@@ -14,7 +14,7 @@ from conftest import engine, reference
 
 from gpt2_engine import GPT2
 from gpt2_engine.core.errors import GPT2EngineError
-from gpt2_engine.core.hooks import hook_names
+from gpt2_engine.interp.hooks import hook_names
 from gpt2_engine.core.model import forward
 from gpt2_engine.core.projection import as_float32
 from gpt2_engine.inspect import attribution, direct_logit_attribution, head_scores, lens_logits, logit_lens

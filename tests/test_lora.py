@@ -13,18 +13,9 @@ from conftest import run_pass
 from test_training import TINY, fed_dropout, hf_model, random_batch, tiny_weights
 
 from gpt2_engine.core.config import GPT2Config
-from gpt2_engine.core.lora import (
-    LoraAdapter,
-    LoraError,
-    LoraSettings,
-    attach,
-    load_adapter,
-    merge,
-    new_adapter,
-    parse_targets,
-    save_adapter,
-    trainable,
-)
+from gpt2_engine.core.lora import (LoraAdapter, LoraError, LoraSettings, attach, merge, new_adapter, parse_targets,
+                                   trainable)
+from gpt2_engine.formats.peft import load_adapter, save_adapter
 from gpt2_engine.core.model import forward, query_blocks
 from gpt2_engine.core.weights import GPT2Weights
 from gpt2_engine.train.step import Buffers, adapter_gradients, forward_loss
@@ -505,8 +496,9 @@ def test_an_adapter_records_its_base_and_refuses_another(trained_dir: Path, tmp_
     from conftest import edited_copy
 
     from gpt2_engine import GPT2
-    from gpt2_engine.core.lora import LoraError, load_adapter
-    from gpt2_engine.core.weights import weights_fingerprint
+    from gpt2_engine.core.lora import LoraError
+    from gpt2_engine.formats.peft import load_adapter
+    from gpt2_engine.formats.hf import weights_fingerprint
 
     model = GPT2.from_pretrained(trained_dir)
     with pytest.warns(UserWarning, match="only 16 validation tokens"):

@@ -13,7 +13,9 @@ from gpt2_engine import GPT2
 from gpt2_engine.core.config import GPT2Config
 from gpt2_engine.core.model import KVCache
 from gpt2_engine.core.pages import HUGE_PAGE, HugeArena, huge_pages_available, huge_zeros, move_to_huge_pages
-from gpt2_engine.core.weights import PanelMatrix, QuantizedMatrix, file_pages, find_weights_file
+from gpt2_engine.core.weights import PanelMatrix, QuantizedMatrix
+from gpt2_engine.core.pages import file_pages
+from gpt2_engine.formats.hf import find_weights_file
 
 THP = huge_pages_available()
 

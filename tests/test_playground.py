@@ -147,7 +147,7 @@ def test_the_steering_slider_steers_an_sae_feature(browser, trained_model: GPT2)
     import fixtures
 
     from gpt2_engine import SAE
-    from gpt2_engine.core.steering import SteeringRegistry
+    from gpt2_engine.interp.steering import SteeringRegistry
     from gpt2_engine.serve.app import ServerSettings
 
     import torch

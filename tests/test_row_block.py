@@ -15,7 +15,7 @@ from gpt2_engine import GPT2
 from gpt2_engine.core.kernels import decode_kernels
 from gpt2_engine.core.model import FEW_IDS, KVCache, embed, logits
 from gpt2_engine.core.projection import reduce_rows
-from gpt2_engine.core.rows import RowLayout, embeds_natively, native_embed
+from gpt2_engine.runtime.rows import RowLayout, embeds_natively, native_embed
 from gpt2_engine.runtime.plan import Picks, Segment
 from gpt2_engine.runtime.runner import NO_ADAPTERS, Pass, native_rows, rows_block
 from gpt2_engine.runtime.sampling import argmax

@@ -13,7 +13,7 @@ from test_finetune import corpus
 
 import gpt2_engine.commands.tokenize as tokenize_command
 from gpt2_engine import GPT2
-from gpt2_engine.core.shards import ShardError, TokenStream, read_shard, write_shard
+from gpt2_engine.formats.shards import ShardError, TokenStream, read_shard, write_shard
 from gpt2_engine.train import trainer as trainer_module
 
 

@@ -21,7 +21,7 @@ import fixtures
 from conftest import cli, gpt2_serve
 
 from gpt2_engine import GPT2, SAE, Steering, SteeringError
-from gpt2_engine.core.sae import presentation
+from gpt2_engine.interp.sae import presentation
 from gpt2_engine.runtime.loop import EngineLoop
 from gpt2_engine.runtime.prefix import PrefixCache
 from gpt2_engine.runtime.requests import GenerationSettings, build_requests

@@ -173,7 +173,8 @@ def test_float32_projections_are_kept_in_panels_on_amd_beside_the_files_matrices
     from safetensors.torch import load_file
 
     from gpt2_engine.core.projection import as_float32
-    from gpt2_engine.core.weights import file_pages, find_weights_file
+    from gpt2_engine.core.pages import file_pages
+    from gpt2_engine.formats.hf import find_weights_file
 
     paneled, plain = f32_both
     path = find_weights_file(small_dir)

@@ -16,7 +16,8 @@ from conftest import assert_same_weights, edited_copy
 from gpt2_engine import GPT2, GPT2Config, WeightsError
 from gpt2_engine.core.config import preset
 from gpt2_engine.core.model import linear, merge_heads, split_heads
-from gpt2_engine.core.weights import expected_shapes, load_weights, parameter_count, split_qkv
+from gpt2_engine.core.weights import expected_shapes, parameter_count, split_qkv
+from gpt2_engine.formats.hf import load_weights
 
 
 def variant(tiny_dir: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
@@ -236,7 +237,8 @@ def _resident_kb() -> int:
 def test_released_pages_come_back_with_the_same_values(small_dir: Path) -> None:
     """release_pages drops the resident pages of a tensor mapped from the checkpoint file (the RSS falls by about
     its size) and a later read gets the file's bytes back; a tensor not mapped from the file is left alone."""
-    from gpt2_engine.core.weights import find_weights_file, release_pages
+    from gpt2_engine.formats.hf import find_weights_file
+    from gpt2_engine.core.pages import release_pages
 
     config = GPT2Config.from_json(small_dir / "config.json")
     path = find_weights_file(small_dir)

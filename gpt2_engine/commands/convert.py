@@ -8,10 +8,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..core.checkpoints import checkpoint_kind, read_checkpoint, write_gguf, write_llmc
+from ..formats.checkpoints import checkpoint_kind, read_checkpoint
+from ..formats.gguf import write_gguf
+from ..formats.llmc import write_llmc
 from ..core.config import GPT2Config
 from ..core.tokenizer import load_tokenizer
-from ..core.weights import CONFIG, GPT2Weights, load_weights, named_tensors, save_checkpoint, weights_from_tensors
+from ..formats.hf import CONFIG, load_weights, save_checkpoint, weights_from_tensors
+from ..core.weights import GPT2Weights, named_tensors
 from ..options import UsageError
 
 TARGETS = {"hf": ("f32",), "llmc": ("f32", "bf16"), "gguf": ("f32", "f16", "q8_0")}

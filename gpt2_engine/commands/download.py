@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..core.weights import DEFAULT_WEIGHTS
+from ..formats.hf import DEFAULT_WEIGHTS
 from ..download import OFFICIAL_REPO, SHORTHANDS, WEIGHT_FILES, check_loads, download
 
 

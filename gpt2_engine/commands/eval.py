@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..core.files import atomic_write
+from ..formats.files import atomic_write
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB

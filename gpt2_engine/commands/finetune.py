@@ -19,14 +19,14 @@ from typing import IO
 
 import torch
 
-from ..core.checkpoints import read_checkpoint
+from ..formats.checkpoints import read_checkpoint
 from ..core.config import PRESETS, GPT2Config
-from ..core.shards import TokenStream, shard_files
+from ..formats.shards import TokenStream, shard_files
 from ..core.errors import WeightsError
 from ..core.lora import ALL_TARGETS, LoraSettings, parse_targets
 from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import load_tokenizer
-from ..core.weights import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
+from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
 from ..documents import expand_paths, read_documents
 from ..options import UsageError, positive_int
 from ..runtime.generate import two_samples
@@ -202,7 +202,7 @@ def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
         weights = initial_weights(config, torch.Generator().manual_seed(args.seed))
         base = "init:" + json.dumps(config.to_json_dict(), sort_keys=True) + f":seed={args.seed}"
         fingerprint = ""
-    elif args.weights.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (core/checkpoints.py), GPT-2's BPE
+    elif args.weights.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (formats/checkpoints.py), GPT-2's BPE
         config, tensors = read_checkpoint(args.weights)
         tokenizer = load_tokenizer(None)
         base = fingerprint = weights_fingerprint(args.weights)

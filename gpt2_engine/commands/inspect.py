@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..core.sae import SAE
+from ..interp.sae import SAE
 from ..inspect.report import ReportSettings, build_report, parse_layers, write_report
 from ..inspect.sae import feature_attribution
 from ..options import ModelOptions, UsageError, add_model_options, load_model

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from ..core.config import GPT2Config
-from ..core.lora import check_base, load_adapter, merge
+from ..formats.peft import check_base, load_adapter
+from ..core.lora import merge
 from ..core.tokenizer import load_tokenizer
-from ..core.weights import CONFIG, find_weights_file, load_weights, save_checkpoint
+from ..formats.hf import CONFIG, find_weights_file, load_weights, save_checkpoint
 from ..options import UsageError, add_force_option
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..core.sae import SAE, check_saes
+from ..interp.sae import SAE, check_saes
 from ..documents import expand_paths
 from ..inspect.sae import (DashboardSettings, build_dashboard, corpus_windows, dashboard_data, feature_acts,
                            parse_features, prompt_ids, run_key, write_dashboard)

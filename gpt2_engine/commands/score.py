@@ -20,10 +20,10 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..core.files import temporary
+from ..formats.files import temporary
 from ..documents import InputError, expand_paths, read_documents
 from ..options import ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, steering_from_args
-from ..core.shards import documents, read_shard, shard_files
+from ..formats.shards import documents, read_shard, shard_files
 from ..runtime.scoring import Score, ScoreSettings, score_documents
 
 TOP_ALTERNATIVES = 5  # per token in --per-token output
@@ -151,7 +151,7 @@ def local_scores(args: argparse.Namespace, progress: Any) -> tuple[Any, ScoreSet
 
 def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[Score]]:
     """(None, settings, scores in input order) from Ray Data actors (distributed/score.py)."""
-    from ..core.checkpoints import checkpoint_config
+    from ..formats.checkpoints import checkpoint_config
     from ..distributed.score import score_on_ray
 
     args.steer_specs = parse_steer_args(args.steer)

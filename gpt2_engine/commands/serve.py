@@ -9,8 +9,8 @@ import socket
 import sys
 from pathlib import Path
 
-from ..core.checkpoints import checkpoint_config
-from ..core.steering import SteeringRegistry
+from ..formats.checkpoints import checkpoint_config
+from ..interp.steering import SteeringRegistry
 from ..options import ModelOptions, add_force_option, add_model_options, load_model
 from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
 from ..serve.app import ServeError, ServerSettings, ServerState, build_app
@@ -52,7 +52,7 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
 
 def check_prefix_cache(args: argparse.Namespace) -> None:
     """--prefix-cache-mb and --no-prefix-cache: one of them, and a bound that holds a block of this model."""
-    from ..core.weights import CONFIG
+    from ..formats.hf import CONFIG
 
     mb = args.prefix_cache_mb
     if mb is not None and mb <= 0:
@@ -110,8 +110,9 @@ def named(specs: list[str], flag: str, what: str) -> dict[str, str]:
 def steering_registry(args: argparse.Namespace) -> SteeringRegistry:
     """The --sae and --steering-vector entries, each loaded and checked against the model's config now, so that a bad
     one is an error at the command line rather than at a request."""
-    from ..core.sae import SAE, SAEError
-    from ..core.steering import SteeringError, read_vector
+    from ..interp.sae import SAE
+    from ..formats.saes import SAEError
+    from ..interp.steering import SteeringError, read_vector
 
     sae_paths = named(args.sae, "--sae", "an SAELens directory or OpenAI .pt file")
     vector_paths = named(args.steering_vector, "--steering-vector", "a .pt, .safetensors or .npy vector")
@@ -140,7 +141,8 @@ def steering_registry(args: argparse.Namespace) -> SteeringRegistry:
 def lora_adapters(args: argparse.Namespace) -> tuple[tuple[str, Path], ...]:
     """The --lora NAME=DIR adapters, each read and checked against the base's config now, so that a bad one is an
     error at the command line rather than a server that never becomes ready."""
-    from ..core.lora import LoraError, check_base, load_adapter
+    from ..core.lora import LoraError
+    from ..formats.peft import check_base, load_adapter
 
     adapters: list[tuple[str, Path]] = []
     for spec in args.lora:

@@ -1,4 +1,4 @@
-"""`gpt2 tokenize DATA --out DIR`: a corpus tokenized once into llm.c's token shards (core/shards.py), which
+"""`gpt2 tokenize DATA --out DIR`: a corpus tokenized once into llm.c's token shards (formats/shards.py), which
 `gpt2 finetune` and `gpt2 score` then memory-map: any corpus size, bounded memory.
 
 Documents are read one at a time (a .jsonl file line by line), encoded in batches on every core (tiktoken's BPE
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..core.files import atomic_write
-from ..core.shards import write_shard
+from ..formats.files import atomic_write
+from ..formats.shards import write_shard
 from ..core.tokenizer import load_tokenizer
 from ..documents import expand_paths, iter_documents
 from ..options import UsageError, positive_int

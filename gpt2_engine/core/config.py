@@ -12,6 +12,7 @@ from .errors import WeightsError
 # along) runs on the native row-invariant kernels: each output element is reduced in a fixed order whatever the row
 # count, so a sequence's logits never depend on what shares its pass. The scheduler plans passes within it.
 DECODE_ROWS = 32
+GPT2_VOCAB = 50257  # GPT-2's BPE: 50,000 merges, 256 byte tokens and <|endoftext|>
 
 @dataclass(frozen=True)
 class GPT2Config:

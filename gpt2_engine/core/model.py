@@ -45,7 +45,7 @@ class KVCache:
 
 
 class Tap(Protocol):
-    """Hook points on the forward pass, named as TransformerLens names them for GPT-2 (core/hooks.py records and
+    """Hook points on the forward pass, named as TransformerLens names them for GPT-2 (interp/hooks.py records and
     patches through one). Without one (None) a hook point costs one `is None` test."""
 
     def wants(self, name: str) -> bool:
@@ -291,7 +291,7 @@ def mlp(x: torch.Tensor, blk: Block, at: Layer, exact_gelu: bool = False) -> tor
 def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[torch.Tensor], torch.Tensor],
           at: Layer) -> torch.Tensor:
     """[B, T, C] -> [B, T, C]: one pre-LN transformer block, x + attn(ln_1(x)), then + mlp(ln_2(x)); `attend` is its
-    self-attention on ln_1(x) (causal_self_attention, or the rows of a batched pass: core/rows.py).
+    self-attention on ln_1(x) (causal_self_attention, or the rows of a batched pass: runtime/rows.py).
 
     Hook points, in TransformerLens's names within the block: hook_resid_pre, ln1.*, hook_attn_out, hook_resid_mid,
     ln2.*, mlp.*, hook_mlp_out, hook_resid_post (all [B, T, C] but the mlp's).
@@ -386,4 +386,4 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
     return logits(w, config, x, tap)  # [B, T, V]
 
 # Next: runtime/greedy.py runs this forward as a generator does, a prompt into the KV cache and then one token at a
-# time. (core/rows.py runs many sequences' rows in one pass; projection.py says how each weight format multiplies.)
+# time. (runtime/rows.py runs many sequences' rows in one pass; projection.py says how each weight format multiplies.)

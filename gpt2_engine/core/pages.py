@@ -16,15 +16,17 @@ short streams, and on 4 KB pages their page walks showed in its time (docs/bench
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import math
 import mmap
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .weights import FilePages, GPT2Weights, PanelMatrix, QuantizedMatrix, file_pages, libc, release_heap
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 LINE = 64  # bytes
@@ -120,28 +122,125 @@ def move_to_huge_pages(tensors: list[torch.Tensor], in_file: Mapping[int, FilePa
         release_heap()  # the old memory, where it was on the C heap (malloc keeps freed heap pages otherwise)
 
 
-def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None, arena: HugeArena | None = None) -> None:
-    """Move the block matrices and the head of `w` (bfloat16, float32 or packed, with their scales, or panels) onto
-    huge pages (move_to_huge_pages), where the system has them; the values, and so every result, stay the same.
-    Those the loader wrote into `arena` are there already.
+# --- the checkpoint file's pages under tensors read in place ----------------------------------------------------
 
-    file: the checkpoint that float32 weights are read in place from (GPT2.from_pretrained passes it only where the
-    projections are in panels). Then only the panels and the head move: the plain matrices kept beside the panels
-    stay in the file for GEMMs, at no memory of the process's own, and the head's pages there are released as it
-    moves. The head reads 1.1x faster off huge pages than through the file's 4 KB mappings (whole decode
-    1.016x, docs/benchmarks.md)."""
-    if not huge_pages_available():
-        return
-    matrices = [getattr(b, name).weight for b in w.blocks for name in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
-    tensors = [t for m in matrices for t in ((m.packed, m.scales) if isinstance(m, QuantizedMatrix)
-                                             else (m.panels,) if isinstance(m, PanelMatrix)
-                                             else () if file is not None else (m,))]
-    # GPT-2's head is wte itself (tied), or its quantized transpose
-    tensors += [w.head.packed, w.head.scales] if isinstance(w.head, QuantizedMatrix) else [w.head]
-    tensors = [t for t in tensors if arena is None or not arena.holds(t)]  # placed there by the loader already
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return
-    if not tensors:
-        return
-    pages = None if file is None else file_pages(w.head, file)
-    move_to_huge_pages(list({id(t): t for t in tensors}.values()), None if pages is None else {id(w.head): pages})
+@dataclass(frozen=True)
+class FilePages:
+    """The pages under a tensor that lies in a read-only memory mapping of the checkpoint file (file_pages() checks
+    that). Releasing them loses nothing: a later access reads them from the file again."""
+
+    start: int  # the checked tensor's first byte
+    end: int  # one past its last byte
+    path: str = ""  # the mapped file
+    offset: int = 0  # where in it the checked tensor's first byte is
+    inode: tuple[int, int] = (0, 0)  # (device, inode) of that file when it was checked
+
+    def read_rows(self, table: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
+        """Rows `ids` of `table` (a contiguous 2-D tensor within the checked one) as [n, C], read from the file with
+        pread instead of through the mapping: nothing gets mapped, so there is nothing to release afterwards (a
+        release and the page fault of the next read cost ~0.3 ms a decode step). None where that cannot be done,
+        or where the file at `path` is no longer the one mapped (replaced on disk since)."""
+        first = table.data_ptr()
+        if not self.path or table.dim() != 2 or not table.is_contiguous() or not self.start <= first < self.end:
+            return None
+        for t in ids:
+            if not 0 <= t < table.shape[0]:
+                raise IndexError(f"index {t} is out of bounds for {table.shape[0]} rows")
+        out = torch.empty(len(ids), table.shape[1], dtype=table.dtype)  # [n, C]
+        row_bytes = table.shape[1] * table.element_size()
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.inode:
+                return None
+            for i, t in enumerate(ids):
+                at = self.offset + first - self.start + t * row_bytes
+                if os.preadv(fd, [view[i * row_bytes : (i + 1) * row_bytes]], at) != row_bytes:
+                    return None
+        finally:
+            os.close(fd)
+        return out
+
+    def within(self, tensor: torch.Tensor) -> FilePages | None:
+        """The pages under `tensor`, if it is contiguous and lies within these (None otherwise)."""
+        first = tensor.data_ptr()
+        end = first + tensor.numel() * tensor.element_size()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or not self.start <= first <= end <= self.end:
+            return None
+        return FilePages(first, end, self.path, self.offset + first - self.start, self.inode)
+
+    def release(self, tensor: torch.Tensor) -> bool:
+        """Drop this process's resident pages under `tensor` (madvise DONTNEED, ~10 us); False, leaving it alone,
+        unless it is contiguous and lies within the checked tensor (not a copy, not on another device)."""
+        if self.within(tensor) is None:
+            return False
+        first, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        first = max(self.start - self.start % mmap.PAGESIZE, first - first % mmap.PAGESIZE)
+        return libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_DONTNEED) == 0
+
+
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The C library, loaded once per process (a dlopen for each madvise cost more than the madvise)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def release_pages(tensor: torch.Tensor, source: Path) -> bool:
+    """Drop this process's resident pages under `tensor` if it lies in a memory mapping of the file `source`
+    (a checkpoint read in place); True if it did. Such pages are clean copies of the file: a later access reads them
+    again, so nothing is lost, and a quantized model does not keep the float32 weights it no longer reads in memory.
+    The pages at either end may hold neighbouring tensors; they are file pages too and come back the same way.
+    Anything not mapped from `source` (a copy, anonymous memory) is left alone, since dropping it would lose data.
+    """
+    pages = file_pages(tensor, source)
+    return pages is not None and pages.release(tensor)
+
+
+def file_pages(tensor: torch.Tensor, source: Path) -> FilePages | None:
+    """The pages under `tensor` if it lies in a memory mapping of the file `source`, else None (read from
+    /proc/self/maps, ~1 ms: check once, release often; file_mapping, then FilePages.within, for many tensors)."""
+    mapping = file_mapping(tensor, source)
+    return None if mapping is None else mapping.within(tensor)
+
+
+def file_mapping(tensor: torch.Tensor, source: Path) -> FilePages | None:
+    """The pages of the whole memory mapping of the file `source` that `tensor` lies in, else None."""
+    if sys.platform != "linux" or tensor.numel() == 0 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    target = str(source.resolve())
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        low, high = (int(a, 16) for a in fields[0].split("-"))
+        if low <= start and end <= high:
+            if len(fields) < 6 or fields[5] != target:
+                return None
+            try:
+                st = os.stat(target)
+            except OSError:
+                return None
+            return FilePages(low, high, target, int(fields[2], 16), (st.st_dev, st.st_ino))
+    return None
+
+
+def release_heap() -> None:
+    """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere). Quantizing frees
+    temporaries of a few MB between the quantized matrices it keeps: glibc's mmap threshold has by then grown past
+    their size, so they live on the heap and, without this, stay resident (about 17 MB after an int4 load)."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(ctypes.c_size_t(0))
+

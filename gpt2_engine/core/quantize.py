@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .errors import GPT2EngineError
-from .weights import Block, GPT2Weights, Linear, QuantizedMatrix, file_pages, float_matrix, release_heap, release_pages
+from .weights import Block, GPT2Weights, Linear, QuantizedMatrix, float_matrix
+from .pages import file_pages, release_heap, release_pages
 
 GROUP = 32  # inputs per scale
 PANEL = 16  # output columns per panel

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from ..core.errors import GPT2EngineError
-from ..core.sae import SAE, check_saes
+from ..interp.sae import SAE, check_saes
 from ..inspect.sae import Dashboard, DashboardSettings, DashboardWorker, corpus_batches
 from ..options import ModelOptions, load_model
 

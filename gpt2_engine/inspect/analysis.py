@@ -16,7 +16,7 @@ import torch
 
 from ..api import GPT2
 from ..core.errors import GPT2EngineError
-from ..core.hooks import ActivationCache, Recorder
+from ..interp.hooks import ActivationCache, Recorder
 from ..core.model import embed, logits, residual_stream
 from ..core.projection import as_float32, head_rows
 from ..core.weights import GPT2Weights, LayerNorm

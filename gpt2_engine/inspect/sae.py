@@ -23,11 +23,11 @@ import torch
 
 from ..api import GPT2
 from ..core.errors import GPT2EngineError
-from ..core.files import atomic_write
-from ..core.hooks import Recorder
+from ..formats.files import atomic_write
+from ..interp.hooks import Recorder
 from ..core.model import logits, residual_stream
 from ..core.projection import as_float32
-from ..core.sae import SAE, Spliced, check_saes
+from ..interp.sae import SAE, Spliced, check_saes
 from ..core.tokenizer import Tokenizer
 from ..documents import read_documents
 from .analysis import float64_head

@@ -16,7 +16,8 @@ from ..core.config import GPT2Config
 from ..core.errors import GenerationError, WeightsError
 from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import Tokenizer, load_tokenizer
-from ..core.weights import CONFIG, GPT2Weights, QuantizedMatrix, load_weights
+from ..formats.hf import CONFIG, load_weights
+from ..core.weights import GPT2Weights, QuantizedMatrix
 from .plan import Draft, DraftAsk, Segment
 from .runner import ModelRunner
 from .sampling import argmax, probabilities

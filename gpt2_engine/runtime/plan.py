@@ -15,14 +15,14 @@ import torch
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from ..core.steering import Steering
+    from ..interp.steering import Steering
 
 
 class Segment(NamedTuple):
     """A sequence's rows in a pass: `ids` are fed at positions [start, start + len(ids)) of cache slot `slot`, with
     LoRA adapter `adapter` of the weights (-1: the base; None: adapter 0, a model with one). The pass returns the
     logits after its last `outputs` rows (a speculative verify pass needs every row's: runtime/speculation.py).
-    `steering`: the sequence's edits (core/steering.py), which read each row's position against `prompt_len`.
+    `steering`: the sequence's edits (interp/steering.py), which read each row's position against `prompt_len`.
     `greedy`: the sequence needs only each output row's argmax (skipping token `banned`, -1: none) and logsumexp,
     not its logits, which the pass then never writes (Picks)."""
 

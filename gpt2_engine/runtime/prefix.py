@@ -2,7 +2,7 @@
 them (vLLM's automatic prefix caching, on the engine's slot-based KV cache).
 
 A prompt is cut into blocks of BLOCK_TOKENS tokens; a block is known by its tokens and its parent block (so by the
-whole prefix up to its end), by the LoRA adapter and by the steering of prompt rows (core/steering.py's prompt_key)
+whole prefix up to its end), by the LoRA adapter and by the steering of prompt rows (interp/steering.py's prompt_key)
 the keys and values were computed under: a prompt steered otherwise never reuses them. A block holds, for its
 positions: the keys and values of every layer, and the log-probabilities of its own tokens (the stats memo) where the
 prompt that computed them was scored. Blocks live in one preallocated pool of `capacity` blocks; when it is full the
@@ -33,7 +33,7 @@ from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, logits, residual_stream
 from ..core.projection import reduce_rows
-from ..core.steering import Steering, prompt_key, sequence_tap
+from ..interp.steering import Steering, prompt_key, sequence_tap
 from ..core.weights import GPT2Weights
 from .plan import Prefilled, TokenStats
 from .stats import prompt_stats

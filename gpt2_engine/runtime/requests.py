@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
-from ..core.steering import Steering, check_steering
+from ..interp.steering import Steering, check_steering
 from ..core.tokenizer import Tokenizer
 from .constraints import Compiled, Constraint, Grammars
 from .sampling import SamplingParams
@@ -40,7 +40,7 @@ class Request:
     prompt_logprobs: bool = False
     adapter: int | None = None  # which of the weights' LoRA adapters (-1: the base; None: the model's own)
     constraint: Compiled | None = None  # the grammar the text must match (runtime/constraints.py)
-    steering: tuple[Steering, ...] = ()  # edits on the activations while it runs (core/steering.py)
+    steering: tuple[Steering, ...] = ()  # edits on the activations while it runs (interp/steering.py)
 
 
 @dataclass(frozen=True)

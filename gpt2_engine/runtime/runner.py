@@ -9,7 +9,7 @@ between blocks (`Pass.add`). With at most config.DECODE_ROWS rows, each block an
 row's cache slot, so a sequence's logits are the same bits whatever else shares the pass, and whichever block it
 joined the pass at.
 
-Steering (core/steering.py) rides on the segments: each sequence's edits apply to its own rows, at positions the
+Steering (interp/steering.py) rides on the segments: each sequence's edits apply to its own rows, at positions the
 rows carry, so a steered row gets what a whole-sequence recompute gives it and its neighbours are untouched. An edit
 between blocks (hook_resid_pre / hook_resid_post, the embeddings) is applied between the native calls; a block with
 an edit inside it runs in torch for the rows of the sequences it steers only (the same arithmetic alone or batched:
@@ -25,8 +25,8 @@ import torch
 from ..core.config import DECODE_ROWS, GPT2Config
 from ..core.model import KVCache, Layer, ScopedTap, block, embed, hooked, logits
 from ..core.projection import reduce_rows
-from ..core.rows import RowLayout, embeds_natively, native_block, native_embed, native_head, self_attention_segments
-from ..core.steering import Rows, Steering, SteeringTap, between_blocks
+from .rows import RowLayout, embeds_natively, native_block, native_embed, native_head, self_attention_segments
+from ..interp.steering import Rows, Steering, SteeringTap, between_blocks
 from ..core.weights import GPT2Weights
 from .plan import Outputs, Picks, Prefilled, Segment
 from .prefix import PrefixCache, prefill

@@ -21,7 +21,7 @@ import torch
 from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, residual_stream
-from ..core.steering import Steering, batch_tap, check_scoring, check_steering
+from ..interp.steering import Steering, batch_tap, check_scoring, check_steering
 from ..core.weights import GPT2Weights
 from .plan import TokenStats
 from .prefix import PrefixCache, prefill
@@ -94,7 +94,7 @@ class ScoreSettings:
     top: int = 0  # alternatives kept per token (with details)
     details: bool = False  # rank, entropy and alternatives per token
     prefix_cache_mb: float | None = None  # run windows one at a time, reusing shared prefixes (runtime/prefix.py)
-    steering: tuple[Steering, ...] = ()  # edits on every position (core/steering.py), as lm-eval's steered model
+    steering: tuple[Steering, ...] = ()  # edits on every position (interp/steering.py), as lm-eval's steered model
 
     def check(self, config: GPT2Config) -> None:
         if not 2 <= self.context <= config.n_positions:

@@ -7,7 +7,7 @@ import torch
 
 from ..core.config import GPT2Config
 from ..core.model import logits
-from ..core.steering import SteeringTap
+from ..interp.steering import SteeringTap
 from ..core.weights import GPT2Weights
 from .plan import TokenStats
 

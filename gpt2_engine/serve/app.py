@@ -26,7 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.errors import GPT2EngineError
-from ..core.steering import SteeringRegistry
+from ..interp.steering import SteeringRegistry
 from .async_engine import AsyncEngine
 from .chat import ChatTemplate, plain_template
 from .metrics import CONTENT_TYPE

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.kernels import decode_kernels
-from ..core.lora import attach, load_adapter
+from ..core.lora import attach
+from ..formats.peft import load_adapter
 from ..runtime.loop import EngineLoop
 from ..runtime.plan import Event
 from ..runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache

@@ -76,7 +76,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     structured_outputs: dict[str, Any] | None = None  # vLLM's: one of choice, regex, json, grammar, json_object
-    # the engine's: edits while generating, naming the server's --sae / --steering-vector entries (core/steering.py)
+    # the engine's: edits while generating, naming the server's --sae / --steering-vector entries (interp/steering.py)
     steering: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_STEERING)
 
     @field_validator("stop")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
-from ..core.steering import SteeringRegistry
+from ..interp.steering import SteeringRegistry
 from ..core.tokenizer import Tokenizer
 from ..runtime.constraints import Grammars
 from ..runtime.plan import Event

@@ -34,21 +34,13 @@ from pathlib import Path
 import torch
 
 from ..core.config import GPT2Config
-from ..core.errors import GPT2EngineError
-from ..core.lora import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    LoraAdapter,
-    LoraError,
-    LoraSettings,
-    load_adapter,
-    new_adapter,
-    save_adapter,
-    trainable,
-)
-from ..core.shards import TokenStream
+from ..core.errors import GPT2EngineError, WeightsError
+from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
+from ..core.lora import LoraAdapter, LoraError, LoraSettings, new_adapter, trainable
+from ..formats.shards import TokenStream
 from ..core.tokenizer import Tokenizer
-from ..core.weights import SAFETENSORS, GPT2Weights, QuantizedMatrix, WeightsError, named_tensors, save_checkpoint
+from ..formats.hf import SAFETENSORS, save_checkpoint
+from ..core.weights import GPT2Weights, QuantizedMatrix, named_tensors
 from .optim import AdamW, AdamWSettings, clip_factor, learning_rate
 from .step import Buffers, adapter_gradients, decayed, forward_loss, zeros_like
 
@@ -281,7 +273,7 @@ class Trainer:
         self.settings = settings = replace(settings, context=context)
         self.config, self.tokenizer, self.out, self.base = config, tokenizer, out, base
         self.bpe_source = bpe_source or tokenizer.source
-        if isinstance(texts, TokenStream):  # token shards (core/shards.py), read as they are: nothing is added
+        if isinstance(texts, TokenStream):  # token shards (formats/shards.py), read as they are: nothing is added
             if val_texts is None:
                 texts, val_texts = texts.split(settings.val_fraction)
             self.train: torch.Tensor | TokenStream = texts
@@ -507,7 +499,7 @@ class Trainer:
     def _load_last(self) -> None:
         from safetensors.torch import load_file
 
-        from ..core.weights import load_weights
+        from ..formats.hf import load_weights
 
         last = self.out / LAST
         try:

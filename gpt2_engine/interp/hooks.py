@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import GPT2Config
-from .errors import GPT2EngineError
+from ..core.config import GPT2Config
+from ..core.errors import GPT2EngineError
 
 Hook = Callable[[torch.Tensor, str], "torch.Tensor | None"]  # fn(activation, name) -> a replacement, or None
 NameFilter = Sequence[str] | Callable[[str], bool] | None
@@ -44,7 +44,7 @@ def name_predicate(names: NameFilter, config: GPT2Config) -> Callable[[str], boo
     known = set(hook_names(config))
     if unknown := [n for n in names if n not in known]:
         raise GPT2EngineError(f"unknown hook point {unknown[0]!r}; expected names like 'blocks.0.attn.hook_pattern' "
-                              f"(gpt2_engine.core.hooks.hook_names lists all {len(known)})")
+                              f"(gpt2_engine.interp.hooks.hook_names lists all {len(known)})")
     chosen = set(names)
     return chosen.__contains__
 

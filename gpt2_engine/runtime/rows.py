@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from .config import GPT2Config
-from .kernels import cpu, decode_kernels
-from .model import FEW_IDS, Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
-from .projection import native_projection
-from .weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
+from ..core.config import GPT2Config
+from ..core.kernels import cpu, decode_kernels
+from ..core.model import FEW_IDS, Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
+from ..core.projection import native_projection
+from ..core.weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import GPT2EngineError
+from ..core.errors import GPT2EngineError
 from .files import atomic_write
 
 SHARD_MAGIC = 20240520

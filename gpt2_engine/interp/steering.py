@@ -1,6 +1,6 @@
 """Steering: edit an activation at a hook point while the model runs, to test what a direction or an SAE feature does.
 
-A Steering is one edit at one hook point (core/hooks.py's names, TransformerLens's), applied to the rows (token
+A Steering is one edit at one hook point (interp/hooks.py's names, TransformerLens's), applied to the rows (token
 positions) it covers:
 
     add       a + coef * vector                          a direction: a file's vector, or an SAE's decoder row
@@ -14,7 +14,7 @@ positions) it covers:
 generated token). A row's position, not the pass it runs in, decides, so decoding with the KV cache, batching and
 speculative verify passes apply the same edits a whole-sequence recompute applies (runtime/runner.py).
 
-An SAE's vectors live in the space its TransformerLens model showed at the hook (core/sae.py's presentation): its
+An SAE's vectors live in the space its TransformerLens model showed at the hook (interp/sae.py's presentation): its
 decoder row d is lifted into the engine's activation by the linear part of that map, U(d) = restore(d) - restore(0)
 (d itself for center_writing_weights, since every reader of the residual stream removes the mean first; (d - mean d)
 * ln.weight under fold_ln), which is what adding d there does to the model's function.
@@ -32,11 +32,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .config import GPT2Config
-from .errors import GenerationError
+from ..core.config import GPT2Config
+from ..core.errors import GenerationError
 from .hooks import hook_names
 from .sae import HEAD_POINTS, SAE, presentation
-from .weights import GPT2Weights
+from ..core.weights import GPT2Weights
 
 POSITIONS = ("all", "prompt", "generated")
 ACTIONS = ("add", "clamp", "project")

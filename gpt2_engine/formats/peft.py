@@ -1,0 +1,169 @@
+"""LoRA adapters in Hugging Face PEFT's file format (what `PeftModel.from_pretrained(GPT2LMHeadModel..., dir)` reads).
+
+adapter_config.json (peft_type LORA, r, lora_alpha, target_modules, fan_in_fan_out true, since GPT-2's projections
+are Conv1D) and adapter_model.safetensors, whose keys name nn.Linear layers: `base_model.model.transformer.h.{i}.attn
+.c_attn.lora_A.weight` is A^T (r, in) and `...lora_B.weight` is B^T (out, r). The engine keeps A and B in the Conv1D
+orientation (in, r) and (r, out) (core/lora.py), so the transposes happen here, at the file boundary only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..core.config import GPT2Config
+from ..core.errors import GPT2EngineError
+from ..core.lora import ALL_TARGETS, TARGETS, LoraAdapter, LoraError, LoraSettings, module_name, target_shape
+from .files import atomic_write
+from .hf import read_tensors, weights_fingerprint
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+ADAPTER_BASE = "adapter_base.json"  # the engine's: which base the adapter was trained on (see check_base)
+
+
+PEFT_PREFIX = "base_model.model.transformer."  # PeftModel wraps GPT2LMHeadModel, which holds the transformer
+
+
+def peft_config(adapter: LoraAdapter) -> dict:
+    """adapter_config.json as PEFT writes it for GPT-2 (LoraConfig's fields; the rest are PEFT's defaults)."""
+    s = adapter.settings
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": adapter.base or None,
+            "r": s.r, "lora_alpha": s.alpha, "lora_dropout": s.dropout, "target_modules": list(s.targets),
+            "fan_in_fan_out": True, "bias": "none", "use_rslora": s.rslora, "use_dora": False,
+            "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None, "rank_pattern": {},
+            "alpha_pattern": {}, "inference_mode": True, "revision": None}
+
+
+def save_adapter(directory: str | Path, adapter: LoraAdapter) -> None:
+    """Write the adapter in PEFT's format; each file is written beside its destination and renamed over it."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + name + ".weight": t.t().contiguous() for name, t in adapter.tensors.items()}
+    for name, write in ((ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"})),
+                        (ADAPTER_CONFIG, lambda p: Path(p).write_text(json.dumps(peft_config(adapter), indent=2) + "\n",
+                                                                       encoding="utf-8"))):
+        atomic_write(directory / name, write)
+    # the base's fingerprint in a file of its own: PEFT warns about keys its config does not know, and a safetensors
+    # header's metadata is written in no fixed order (an exact resume must write identical files)
+    if adapter.base_fingerprint:
+        base = {"base_model_name_or_path": adapter.base or None, "weights_fingerprint": adapter.base_fingerprint}
+        atomic_write(directory / ADAPTER_BASE,
+                     lambda p: Path(p).write_text(json.dumps(base, indent=2) + "\n", encoding="utf-8"))
+    else:
+        (directory / ADAPTER_BASE).unlink(missing_ok=True)
+
+
+def recorded_base(directory: str | Path) -> str:
+    """The base_model_name_or_path an adapter directory records ("" when none, or when it is not readable)."""
+    try:
+        cfg = json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    return base if isinstance(base, str) else ""
+
+
+def check_base(adapter: LoraAdapter, directory: Path, base: str | Path) -> None:
+    """An adapter applied to weights other than those it was trained on gives a silently different model: refuse
+    it, unless the caller forces it. Adapters without a fingerprint (peft's) cannot be checked."""
+    if not adapter.base_fingerprint:
+        return
+    found = weights_fingerprint(Path(base))
+    if found != adapter.base_fingerprint:
+        raise LoraError(f"{directory}: this adapter was trained on another base ({adapter.base or 'unnamed'}, weights "
+                        f"fingerprint {adapter.base_fingerprint}) than {base} (fingerprint {found}); pass --force "
+                        "(force=True) to apply it anyway")
+
+
+def is_adapter(directory: str | Path) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
+    """Read a PEFT LoRA adapter for this model (written by peft or by the engine), checking every tensor."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LoraError(f"{directory}: not a directory (expected a PEFT adapter: {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    try:
+        cfg = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LoraError(f"{directory}: no {ADAPTER_CONFIG}; not a PEFT adapter directory") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoraError(f"{directory / ADAPTER_CONFIG}: not readable JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        raise LoraError(f"{directory / ADAPTER_CONFIG}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, "
+                        "expected 'LORA'")
+    for key, ok in (("use_dora", not cfg.get("use_dora")), ("bias", cfg.get("bias", "none") == "none"),
+                    ("modules_to_save", not cfg.get("modules_to_save")), ("rank_pattern", not cfg.get("rank_pattern")),
+                    ("alpha_pattern", not cfg.get("alpha_pattern"))):
+        if not ok:
+            raise LoraError(f"{directory / ADAPTER_CONFIG}: {key}={cfg.get(key)!r} is not supported (plain LoRA "
+                            "on the projections only)")
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise LoraError(f"{directory}: no {ADAPTER_WEIGHTS} (the engine reads adapters in safetensors)")
+    try:
+        raw = read_tensors(path)
+    except GPT2EngineError as e:
+        raise LoraError(str(e)) from None
+    tensors: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    modules = {module_name(i, t): t for i in range(config.n_layer) for t in TARGETS}
+    ranks: set[int] = set()
+    for key, t in raw.items():
+        name = key.removeprefix(PEFT_PREFIX).replace(".default.", ".")
+        stem, _, kind = name.removesuffix(".weight").rpartition(".")
+        if not key.startswith(PEFT_PREFIX) or stem not in modules or kind not in ("lora_A", "lora_B") \
+                or not name.endswith(".weight"):
+            raise LoraError(f"{path}: unexpected tensor {key!r} (expected {PEFT_PREFIX}h.N.<module>.lora_A|lora_B.weight "
+                            f"for the {config.n_layer} layers of this model)")
+        target = modules[stem]
+        fan_in, fan_out = target_shape(config, target)
+        r = t.shape[0] if kind == "lora_A" else t.shape[-1]
+        want = (r, fan_in) if kind == "lora_A" else (fan_out, r)
+        if t.dim() != 2 or tuple(t.shape) != want:
+            raise LoraError(f"{path}: {key} has shape {list(t.shape)}, expected {list(want)} for this model")
+        if not t.is_floating_point():
+            raise LoraError(f"{path}: {key} has dtype {t.dtype}, expected a float")
+        tensors[stem + "." + kind] = t.float().t().contiguous()
+        targets.add(target)
+        ranks.add(r)
+    for name in list(tensors):
+        other = name[:-1] + ("B" if name.endswith("A") else "A")
+        if other not in tensors:
+            raise LoraError(f"{path}: {PEFT_PREFIX}{name}.weight has no {other.rpartition('.')[2]} to pair with")
+    if not tensors:
+        raise LoraError(f"{path}: holds no LoRA tensors")
+    r = cfg.get("r", 8)
+    if ranks != {r}:
+        raise LoraError(f"{directory / ADAPTER_CONFIG}: r={r!r}, but the tensors have rank {sorted(ranks)}")
+    try:
+        settings = LoraSettings(r=r, alpha=float(cfg.get("lora_alpha", 8)), dropout=float(cfg.get("lora_dropout") or 0.0),
+                                targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=bool(cfg.get("use_rslora")))
+    except (TypeError, ValueError) as e:
+        raise LoraError(f"{directory / ADAPTER_CONFIG}: {e}") from None
+    return LoraAdapter(settings, tensors, cfg.get("base_model_name_or_path") or "", base_fingerprint(directory))
+
+
+def base_fingerprint(directory: Path) -> str:
+    """The fingerprint adapter_base.json records ("" where there is none: adapters written by peft)."""
+    path = directory / ADAPTER_BASE
+    if not path.is_file():
+        return ""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8")).get("weights_fingerprint")
+    except (OSError, ValueError, AttributeError) as e:
+        raise LoraError(f"{path}: not readable JSON with a \"weights_fingerprint\" ({e})") from None
+    if not isinstance(found, str):
+        raise LoraError(f"{path}: \"weights_fingerprint\" must be a string, got {found!r}")
+    return found
+

@@ -1,0 +1,1 @@
+"""Interpretability on the one forward: hook names and caches, sparse autoencoders, steering."""
