@@ -2,12 +2,13 @@
 
 from .api import GPT2
 from .core.config import PRESETS, GPT2Config
-from .core.errors import DownloadError, GenerationError, GPT2EngineError, TokenizerError, WeightsError
+from .core.errors import (DownloadError, GenerationError, GPT2EngineError, SteeringError, TokenizerError,
+                          WeightsError)
 from .core.lora import LoraError, LoraSettings
 from .core.model import KVCache
-from .interp.sae import SAE
 from .formats.saes import SAEError
-from .interp.steering import Steering, SteeringError
+from .interp.sae import SAE
+from .interp.spec import Steering
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .runtime.constraints import Constraint
 

@@ -24,7 +24,7 @@ from .core.pages import HugeArena, huge_pages_available
 from .core.weights import matrices_on_huge_pages
 from .core.quantize import FORMATS, quantize_weights
 from .interp.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
-from .interp.steering import Steering, check_steering
+from .interp.spec import Steering, check_steering
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .formats.hf import (CONFIG, find_weights_file, load_weights, weights_directory, weights_fingerprint,
                          weights_from_tensors)

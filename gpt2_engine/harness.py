@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from .api import GPT2
 from .core.model import KVCache
-from .interp.steering import Steering, check_scoring, check_steering
+from .interp.spec import Steering, check_steering
+from .interp.steering import check_scoring
 from .runtime.generate import Generation
 from .runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache, prefill
 from .runtime.requests import GenerationSettings

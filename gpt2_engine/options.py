@@ -89,7 +89,7 @@ def load_model(options: ModelOptions):
 
 def add_steer_option(p: argparse.ArgumentParser) -> None:
     """--steer SPEC, repeatable (interp/steering.py's grammar)."""
-    from .interp.steering import SPEC_GRAMMAR
+    from .interp.spec import SPEC_GRAMMAR
 
     p.add_argument("--steer", action="append", default=[], metavar="SPEC",
                    help=f"steer the model while it runs (repeatable, applied in order): {SPEC_GRAMMAR}. SAE is an "
@@ -102,7 +102,8 @@ def add_steer_option(p: argparse.ArgumentParser) -> None:
 
 def parse_steer_args(specs: list[str]) -> list[dict[str, str] | Path]:
     """The --steer specs parsed (their grammar checked before a model loads): fields, or an lm-eval file's path."""
-    from .interp.steering import SteeringError, parse_spec
+    from .core.errors import SteeringError
+    from .interp.spec import parse_spec
 
     out: list[dict[str, str] | Path] = []
     for spec in specs:
@@ -120,7 +121,9 @@ def steering_from_args(specs: list[dict[str, str] | Path], config) -> tuple:
     """The Steering edits the parsed --steer specs name, for a model with this config (SAEs and vectors loaded
     once per path)."""
     from .interp.sae import SAE
-    from .interp.steering import check_steering, from_fields, load_lm_eval, read_vector
+    from .interp.spec import check_steering, from_fields
+    from .interp.steering import load_lm_eval
+    from .formats.vectors import read_vector
 
     saes: dict[str, SAE] = {}
 

@@ -22,6 +22,16 @@ import fixtures  # noqa: E402
 
 torch.set_num_threads(2)
 
+# Checkpoints trained on the machine that runs the tests (minutes on a fresh clone, scripts/fixtures.py): a test that
+# reads one, directly or through another fixture, is marked `trained`, and `make test-fast` leaves it out.
+TRAINED_FIXTURES = {"trained_dir", "induction_dir"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if TRAINED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.trained)
+
 
 def make_fixture(directory: Path, *args: str) -> Path:
     """Run scripts/make_fixture.py as a user would."""
@@ -161,6 +171,12 @@ def edited_copy(src: Path, dest: Path, edit: Callable[[dict[str, torch.Tensor]],
         edit(tensors)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
+
+
+@pytest.fixture(scope="session")
+def saes_dir(trained_dir: Path) -> Path:
+    """SAEs of every architecture, made by sae-lens on the trained checkpoint (scripts/sae_reference.py). Read-only."""
+    return fixtures.ensure("saes")
 
 
 @pytest.fixture(scope="session")

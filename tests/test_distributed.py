@@ -63,15 +63,15 @@ def test_ray_data_scoring_equals_local_scoring(cluster, capsys, trained_dir: Pat
     assert distributed["total"]["nll"] == pytest.approx(local["total"]["nll"], rel=1e-6)
 
 
-def test_a_ray_dashboard_equals_the_local_one(cluster, capsys, trained_dir: Path, tmp_path: Path) -> None:
+def test_a_ray_dashboard_equals_the_local_one(cluster, capsys, trained_dir: Path, saes_dir: Path,
+                                               tmp_path: Path) -> None:
     """Two actors of one thread take the batches as they come; their parts merge to the local run's dashboard, every
     number and context the same (ties broken by corpus position, as locally). Before the Serve tests, whose replicas
     hold the cluster's CPUs until the module ends."""
-    import fixtures
 
     text = tmp_path / "corpus.txt"
     text.write_text("\n\n".join(f"{n}. Return the list of keys; raise KeyError when the key is missing." for n in range(60)))
-    common = [str(text), "--sae", str(fixtures.ensure("saes") / "jumprelu-resid"), "--features", "0,7,100,1023",
+    common = [str(text), "--sae", str(saes_dir / "jumprelu-resid"), "--features", "0,7,100,1023",
               "--top", "5", "--context", "32", "--batch-size", "2", "--weights", str(trained_dir), "--quiet"]
     code, _, err = run(capsys, "sae", "dashboard", *common, "--out", str(tmp_path / "local"))
     assert code == 0, err

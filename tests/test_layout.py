@@ -22,13 +22,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def imports(path: Path) -> set[str]:
-    """Every module a file names in an import statement, anywhere in it (function bodies included)."""
+def imports(path: Path, typing_only: bool = True) -> set[str]:
+    """Every module a file names in an import statement, anywhere in it (function bodies included); typing_only
+    False leaves out those under `if TYPE_CHECKING:`, which name types for the checker and run nothing."""
     import ast
 
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = set()
+    if not typing_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -41,10 +50,10 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
+def graph(typing_only: bool = True) -> dict[str, set[str]]:
     files = sorted((ROOT / "gpt2_engine").rglob("*.py"))
     names = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f for f in files}
-    return {name: {m for m in imports(f) if m in names and m != name} for name, f in names.items()}
+    return {name: {m for m in imports(f, typing_only) if m in names and m != name} for name, f in names.items()}
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -113,9 +122,9 @@ def floors(edges: dict[str, set[str]]) -> int:
     return max(floor(n) for n in edges)
 
 
-def closure(start: str) -> set[str]:
+def closure(start: str, typing_only: bool = True) -> set[str]:
     """Every module `start` imports, directly or through others."""
-    edges, seen, todo = graph(), set(), [start]
+    edges, seen, todo = graph(typing_only), set(), [start]
     while todo:
         for dep in edges[todo.pop()]:
             if dep not in seen:
@@ -155,10 +164,18 @@ def test_runtime_and_train_do_not_import_each_other() -> None:
 
 
 def test_the_scheduler_imports_data_only() -> None:
-    """The planner never loads the model, the runner or the native kernels, not even through another module."""
-    banned = {"gpt2_engine.runtime.runner", "gpt2_engine.core.model", "gpt2_engine.runtime.rows",
-              "gpt2_engine.core.projection", "gpt2_engine.core.kernels", "gpt2_engine.runtime.drafters"}
-    assert closure("gpt2_engine.runtime.scheduler") & banned == set()
+    """The planner never loads a file, runs the model or builds the native kernels, not even through another module:
+    what it imports at run time (types named for the checker under TYPE_CHECKING aside) is data and pure functions."""
+    package = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for f in (ROOT / "gpt2_engine").rglob("*.py")}
+    banned = {m for m in package if m.startswith(("gpt2_engine.formats", "gpt2_engine.interp"))} | {
+        "gpt2_engine.runtime.runner", "gpt2_engine.runtime.rows", "gpt2_engine.runtime.drafters",
+        "gpt2_engine.runtime.prefix", "gpt2_engine.runtime.requests", "gpt2_engine.core.model",
+        "gpt2_engine.core.projection", "gpt2_engine.core.kernels", "gpt2_engine.core.weights",
+        "gpt2_engine.core.pages", "gpt2_engine.core.lora", "gpt2_engine.core.quantize", "gpt2_engine.core.numpy_ref"}
+    for planner in ("gpt2_engine.runtime.scheduler", "gpt2_engine.runtime.plan"):
+        assert closure(planner, typing_only=False) & banned == set(), planner
+    assert "gpt2_engine.interp.spec" in closure("gpt2_engine.runtime.plan")  # the types are named, for the checker
     assert "gpt2_engine.core.kernels" in closure("gpt2_engine.runtime.runner")  # the check has teeth
 
 
@@ -177,3 +194,18 @@ def test_the_reading_path_is_short_named_first_and_linked() -> None:
     for here, there in zip(READING_PATH, READING_PATH[1:]):
         tail = (ROOT / here).read_text(encoding="utf-8").rstrip().splitlines()[-3:]
         assert any(line.startswith("# Next:") and there.removeprefix("gpt2_engine/") in line for line in tail), here
+
+
+ENGINE_PATH = ["gpt2_engine/runtime/greedy.py", "gpt2_engine/runtime/loop.py", "gpt2_engine/runtime/scheduler.py",
+               "gpt2_engine/runtime/runner.py", "gpt2_engine/core/kernels/block.cpp"]
+
+
+def test_the_reading_path_goes_on_into_the_engine() -> None:
+    """From greedy.py the path goes on through how the engine really decodes: each file's last lines name the next
+    (loop -> scheduler -> runner -> the native block), and the last says it is the end."""
+    for here, there in zip(ENGINE_PATH, ENGINE_PATH[1:]):
+        tail = (ROOT / here).read_text(encoding="utf-8").rstrip().splitlines()[-4:]
+        assert any(line.lstrip("#/ ").startswith("Next:") and there.removeprefix("gpt2_engine/") in line
+                   for line in tail), here
+    last = (ROOT / ENGINE_PATH[-1]).read_text(encoding="utf-8").rstrip().splitlines()[-3:]
+    assert any("end of the engine's reading path" in line for line in last)

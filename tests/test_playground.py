@@ -4,6 +4,7 @@ through selenium (no browser is downloaded). A screenshot of each state is saved
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -141,18 +142,16 @@ def test_labels_keyboard_and_a_narrow_window(browser, site) -> None:
     browser.set_window_size(1100, 1000)
 
 
-def test_the_steering_slider_steers_an_sae_feature(browser, trained_model: GPT2) -> None:
+def test_the_steering_slider_steers_an_sae_feature(browser, trained_model: GPT2, saes_dir: Path) -> None:
     """With `--sae NAME=DIR`, the page lists the SAE and its slider adds (or clamps) a feature: the text is the API's
     with the same steering, and differs from the unsteered text."""
-    import fixtures
-
     from gpt2_engine import SAE
     from gpt2_engine.interp.steering import SteeringRegistry
     from gpt2_engine.serve.app import ServerSettings
 
     import torch
 
-    sae = SAE.load(fixtures.ensure("saes") / "topk-mlp")
+    sae = SAE.load(saes_dir / "topk-mlp")
     ids = torch.tensor([trained_model.tokenizer.encode("The default value of the file")])
     _, cache = trained_model.run_with_cache_with_saes(ids, [sae], names=[f"{sae.hook_name}.hook_sae_acts_post"])
     feature = int(cache[f"{sae.hook_name}.hook_sae_acts_post"].reshape(-1, sae.d_sae).amax(0).argmax())  # one that fires

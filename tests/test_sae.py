@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import fixtures
 from conftest import cli
 
 pytest.importorskip("sae_lens", reason="sae-lens (the test extra) is the reference")
@@ -29,9 +28,8 @@ SPLICEABLE = [s for s in ref.SPECS if "hook_head_index" not in s.extra]  # sae-l
 
 
 @pytest.fixture(scope="module")
-def made():
-    directory = fixtures.ensure("saes")
-    return directory, ref.load(directory)
+def made(saes_dir: Path):
+    return saes_dir, ref.load(saes_dir)
 
 
 def path_of(directory: Path, spec: ref.Spec) -> Path:

@@ -338,3 +338,22 @@ def test_serve_speculation_flags_are_checked(trained_dir: Path, tmp_path: Path) 
     code, err = serve("--speculate", str(tmp_path))
     assert code == 2 and err.startswith(f"gpt2 serve: error: --speculate {tmp_path}: speculate: expected 'int4', "
                                         "'int8', 'ngram' or a GPT-2 checkpoint directory")
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_one_function_speculative_greedy_gives_the_engines_ids(trained_model: GPT2, k: int) -> None:
+    """runtime/speculative.py (gpt-fast's draft-and-verify in one function, int4 drafting for float32) gives the ids the
+    engine's speculative loop gives, which are plain greedy decoding's."""
+    from gpt2_engine.core.quantize import quantize_weights
+    from gpt2_engine.runtime.speculative import speculative_greedy
+
+    cfg = trained_model.config
+    for prompt in PROMPTS:
+        ids = trained_model.tokenizer.encode(prompt)
+        n = 40
+        target = ModelRunner(trained_model.weights, cfg, slots=1, max_len=len(ids) + n - 1)
+        draft = ModelRunner(quantize_weights(trained_model.weights, "int4"), cfg, slots=1, max_len=len(ids) + n - 1)
+        out = speculative_greedy(target, draft, ids, n, k)
+        engine, stats = greedy(trained_model, ids, n, speculate="int4", draft_tokens=k)
+        assert out == engine == greedy(trained_model, ids, n)[0], (prompt, k)
+        assert len(out) == n and stats.accepted > 0

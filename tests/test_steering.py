@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import fixtures
 from conftest import cli, gpt2_serve
 
 from gpt2_engine import GPT2, SAE, Steering, SteeringError
 from gpt2_engine.interp.sae import presentation
+from gpt2_engine.interp.steering import apply
 from gpt2_engine.runtime.loop import EngineLoop
 from gpt2_engine.runtime.prefix import PrefixCache
 from gpt2_engine.runtime.requests import GenerationSettings, build_requests
@@ -119,7 +119,7 @@ def engine_recompute(model: GPT2, prompt: list[int], tokens: list[int],
             rows = a.reshape(-1, *a.shape[2:])
             mask = rows_mask(s.positions, a.shape[1], L)
             out = rows.clone()
-            out[mask] = s.apply(rows[mask], model.weights, model.config)
+            out[mask] = apply(s, rows[mask], model.weights, model.config)
             return out.view(a.shape)
         hooks[s.hook] = hook
     with torch.no_grad():
@@ -153,11 +153,10 @@ def test_greedy_ids_equal_transformer_lens_recompute_and_the_cache_equals_a_reco
 
 
 @pytest.fixture(scope="module")
-def saes():
+def saes(saes_dir: Path):
     import sae_reference as ref
     pytest.importorskip("sae_lens", reason="sae-lens (the test extra) is the reference")
-    directory = fixtures.ensure("saes")
-    return directory, ref.load(directory)
+    return saes_dir, ref.load(saes_dir)
 
 
 def strong_feature(sae: SAE, model: GPT2) -> tuple[int, float]:
@@ -212,7 +211,7 @@ def test_a_clamp_adds_decode_clamped_minus_decode_original_and_nothing_else(saes
         s = Steering.clamp(sae, feature, 3.0 * top)
         _, cache = trained_model.run_with_cache(ids, [sae.hook_name])
         a = cache[sae.hook_name][0]  # [T, *row]
-        edited = s.apply(a, w, cfg)
+        edited = apply(s, a, w, cfg)
         affine = presentation(sae.config, cfg, w, a)
         p = affine.present(a)
         head = sae.config.hook_head_index

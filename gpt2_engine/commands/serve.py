@@ -112,7 +112,8 @@ def steering_registry(args: argparse.Namespace) -> SteeringRegistry:
     one is an error at the command line rather than at a request."""
     from ..interp.sae import SAE
     from ..formats.saes import SAEError
-    from ..interp.steering import SteeringError, read_vector
+    from ..core.errors import SteeringError
+    from ..formats.vectors import read_vector
 
     sae_paths = named(args.sae, "--sae", "an SAELens directory or OpenAI .pt file")
     vector_paths = named(args.steering_vector, "--steering-vector", "a .pt, .safetensors or .npy vector")

@@ -23,5 +23,12 @@ class GenerationError(GPT2EngineError, ValueError):
         self.bare = message  # without the advice for the command line and the Python API, which a server leaves out
 
 
+class SteeringError(GenerationError):
+    """A steering edit that does not fit the model, or a file or spec that does not say one (param "steering")."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="steering")
+
+
 class DownloadError(GPT2EngineError):
     """The hub could not be reached, a file was missing, or a download failed verification."""

@@ -18,8 +18,9 @@ from ..core.config import GPT2Config
 from ..core.tokenizer import Tokenizer
 from ..core.weights import GPT2Weights
 from .drafters import Speculation
-from .loop import EngineLoop
 from .constraints import Grammars
+from .loop import EngineLoop
+from .plan import Finished
 from .requests import GenerationSettings, RequestSet, build_requests
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -101,33 +102,34 @@ class Generation:
                           None if spec is None else spec.drafter(slots, max_len))
         loop.submit(reqs, tag=None)
         loop.intake()
-        seqs = list(loop.scheduler.waiting)  # in request order
         logprobs: list[list[float]] = [[] for _ in reqs]
+        done: list[Finished | None] = [None] * len(reqs)
         finish: list[str] = ["length"] * len(reqs)
         self.stats.prompt_tokens = sum(len(r.prompt) for r in reqs)
         t0 = time.perf_counter()
         first = True
         while not loop.scheduler.idle:
             for outputs in loop.step():
-                for seq, e in outputs:
-                    b = seq.index
+                for ref, e in outputs:
+                    b = ref.index
                     if e.finish_reason == "error":  # the engine failed, not the input
                         raise RuntimeError(f"generation failed: {e.error}")
                     if e.token is not None and e.token != self.tokenizer.eot_id:
                         logprobs[b].append(e.logprob)
                         self.stats.new_tokens += 1
                     finish[b] = e.finish_reason or finish[b]
+                    done[b] = e.done or done[b]
                     if e.text:
                         yield b, e.text
             if first:  # the first step prefills every sequence that has a slot and chooses its first token
                 self.stats.prefill_seconds, t0, first = time.perf_counter() - t0, time.perf_counter(), False
         self.stats.decode_seconds = time.perf_counter() - t0
         st = self.stats
-        st.drafted, st.accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
-        st.verify_passes = sum(s.verified for s in seqs)
+        st.drafted, st.accepted = sum(d.drafted for d in done), sum(d.accepted for d in done)
+        st.verify_passes = sum(d.verified for d in done)
         st.verified_tokens = st.accepted + st.verify_passes
-        self.completions = [Completion(seq.detok.text, seq.tokens, logprobs[b], finish[b], len(seq.request.prompt))
-                            for b, seq in enumerate(seqs)]
+        self.completions = [Completion(d.text, d.tokens, logprobs[b], finish[b], d.prompt_tokens)
+                            for b, d in enumerate(done)]
 
     def run(self) -> list[Completion]:
         """Generate to the end without streaming."""

@@ -58,6 +58,6 @@ def greedy(w: GPT2Weights, config: GPT2Config, prompt: list[int], max_new_tokens
         logits = decode_one_token(w, config, cache, token, position)  # [V]
     return out
 
-# Next: the runtime does this for many sequences at once. scheduler.py plans each step (which sequences, how many
-# rows), runner.py executes it (one pass over the weights for every row), loop.py drives both; generate.py is what
-# GPT2.generate runs on them.
+# Next: runtime/loop.py, the engine's loop, which does this for many sequences at once: each step it asks the
+# scheduler for a plan, has the runner execute it, and hands the results back. (speculative.py is this file's
+# speculative twin, gpt-fast's draft-and-verify in one function.)

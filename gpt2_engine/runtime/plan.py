@@ -1,21 +1,60 @@
-"""The data the runtime hands around: what a pass runs (Segment), what comes back (Outputs, Prefilled, TokenStats),
-what a drafter is asked and answers (DraftAsk, Draft), and what a step produced for a sequence (Event).
+"""The data the runtime hands around: a step's Plan (the prompts to prefill alone, the drafts to ask for, the passes
+to run, each keyed by the scheduler's sequence id), what a pass runs (Segment), what comes back (Outputs,
+Prefilled, TokenStats), what a drafter is asked and answers (DraftAsk, Draft), and what a step produced for a
+sequence (Event, with a Finished summary on its last one).
 
 Nothing here computes: the scheduler (scheduler.py) plans in these types without importing the runner or the model,
-and the runner (runner.py) and the drafters (drafters.py) execute them.
+the runner (runner.py) and the drafters (drafters.py) execute them, and the loop (loop.py) carries them from one to
+the other, reading only these types, never the scheduler's own records (as vLLM v1's SchedulerOutput).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from ..core.config import GPT2Config
+from ..core.errors import GenerationError
 from .sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from ..interp.steering import Steering
+if TYPE_CHECKING:  # the types only: the plan carries a request's grammar and edits, and never runs them
+    from ..interp.spec import Steering
+    from .constraints import Compiled
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate. `top_logprobs` alternatives are reported per generated token (0: none);
+    `prompt_logprobs` scores the prompt's tokens too (OpenAI's echo + logprobs)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int = 0
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    adapter: int | None = None  # which of the weights' LoRA adapters (-1: the base; None: the model's own)
+    constraint: Compiled | None = None  # the grammar the text must match (runtime/constraints.py)
+    steering: tuple[Steering, ...] = ()  # edits on the activations while it runs (interp/steering.py)
+
+
+def check_request(request: Request, config: GPT2Config) -> None:
+    """Raise GenerationError unless the request fits the model: valid ids, and prompt + max_new_tokens - 1 positions
+    (the last new token is never fed back) within the context."""
+    if not request.prompt:
+        raise GenerationError("the prompt is empty (an empty text prompt starts from <|endoftext|>)", param="prompt")
+    if any(not 0 <= t < config.vocab_size for t in request.prompt):
+        raise GenerationError(f"prompt token ids must be in [0, {config.vocab_size})", param="prompt")
+    need = len(request.prompt) + max(request.max_new_tokens - 1, 0)
+    if need > config.n_positions:
+        raise GenerationError(
+            f"prompt of {len(request.prompt)} tokens + max_new_tokens {request.max_new_tokens} exceeds the context of "
+            f"{config.n_positions} tokens; shorten the prompt or lower max_new_tokens", param="max_new_tokens")
+
 
 
 class Segment(NamedTuple):
@@ -130,3 +169,53 @@ class Event:
     prompt_stats: TokenStats | None = None  # with prompt_logprobs, on the first event: one row per prompt token after the first
     error: str | None = None  # with finish_reason 'error': what failed, in one line
     cached_tokens: int = 0  # on a prefilled sequence's first event: its prompt tokens the prefix cache held
+    done: Finished | None = None  # on the last event: what the sequence came to
+
+
+class Finished(NamedTuple):
+    """What a sequence came to, on its last Event: its text (the stop string and what follows it cut), its generated
+    tokens (<|endoftext|> not among them), its prompt's length, and its speculation counts (drafted tokens, accepted
+    ones, verify passes)."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    drafted: int = 0
+    accepted: int = 0
+    verified: int = 0
+
+
+class SeqRef(NamedTuple):
+    """Whose an Event is: the scheduler's id of the sequence, and the caller's `tag` and `index` given with it."""
+
+    id: int
+    tag: Any = None
+    index: int = 0
+
+
+Output = tuple[SeqRef, Event]
+
+
+class Prefill(NamedTuple):
+    """A prompt the runner runs alone into its cache slot (a long one, or one scored): ModelRunner.prefill's
+    arguments, for sequence `seq`."""
+
+    seq: int
+    slot: int
+    prompt: list[int]
+    scored: bool = False
+    top: int = 0
+    adapter: int | None = None
+    steering: tuple[Steering, ...] = ()
+
+
+@dataclass
+class Plan:
+    """One step, as data: sequences that ended before running (cancelled, timed out), prompts to prefill alone, drafts
+    to ask for (by sequence id; the answers go back through Scheduler.drafted, which puts them into the passes), and
+    the passes, each the segments that share one pass over the weights, by sequence id, in row order."""
+
+    finished: list[Output] = field(default_factory=list)
+    prefills: list[Prefill] = field(default_factory=list)
+    asks: dict[int, DraftAsk] = field(default_factory=dict)
+    passes: list[dict[int, Segment]] = field(default_factory=list)

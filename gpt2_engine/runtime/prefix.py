@@ -33,7 +33,8 @@ from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, logits, residual_stream
 from ..core.projection import reduce_rows
-from ..interp.steering import Steering, prompt_key, sequence_tap
+from ..interp.spec import Steering, prompt_key
+from ..interp.steering import sequence_tap
 from ..core.weights import GPT2Weights
 from .plan import Prefilled, TokenStats
 from .stats import prompt_stats

@@ -17,30 +17,13 @@ from dataclasses import dataclass, field
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
-from ..interp.steering import Steering, check_steering
+from ..interp.spec import Steering, check_steering
 from ..core.tokenizer import Tokenizer
-from .constraints import Compiled, Constraint, Grammars
+from .constraints import Constraint, Grammars
+from .plan import Request, check_request
 from .sampling import SamplingParams
 
 Prompt = str | list[str] | list[int] | list[list[int]]
-
-
-@dataclass(frozen=True)
-class Request:
-    """One sequence to generate. `top_logprobs` alternatives are reported per generated token (0: none);
-    `prompt_logprobs` scores the prompt's tokens too (OpenAI's echo + logprobs)."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    seed: int = 0
-    top_logprobs: int = 0
-    prompt_logprobs: bool = False
-    adapter: int | None = None  # which of the weights' LoRA adapters (-1: the base; None: the model's own)
-    constraint: Compiled | None = None  # the grammar the text must match (runtime/constraints.py)
-    steering: tuple[Steering, ...] = ()  # edits on the activations while it runs (interp/steering.py)
 
 
 @dataclass(frozen=True)
@@ -120,20 +103,6 @@ def encode_prompts(prompt: Prompt, tokenizer: Tokenizer, *, allow_special: bool 
 def prompt_or_endoftext(ids: list[int], eot_id: int) -> list[int]:
     """The ids a prompt starts from: an empty prompt starts from <|endoftext|>, as GPT-2's training documents do."""
     return list(ids) or [eot_id]
-
-
-def check_request(request: Request, config: GPT2Config) -> None:
-    """Raise GenerationError unless the request fits the model: valid ids, and prompt + max_new_tokens - 1 positions
-    (the last new token is never fed back) within the context."""
-    if not request.prompt:
-        raise GenerationError("the prompt is empty (an empty text prompt starts from <|endoftext|>)", param="prompt")
-    if any(not 0 <= t < config.vocab_size for t in request.prompt):
-        raise GenerationError(f"prompt token ids must be in [0, {config.vocab_size})", param="prompt")
-    need = len(request.prompt) + max(request.max_new_tokens - 1, 0)
-    if need > config.n_positions:
-        raise GenerationError(
-            f"prompt of {len(request.prompt)} tokens + max_new_tokens {request.max_new_tokens} exceeds the context of "
-            f"{config.n_positions} tokens; shorten the prompt or lower max_new_tokens", param="max_new_tokens")
 
 
 def build_requests(prompts: list[list[int]], settings: GenerationSettings, config: GPT2Config,

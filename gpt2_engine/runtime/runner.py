@@ -26,7 +26,8 @@ from ..core.config import DECODE_ROWS, GPT2Config
 from ..core.model import KVCache, Layer, ScopedTap, block, embed, hooked, logits
 from ..core.projection import reduce_rows
 from .rows import RowLayout, embeds_natively, native_block, native_embed, native_head, self_attention_segments
-from ..interp.steering import Rows, Steering, SteeringTap, between_blocks
+from ..interp.steering import SteeredRows, SteeringTap
+from ..interp.spec import Steering, between_blocks
 from ..core.weights import GPT2Weights
 from .plan import Outputs, Picks, Prefilled, Segment
 from .prefix import PrefixCache, prefill
@@ -53,7 +54,7 @@ def steering_tap(w: GPT2Weights, config: GPT2Config, segments: list[Segment]) ->
     groups, row = [], 0
     for s in segments:
         if s.steering:
-            groups.append(Rows(s.steering, torch.arange(row, row + len(s.ids)),
+            groups.append(SteeredRows(s.steering, torch.arange(row, row + len(s.ids)),
                                torch.arange(s.start, s.start + len(s.ids)), s.prompt_len))
         row += len(s.ids)
     return SteeringTap(w, config, groups) if groups else None
@@ -116,7 +117,7 @@ class Pass:
     """One pass over the weights for many sequences' rows, run one block at a time.
 
     `add(segments)` before block `layer` runs the new segments through blocks 0..layer-1 on their own, then puts their
-    rows after the others' for the remaining blocks. Rows never mix (row-invariant projections, per-slot attention),
+    rows after the others' for the remaining blocks. SteeredRows never mix (row-invariant projections, per-slot attention),
     so they get the bits they would get from the start, and a prompt that arrives mid-pass need not wait for the
     pass to end. `logits()` has `outputs` rows per segment (its last ones), in the order the segments were given
     and added. Up to DECODE_ROWS rows, each block and the head are one native call (NativeRows); otherwise torch's
@@ -287,3 +288,6 @@ class ModelRunner:
         while not p.done:
             p.run_block()
         return p.logits()
+
+# Next: core/kernels/block.cpp, where a decode-sized pass runs each block as one native call (RowBlock), the
+# head too (RowHead): model.block()'s math on the row-invariant kernels.

@@ -31,7 +31,6 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -39,8 +38,8 @@ import torch
 from ..core.config import DECODE_ROWS, GPT2Config
 from ..core.errors import GenerationError
 from ..core.tokenizer import Detokenizer, Tokenizer
-from .plan import Draft, DraftAsk, Event, Outputs, Prefilled, Segment, TokenStats
-from .requests import Request, check_request
+from .plan import (Draft, DraftAsk, Event, Finished, Output, Outputs, Plan, Prefill, Prefilled, Request, Segment,
+                   SeqRef, TokenStats, check_request)
 from .sampling import apply_penalties, choose
 from .speculation import PAUSE_TOKENS, SpeculationPolicy, accept, next_k
 
@@ -51,8 +50,9 @@ class SequenceState:
     """A request's state while it runs: its slot, position, generator, penalties' counts and detokenizer. `tag` and
     `index` are the caller's: whose request it is, and which of its sequences."""
 
-    def __init__(self, request: Request, tokenizer: Tokenizer, vocab: int, tag: Any = None, index: int = 0) -> None:
-        self.request, self.tag, self.index = request, tag, index
+    def __init__(self, request: Request, tokenizer: Tokenizer, vocab: int, tag: Any = None, index: int = 0,
+                 id: int = 0) -> None:
+        self.request, self.tag, self.index, self.id = request, tag, index, id
         self.generator = torch.Generator().manual_seed(request.seed)
         self.detok = Detokenizer(tokenizer, request.stop)
         self.tokens: list[int] = []
@@ -104,13 +104,24 @@ class SequenceState:
         """The tokens at positions 0 .. position: the prompt, the generated tokens and the next one (not yet fed)."""
         return self.request.prompt + self.tokens
 
+    @property
+    def ref(self) -> SeqRef:
+        return SeqRef(self.id, self.tag, self.index)
 
-Output = tuple[SequenceState, Event]
+    def prefill(self) -> Prefill:
+        """Its prompt as a prefill of its own (a long prompt, or a scored one)."""
+        r = self.request
+        return Prefill(self.id, self.slot, r.prompt, r.prompt_logprobs, r.top_logprobs, r.adapter, r.steering)
+
+    def summary(self) -> Finished:
+        return Finished(self.detok.text, list(self.tokens), len(self.request.prompt), self.drafted, self.accepted,
+                        self.verified)
 
 
-class Row(NamedTuple):
-    """One output row of a pass, as the scheduler reads it: the raw logits [V] (None for a greedy segment's row), the
-    argmax skipping the sequence's banned token, that logit, and the logsumexp of the raw logits."""
+class Prediction(NamedTuple):
+    """What the model gave for one next token of a sequence, as the scheduler reads it: the raw logits [V] (None for
+    a greedy segment's row), the argmax skipping the sequence's banned token, that logit, and the logsumexp of the
+    raw logits."""
 
     raw: torch.Tensor | None
     token: int
@@ -124,17 +135,6 @@ class Row(NamedTuple):
         return self.token
 
 
-@dataclass
-class Plan:
-    """One step: sequences that ended before running (cancelled, timed out), prompts to prefill alone, drafts to ask
-    for (then `Scheduler.drafted`), then passes."""
-
-    finished: list[Output] = field(default_factory=list)
-    prefill: list[SequenceState] = field(default_factory=list)
-    asks: list[tuple[SequenceState, DraftAsk]] = field(default_factory=list)
-    passes: list[list[SequenceState]] = field(default_factory=list)
-
-
 class Scheduler:
     """Slots and a waiting queue over a cache of `slots` sequences of up to `max_len` positions."""
 
@@ -146,6 +146,8 @@ class Scheduler:
         self.queue_timeout = queue_timeout  # seconds a sequence may wait for a slot (None: forever)
         self.slots: list[SequenceState | None] = [None] * slots
         self.waiting: deque[SequenceState] = deque()
+        self.live: dict[int, SequenceState] = {}  # every sequence added and not yet finished, by id
+        self.next_id = 0
 
     @property
     def running(self) -> int:
@@ -162,82 +164,84 @@ class Scheduler:
             raise GenerationError(f"request needs more than this scheduler's {self.max_len} cache positions",
                                   param="max_new_tokens")
 
-    def add(self, request: Request, tag: Any = None, index: int = 0) -> SequenceState:
-        """Queue a request (check() it first); its events come out of the steps that run it."""
-        seq = SequenceState(request, self.tokenizer, self.config.vocab_size, tag, index)
+    def add(self, request: Request, tag: Any = None, index: int = 0) -> SeqRef:
+        """Queue a request (check() it first); its events come out of the steps that run it, under the SeqRef
+        returned."""
+        seq = SequenceState(request, self.tokenizer, self.config.vocab_size, tag, index, self.next_id)
+        self.next_id += 1
         if self.speculation is not None:
             seq.k = self.speculation.first_k()
         self.waiting.append(seq)
-        return seq
+        self.live[seq.id] = seq
+        return seq.ref
 
-    def cancel(self, seq: SequenceState, reason: str = "cancelled") -> None:
-        """Stop a sequence: it leaves its slot (or the queue) at the next schedule() with a final event of this reason."""
-        if not seq.finished:
-            seq.cancelled = reason
+    def cancel(self, seq: int, reason: str = "cancelled") -> None:
+        """Stop sequence `seq` (an id): it leaves its slot (or the queue) at the next schedule() with a final event
+        of this reason."""
+        if (s := self.live.get(seq)) is not None and not s.finished:
+            s.cancelled = reason
 
     def schedule(self) -> Plan:
         """End what was cancelled or waited too long, admit what fits, and plan the step (see the module docstring)."""
-        plan = Plan()
-        now = time.perf_counter()
-        for seq in list(self.waiting):
-            if self.queue_timeout is not None and not seq.cancelled and now - seq.queued_at > self.queue_timeout:
-                seq.cancelled = "queue_timeout"
-            if seq.cancelled:
-                self.waiting.remove(seq)
-                plan.finished.append(self._finish(seq, seq.cancelled))
-        for seq in self.slots:
-            if seq is not None and seq.cancelled:
-                plan.finished.append(self._finish(seq, seq.cancelled))
+        plan = Plan(finished=self._expire())
         work = [s for s in self.slots if s is not None]
         while self.waiting and None in self.slots:
             seq = self._place(self.waiting.popleft())
-            (work if self._shares_pass(seq) else plan.prefill).append(seq)
+            if self._shares_pass(seq):
+                work.append(seq)
+            else:
+                plan.prefills.append(seq.prefill())
         rows = 0
         for seq in work:  # passes of at most DECODE_ROWS rows
-            n = len(seq.segment().ids)
+            segment = seq.segment()
+            n = len(segment.ids)
             if k := self._draft_length(seq):
-                excluded = (self.tokenizer.eot_id,) if seq.request.ignore_eos else ()
-                r = seq.request
-                plan.asks.append((seq, DraftAsk(seq.slot, seq.context(), k, r.sampling, seq.generator, excluded,
-                                                r.steering, len(r.prompt))))
+                plan.asks[seq.id] = self._ask(seq, k)
                 n += k
             if not plan.passes or rows + n > DECODE_ROWS:
-                plan.passes.append([])
+                plan.passes.append({})
                 rows = 0
-            plan.passes[-1].append(seq)
+            plan.passes[-1][seq.id] = segment
             rows += n
         return plan
 
-    def drafted(self, asks: list[tuple[SequenceState, DraftAsk]], drafts: list[Draft]) -> None:
-        """The drafter's answers to a plan's asks: each rides in its sequence's pass of this step."""
-        for (seq, ask), draft in zip(asks, drafts, strict=True):
-            n = min(len(draft.tokens), ask.k)
+    def drafted(self, plan: Plan, drafts: list[Draft]) -> None:
+        """The drafter's answers to the plan's asks, in their order: each rides in its sequence's segment of this
+        step's pass (its rows follow the next token's)."""
+        for (seq_id, ask), draft in zip(plan.asks.items(), drafts, strict=True):
+            seq, n = self.live[seq_id], min(len(draft.tokens), ask.k)
             seq.draft = Draft(draft.tokens[:n], None if draft.q is None else draft.q[:n]) if n else None
+            for segments in plan.passes:
+                if seq_id in segments:
+                    segments[seq_id] = seq.segment()
 
-    def join(self, layer: int, rows: int) -> list[SequenceState]:
-        """Waiting prompts that join a pass of `rows` rows before its block `layer`, placed in free slots.
+    def join(self, layer: int, rows: int) -> dict[int, Segment]:
+        """Waiting prompts that join a pass of `rows` rows before its block `layer`, placed in free slots: their
+        segments by sequence id.
 
         Only in the first half of the blocks: at 8 clients a request that arrives mid-pass would otherwise wait for
         the rest of the pass and then a pass of its own; later, catching up the earlier blocks alone would cost the
         running sequences more than the newcomer saves, and it waits for the next pass."""
         if 2 * layer >= self.config.n_layer:
-            return []
-        joined = []
+            return {}
+        joined = {}
         while (self.waiting and None in self.slots and self._shares_pass(self.waiting[0])
                and rows + len(self.waiting[0].request.prompt) <= DECODE_ROWS):
-            joined.append(self._place(self.waiting.popleft()))
-            rows += len(joined[-1].request.prompt)
+            seq = self._place(self.waiting.popleft())
+            joined[seq.id] = seq.segment()
+            rows += len(seq.request.prompt)
         return joined
 
-    def update(self, seqs: list[SequenceState], out: Outputs) -> list[Output]:
-        """Consume a pass's outputs (row i for seqs[i]: its Picks, and its logits unless the segment was greedy):
-        choose each next token. A sequence whose sampling fails ends with an 'error' event; the others go on."""
+    def update(self, segments: dict[int, Segment], out: Outputs) -> list[Output]:
+        """Consume a pass's outputs (its segments as the plan gave them, by sequence id, in row order: each one's
+        output rows' Picks, and their logits unless the segment was greedy): choose each next token. A sequence
+        whose sampling fails ends with an 'error' event; the others go on."""
         result, first, kept = [], 0, 0
-        for seq in seqs:
-            seg = seq.segment()
-            n, picks = seg.outputs, out.picks
-            rows: list[Row] = [Row(None if seg.greedy else out.logits[kept + i], picks.tokens[first + i],
-                                   picks.logit[first + i], picks.lse[first + i]) for i in range(n)]
+        picks = out.picks
+        for seq_id, seg in segments.items():
+            seq, n = self.live[seq_id], seg.outputs
+            rows = [Prediction(None if seg.greedy else out.logits[kept + i], picks.tokens[first + i],
+                               picks.logit[first + i], picks.lse[first + i]) for i in range(n)]
             first, kept = first + n, kept + (0 if seg.greedy else n)
             if seq.draft is not None:
                 result += self._verify(seq, seg, rows)
@@ -246,22 +250,39 @@ class Scheduler:
             result.append(self._advance_or_fail(seq, rows[-1]))
         return result
 
-    def after_prefill(self, seq: SequenceState, done: Prefilled) -> Output:
+    def after_prefill(self, seq_id: int, done: Prefilled) -> Output:
         """Consume a prefill: the next token's logits [V] and their logsumexp, the prompt's stats when it was scored,
         and how many of its prompt tokens the prefix cache held."""
+        seq = self.live[seq_id]
         seq.started, seq.position = True, len(seq.request.prompt)
         if seq.request.max_new_tokens == 0:
             out = self._finish(seq, "length", Event(None, "", prompt_stats=done.stats))
         else:
-            out = self._advance_or_fail(seq, Row(done.logits, -1, math.nan, done.lse), done.stats)
+            out = self._advance_or_fail(seq, Prediction(done.logits, -1, math.nan, done.lse), done.stats)
         out[1].cached_tokens = done.cached
         return out
 
-    def fail(self, seqs: list[SequenceState], error: str) -> list[Output]:
+    def fail(self, seq_ids: list[int], error: str) -> list[Output]:
         """End these sequences with finish reason 'error' (their step failed); their slots are free again."""
-        return [self._finish(seq, "error", Event(None, "", error=error)) for seq in seqs if not seq.finished]
+        return [self._finish(self.live[i], "error", Event(None, "", error=error)) for i in seq_ids if i in self.live]
 
     # --- internals ------------------------------------------------------------------------------------------------
+
+    def _expire(self) -> list[Output]:
+        """The final events of sequences cancelled, or waiting past the queue timeout; they leave queue and slots."""
+        now, out = time.perf_counter(), []
+        for seq in list(self.waiting):
+            if self.queue_timeout is not None and not seq.cancelled and now - seq.queued_at > self.queue_timeout:
+                seq.cancelled = "queue_timeout"
+            if seq.cancelled:
+                self.waiting.remove(seq)
+                out.append(self._finish(seq, seq.cancelled))
+        return out + [self._finish(seq, seq.cancelled) for seq in self.slots if seq is not None and seq.cancelled]
+
+    def _ask(self, seq: SequenceState, k: int) -> DraftAsk:
+        r = seq.request
+        excluded = (self.tokenizer.eot_id,) if r.ignore_eos else ()
+        return DraftAsk(seq.slot, seq.context(), k, r.sampling, seq.generator, excluded, r.steering, len(r.prompt))
 
     def _place(self, seq: SequenceState) -> SequenceState:
         seq.slot = self.slots.index(None)
@@ -279,19 +300,21 @@ class Scheduler:
         seq.finished = True
         if 0 <= seq.slot and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None  # the slot is free for the next admissions
+        self.live.pop(seq.id, None)
         event = event or Event(None, "")
         event.text += seq.detok.finish() if reason in ("eos", "stop", "length") else ""
         event.finish_reason = reason
-        return seq, event
+        event.done = seq.summary()
+        return seq.ref, event
 
-    def _advance_or_fail(self, seq: SequenceState, row: Row, prompt_stats: TokenStats | None = None) -> Output:
+    def _advance_or_fail(self, seq: SequenceState, row: Prediction, prompt_stats: TokenStats | None = None) -> Output:
         try:
             return self._advance(seq, row, prompt_stats)
         except Exception as e:  # noqa: BLE001 - one sequence's failure (a NaN row, a sampler bug) ends only it
             log.exception("choosing the next token of a sequence failed")
             return self._finish(seq, "error", Event(None, "", error=describe(e)))
 
-    def _advance(self, seq: SequenceState, row: Row, prompt_stats: TokenStats | None) -> Output:
+    def _advance(self, seq: SequenceState, row: Prediction, prompt_stats: TokenStats | None) -> Output:
         """Choose the next token from a row (its raw logits, or its greedy pick), and finish the sequence if done."""
         token = row.pick() if row.raw is None else choose(self._processed(seq, row.raw), seq.request.sampling,
                                                           seq.generator)
@@ -310,7 +333,7 @@ class Scheduler:
             processed[self.tokenizer.eot_id] = -math.inf
         return processed
 
-    def _verify(self, seq: SequenceState, seg: Segment, rows: list[Row]) -> list[Output]:
+    def _verify(self, seq: SequenceState, seg: Segment, rows: list[Prediction]) -> list[Output]:
         """A verify pass's rows for the next token and K drafts: the accepted drafts and one token of the target's
         own, each an Output (speculation.accept's rule; fewer where the sequence finishes first)."""
         draft, seq.draft = seq.draft, None
@@ -354,7 +377,7 @@ class Scheduler:
             seq.k = 1
         return min(seq.k, seq.request.max_new_tokens - len(seq.tokens) - 1)
 
-    def _emit(self, seq: SequenceState, token: int, row: Row, prompt_stats: TokenStats | None) -> Output:
+    def _emit(self, seq: SequenceState, token: int, row: Prediction, prompt_stats: TokenStats | None) -> Output:
         """Record the chosen token (its row for the logprobs) and finish the sequence if done."""
         r, eot, raw, lse = seq.request, self.tokenizer.eot_id, row.raw, row.lse
         logprob = (row.logit if raw is None else float(raw[token])) - lse
@@ -381,10 +404,12 @@ class Scheduler:
             return self._finish(seq, "length", event)
         event.text = seq.detok.ready()
         seq.next_token = token
-        return seq, event
+        return seq.ref, event
 
 
 def describe(error: BaseException) -> str:
     """An exception as one line: its type and its first 300 characters."""
     text = " ".join(str(error).split())[:300]
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+# Next: runtime/runner.py, which executes a Plan's passes and prefills on the weights and the KV cache.

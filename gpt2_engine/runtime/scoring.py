@@ -21,7 +21,8 @@ import torch
 from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, residual_stream
-from ..interp.steering import Steering, batch_tap, check_scoring, check_steering
+from ..interp.spec import Steering, check_steering
+from ..interp.steering import batch_tap, check_scoring
 from ..core.weights import GPT2Weights
 from .plan import TokenStats
 from .prefix import PrefixCache, prefill

@@ -32,7 +32,8 @@ from ..runtime.plan import Event
 from ..runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache
 from ..runtime.requests import Request
 from ..runtime.runner import ModelRunner
-from ..runtime.scheduler import Output, Scheduler, describe
+from ..runtime.plan import Output
+from ..runtime.scheduler import Scheduler, describe
 from ..runtime.speculation import SERVE_MAX_RUNNING, SERVE_SETTLE_TOKENS
 from .metrics import Metrics
 
@@ -192,8 +193,8 @@ class AsyncEngine:
     def _deliver(self, outputs: list[Output]) -> None:
         """Metrics, then each event into its handler's queue."""
         m = self.metrics
-        for seq, event in outputs:
-            handle, i, now = seq.tag, seq.index, time.perf_counter()
+        for ref, event in outputs:
+            handle, i, now = ref.tag, ref.index, time.perf_counter()
             if i not in handle.last_token_at:  # the sequence's first event: it left the waiting queue
                 with self.lock:
                     self.queued -= 1
@@ -210,10 +211,10 @@ class AsyncEngine:
                 m.generation_tokens.inc()
             if event.finish_reason is not None:
                 m.requests_finished.labels(event.finish_reason).inc()
-                if seq.verified:
-                    m.draft_tokens.inc(seq.drafted)
-                    m.accepted_tokens.inc(seq.accepted)
-                    m.verify_passes.inc(seq.verified)
+                if (done := event.done) is not None and done.verified:
+                    m.draft_tokens.inc(done.drafted)
+                    m.accepted_tokens.inc(done.accepted)
+                    m.verify_passes.inc(done.verified)
                 handle.finished.add(i)
                 with self.lock:
                     self.held -= 1

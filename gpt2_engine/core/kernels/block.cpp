@@ -446,3 +446,6 @@ void bind_row_block(py::module& m) {
   m.def("gelu", &gelu, "GPT-2's GELU (tanh form) of a float32 tensor, into out where given (block.cpp)", py::arg("x"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
+
+// The end of the engine's reading path (greedy.py -> loop.py -> scheduler.py -> runner.py -> here). The kernels these
+// calls use: decode.cpp (float32/bfloat16 projections and the head), quant.cpp (int8/int4), attention.cpp.

@@ -1,0 +1,63 @@
+"""Steering vectors' files: one vector from a .pt / .pth (a tensor, or a dict holding one; read with weights_only,
+so no code runs), .safetensors (one tensor) or .npy file (allow_pickle off)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.errors import SteeringError
+
+VECTOR_SUFFIXES = (".pt", ".pth", ".safetensors", ".npy")
+
+
+def read_vector(path: str | Path) -> torch.Tensor:
+    """One vector from a .pt / .pth (a tensor, or a dict holding one; weights_only, so no code runs), .safetensors
+    (one tensor) or .npy file (allow_pickle off)."""
+    p = Path(path)
+    if p.suffix not in VECTOR_SUFFIXES:
+        raise SteeringError(f"steering vector {path}: expected a {', '.join(VECTOR_SUFFIXES)} file")
+    if not p.is_file():
+        raise SteeringError(f"steering vector {path}: no such file")
+    try:
+        if p.suffix == ".npy":
+            found: Any = np.load(p, allow_pickle=False)
+        elif p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            found = load_file(p)
+        else:
+            found = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line naming it
+        raise SteeringError(f"steering vector {path}: not a readable {p.suffix} file ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:160]})") from None
+    if isinstance(found, Mapping):
+        tensors = {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
+        if len(tensors) != 1:
+            raise SteeringError(f"steering vector {path}: expected one tensor, found {len(tensors)} "
+                                f"({', '.join(list(tensors)[:5]) or 'none'})")
+        found = next(iter(tensors.values()))
+    return as_vector(found, f"steering vector {path}")
+
+
+def as_vector(v: Any, what: str) -> torch.Tensor:
+    """A float32 tensor from a tensor, an array or a list; one-line errors for anything else."""
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+    elif isinstance(v, (np.ndarray, list, tuple)):
+        try:
+            t = torch.as_tensor(np.asarray(v, dtype=np.float32))
+        except (TypeError, ValueError):
+            raise SteeringError(f"{what}: expected numbers, got {type(v).__name__} that is not numeric") from None
+    else:
+        raise SteeringError(f"{what}: expected a tensor, an array or a list of numbers, got {type(v).__name__}")
+    if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
+        raise SteeringError(f"{what}: expected floating-point values, got {t.dtype}")
+    t = t.float().contiguous()
+    if t.numel() == 0 or not bool(torch.isfinite(t).all()):
+        raise SteeringError(f"{what}: expected finite values, got {'nothing' if t.numel() == 0 else 'inf or nan'}")
+    return t
