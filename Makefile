@@ -29,10 +29,11 @@ $(STAMP): pyproject.toml
 test: install fixtures
 	$(PY) -m pytest
 
-# The inner loop: everything but the tests marked slow (the serving soak, lm-eval, Ray, the browser, the training
-# runs killed and resumed, the full-size parity sweeps); see the README's Tests section.
-test-fast: install fixtures
-	$(PY) -m pytest -m "not slow"
+# The inner loop: the unit tier, on random checkpoints written in seconds (no trained one is built), without the
+# tests marked slow (the serving soak, lm-eval, Ray, the browser, the training runs killed and resumed, the long
+# parity sweeps); see the README's Tests section.
+test-fast: install
+	$(PY) -m pytest -m "not slow and not trained"
 
 weights: install
 	$(PY) scripts/download_weights.py --dest $(or $(WEIGHTS),weights) $(ARGS)

@@ -92,12 +92,12 @@ def _translate(e: Exception, repo_id: str, revision: str, dest: Path, filename: 
     )
 
     where = f"{repo_id}@{revision}"
-    if isinstance(e, GatedRepoError):
-        return DownloadError(f"{where} is gated: accept its terms on the Hub and log in (huggingface-cli login)")
-    if isinstance(e, RepositoryNotFoundError):
-        return DownloadError(f"repository {repo_id} not found on {_endpoint()} (or it is private: log in first)")
-    if isinstance(e, RevisionNotFoundError):
-        return DownloadError(f"revision {revision!r} not found in {repo_id}")
+    hub = [(GatedRepoError, f"{where} is gated: accept its terms on the Hub and log in (huggingface-cli login)"),
+           (RepositoryNotFoundError, f"repository {repo_id} not found on {_endpoint()} (or it is private: log in first)"),
+           (RevisionNotFoundError, f"revision {revision!r} not found in {repo_id}")]
+    for kind, message in hub:
+        if isinstance(e, kind):
+            return DownloadError(message)
     if isinstance(e, EntryNotFoundError) and not isinstance(e, LocalEntryNotFoundError):
         return DownloadError(f"file {filename} not found in {where}")
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:

@@ -315,14 +315,24 @@ def test_speculation_under_steering_equals_plain_steered_decoding(drafter, train
             assert run.stats.drafted > 0
 
 
-def test_the_int4_drafter_is_steered_too(trained_model) -> None:
-    """A self-drafter runs the sequence's steering, so under a strong steering it keeps agreeing with the target."""
+def test_the_int4_drafter_is_steered_too(trained_model, trained_dir) -> None:
+    """A self-drafter runs the sequence's steering: its drafts are the int4 model's own steered greedy continuation
+    (what keeps it agreeing with a steered target), not the unsteered one."""
+    from gpt2_engine.runtime.plan import DraftAsk
+
     s = Steering("blocks.1.hook_resid_pre", direction(trained_model, " file"), 4.0)
     ids = trained_model.tokenizer.encode(PROMPTS[0])
-    run = trained_model.generation([ids], max_new_tokens=32, temperature=0, steering=[s], speculate="int4",
-                                   draft_tokens=4)
-    run.run()
-    assert run.stats.acceptance_rate >= 0.6
+    drafter = trained_model.speculation("int4").drafter(1, len(ids) + 8)
+    greedy = SamplingParams(temperature=0)
+
+    def drafts(steering: tuple) -> list[int]:
+        ask = DraftAsk(0, ids, 8, greedy, torch.Generator(), (), steering, len(ids))
+        return drafter.propose([ask])[0].tokens
+
+    int4 = GPT2.from_pretrained(trained_dir, quantize="int4")
+    steered = int4.generate_ids(ids, max_new_tokens=8, temperature=0, steering=[s], ignore_eos=True)
+    assert drafts((s,)) == steered
+    assert drafts(()) == int4.generate_ids(ids, max_new_tokens=8, temperature=0, ignore_eos=True) != steered
 
 
 @pytest.mark.parametrize("variant", [{"dtype": "bfloat16"}, {"quantize": "int8"}, {"quantize": "int4"}])

@@ -172,31 +172,30 @@ def _build(vocab_path: Path, merges_path: Path) -> Tokenizer:
     return Tokenizer(encoding, vocab_path.parent)
 
 
-def _mergeable_ranks(encoder: dict[str, int], merges: str, *, check: bool, where: Path) -> dict[bytes, int]:
-    """tiktoken's ranks from OpenAI's "data gym" files: 256 byte tokens, then one token per merge, in order.
-
-    The data gym files spell bytes as printable characters: printable Latin-1 bytes stand for themselves and the
-    other 68 bytes are shifted to chr(256 + n). The merge ranks must reproduce vocab.json exactly (checked for
-    files that are not the official ones, whose hash already vouches for them).
-    """
+def data_gym_bytes() -> dict[str, int]:
+    """OpenAI's "data gym" spelling of bytes as printable characters: printable Latin-1 bytes stand for themselves
+    and the other 68 bytes are shifted to chr(256 + n); the byte tokens' ranks follow the same order."""
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    rank_to_byte = printable + [b for b in range(256) if b not in printable]
-    char_to_byte = {chr(b): b for b in printable}
-    char_to_byte.update({chr(256 + n): b for n, b in enumerate(rank_to_byte[len(printable) :])})
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(rest)}}
+
+
+def _mergeable_ranks(encoder: dict[str, int], merges: str, *, check: bool, where: Path) -> dict[bytes, int]:
+    """tiktoken's ranks from OpenAI's "data gym" files: 256 byte tokens, then one token per merge, in order. The merge
+    ranks must reproduce vocab.json exactly (checked for files that are not the official ones, whose hash already
+    vouches for them)."""
+    char_to_byte = data_gym_bytes()
 
     def to_bytes(token: str) -> bytes:
         return bytes(char_to_byte[ch] for ch in token)
 
-    ranks = {bytes([b]): i for i, b in enumerate(rank_to_byte)}
+    ranks = {bytes([b]): i for i, b in enumerate(char_to_byte.values())}
     try:
-        for line in merges.split("\n")[1:]:  # the first line is a "#version" header
-            if line:
-                first, second = line.split()
-                ranks[to_bytes(first) + to_bytes(second)] = len(ranks)
-        if check:
-            decoded = {to_bytes(k): v for k, v in encoder.items() if k not in (ENDOFTEXT, "<|startoftext|>")}
-            if decoded != ranks:
-                raise ValueError("vocab and merges disagree")
+        for line in filter(None, merges.split("\n")[1:]):  # the first line is a "#version" header
+            first, second = line.split()
+            ranks[to_bytes(first) + to_bytes(second)] = len(ranks)
+        if check and {to_bytes(k): v for k, v in encoder.items() if k not in (ENDOFTEXT, "<|startoftext|>")} != ranks:
+            raise ValueError("vocab and merges disagree")
     except (KeyError, ValueError) as e:
         raise TokenizerError(f"{where}: vocab and merges files do not form a GPT-2 BPE ({e})") from None
     return ranks

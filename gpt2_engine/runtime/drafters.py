@@ -90,24 +90,7 @@ class ModelDrafter:
         tokens: list[list[int]] = [[] for _ in asks]
         qs: list[list[torch.Tensor]] = [[] for _ in asks]
         try:
-            segments, rows = [], []  # the first pass: each slot caught up to its context
-            for i, ask in enumerate(asks):
-                steering = ask.steering if self.steers else ()
-                fed = self.fed[ask.slot] if self.steered[ask.slot] == steering else []
-                same = common_prefix(fed, ask.context)
-                start = min(same, len(ask.context) - 1)  # at least the last token, for its logits
-                self.fed[ask.slot], self.steered[ask.slot] = list(ask.context), steering
-                if start == 0 and len(ask.context) > 1:  # a new sequence: its prompt as a prefill of its own
-                    logits = self.runner.prefill(ask.slot, ask.context, steering=steering,
-                                                 prompt_len=ask.prompt_len).logits
-                    self._draw(ask, logits, tokens[i], qs[i])
-                else:
-                    segments.append(Segment(ask.slot, start, ask.context[start:], steering=steering,
-                                            prompt_len=ask.prompt_len))
-                    rows.append(i)
-            if segments:
-                for i, row in zip(rows, self.runner.run(segments)):
-                    self._draw(asks[i], row, tokens[i], qs[i])
+            self._catch_up(asks, tokens, qs)
             while live := [i for i, ask in enumerate(asks) if len(tokens[i]) < ask.k]:
                 segments = [Segment(asks[i].slot, len(self.fed[asks[i].slot]), [tokens[i][-1]],
                                     steering=self.steered[asks[i].slot], prompt_len=asks[i].prompt_len) for i in live]
@@ -120,6 +103,26 @@ class ModelDrafter:
                 self.fed[ask.slot] = []
             raise
         return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+    def _catch_up(self, asks: list[DraftAsk], tokens: list[list[int]], qs: list[list[torch.Tensor]]) -> None:
+        """The first pass: each slot fed what it has not fed of its context (after a rejection, from the first token
+        that differs; a new sequence's prompt as a prefill of its own), and each ask's first draft token drawn."""
+        segments, rows = [], []
+        for i, ask in enumerate(asks):
+            steering = ask.steering if self.steers else ()
+            fed = self.fed[ask.slot] if self.steered[ask.slot] == steering else []
+            start = min(common_prefix(fed, ask.context), len(ask.context) - 1)  # at least the last token, for its logits
+            self.fed[ask.slot], self.steered[ask.slot] = list(ask.context), steering
+            if start == 0 and len(ask.context) > 1:
+                logits = self.runner.prefill(ask.slot, ask.context, steering=steering, prompt_len=ask.prompt_len).logits
+                self._draw(ask, logits, tokens[i], qs[i])
+            else:
+                segments.append(Segment(ask.slot, start, ask.context[start:], steering=steering,
+                                        prompt_len=ask.prompt_len))
+                rows.append(i)
+        if segments:
+            for i, row in zip(rows, self.runner.run(segments)):
+                self._draw(asks[i], row, tokens[i], qs[i])
 
     @staticmethod
     def _draw(ask: DraftAsk, logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor]) -> None:

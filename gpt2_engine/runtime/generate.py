@@ -94,12 +94,7 @@ class Generation:
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         reqs = self.batch.requests
-        max_len = max(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in reqs)
-        spec, slots = self.speculation, min(len(reqs), self.slots or len(reqs))
-        loop = EngineLoop(Scheduler(self.config, self.tokenizer, slots=slots, max_len=max_len,
-                                   speculation=None if spec is None else spec.policy),
-                          ModelRunner(self.weights, self.config, slots=slots, max_len=max_len),
-                          None if spec is None else spec.drafter(slots, max_len))
+        loop = self._loop()
         loop.submit(reqs, tag=None)
         loop.intake()
         logprobs: list[list[float]] = [[] for _ in reqs]
@@ -117,13 +112,26 @@ class Generation:
                     if e.token is not None and e.token != self.tokenizer.eot_id:
                         logprobs[b].append(e.logprob)
                         self.stats.new_tokens += 1
-                    finish[b] = e.finish_reason or finish[b]
-                    done[b] = e.done or done[b]
+                    finish[b], done[b] = e.finish_reason or finish[b], e.done or done[b]
                     if e.text:
                         yield b, e.text
             if first:  # the first step prefills every sequence that has a slot and chooses its first token
                 self.stats.prefill_seconds, t0, first = time.perf_counter() - t0, time.perf_counter(), False
         self.stats.decode_seconds = time.perf_counter() - t0
+        self._finish(done, logprobs, finish)
+
+    def _loop(self) -> EngineLoop:
+        """An engine loop of its own for this run: a slot per sequence (or `slots`), caches as long as it needs."""
+        reqs = self.batch.requests
+        max_len = max(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in reqs)
+        spec, slots = self.speculation, min(len(reqs), self.slots or len(reqs))
+        return EngineLoop(Scheduler(self.config, self.tokenizer, slots=slots, max_len=max_len,
+                                    speculation=None if spec is None else spec.policy),
+                          ModelRunner(self.weights, self.config, slots=slots, max_len=max_len),
+                          None if spec is None else spec.drafter(slots, max_len))
+
+    def _finish(self, done: list[Finished], logprobs: list[list[float]], finish: list[str]) -> None:
+        """The completions, and the speculation counts of the stats, from each sequence's Finished summary."""
         st = self.stats
         st.drafted, st.accepted = sum(d.drafted for d in done), sum(d.accepted for d in done)
         st.verify_passes = sum(d.verified for d in done)

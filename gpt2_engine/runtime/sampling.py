@@ -11,7 +11,9 @@ from the torch.Generator the caller passes in.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +21,26 @@ import torch
 from ..core.errors import GenerationError
 
 MAX_TEMPERATURE = 2  # OpenAI's bound; GPT-2's text past it is noise
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float))
+
+
+def penalty(v: Any) -> bool:
+    return is_number(v) and -2 <= v <= 2
+
+
+# SamplingParams' fields: (name, whether a value is allowed, what the error says it must be)
+CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("temperature", lambda v: is_number(v) and 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE}] (0 is greedy)"),
+    ("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 disables it)"),
+    ("top_p", lambda v: is_number(v) and 0 < v <= 1, "in (0, 1] (1 disables it)"),
+    ("repetition_penalty", lambda v: is_number(v) and math.isfinite(v) and v > 0,
+     "a finite number > 0 (1 disables it)"),
+    ("presence_penalty", penalty, "a number in [-2, 2]"),
+    ("frequency_penalty", penalty, "a number in [-2, 2]"),
+)
 
 
 @dataclass(frozen=True)
@@ -34,23 +56,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the raw logits
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise GenerationError(f"temperature must be in [0, {MAX_TEMPERATURE}] (0 is greedy), got {self.temperature!r}",
-                                  param="temperature")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise GenerationError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", param="top_k")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}", param="top_p")
-        rp = self.repetition_penalty
-        if not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
-            raise GenerationError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {rp!r}",
-                                  param="repetition_penalty")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name, allowed, must in CHECKS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not -2 <= value <= 2:
-                raise GenerationError(f"{name} must be a number in [-2, 2], got {value!r}", param=name)
+            if not allowed(value):
+                raise GenerationError(f"{name} must be {must}, got {value!r}", param=name)
         for token, bias in self.logit_bias:
-            if not isinstance(token, int) or token < 0 or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            if not isinstance(token, int) or token < 0 or not is_number(bias) or not -100 <= bias <= 100:
                 raise GenerationError(f"logit_bias must map token ids to numbers in [-100, 100], got {token!r}: {bias!r}",
                                       param="logit_bias")
 

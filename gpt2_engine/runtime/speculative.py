@@ -17,7 +17,7 @@ share it (runner.py): the target's verify pass gives each row the logits decodin
     n = len(prompt) + 64 - 1  # positions: the last new token is never fed back
     target = ModelRunner(model.weights, model.config, slots=1, max_len=n)
     draft = ModelRunner(quantize_weights(model.weights, "int4"), model.config, slots=1, max_len=n)
-    ids = speculative_greedy(target, draft, prompt, 64)
+    ids = speculative_greedy(target, draft, prompt, 64, eot=model.tokenizer.eot_id)
 """
 
 from __future__ import annotations
@@ -35,16 +35,17 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 @torch.inference_mode()
 def speculative_greedy(target: ModelRunner, draft: ModelRunner, prompt: list[int], max_new_tokens: int,
-                       k: int = 4) -> list[int]:
-    """The target's greedy continuation of `prompt` (max_new_tokens ids, <|endoftext|> not special), drafted k tokens
-    at a time by `draft`. Both runners' slot 0 must hold len(prompt) + max_new_tokens - 1 positions."""
+                       k: int = 4, eot: int | None = None) -> list[int]:
+    """The target's greedy continuation of `prompt`: up to max_new_tokens ids, ending before `eot` if it comes (as
+    greedy.py), drafted k tokens at a time by `draft`. Both runners' slot 0 must hold len(prompt) + max_new_tokens - 1
+    positions."""
     if not prompt or max_new_tokens < 1 or k < 1:
         raise ValueError(f"speculative_greedy: a prompt, max_new_tokens >= 1 and k >= 1, got {len(prompt)} tokens, "
                          f"max_new_tokens {max_new_tokens}, k {k}")
     out = argmax_rows(target.run([Segment(0, 0, prompt)]))  # the first token, from the prompt's last row
     draft.run([Segment(0, 0, prompt)])  # the draft model's cache holds the prompt too
     pos = len(prompt)  # where out[-1] goes: fed to neither model yet
-    while len(out) < max_new_tokens:
+    while len(out) < max_new_tokens and eot not in out:
         # draft: up to k tokens, each fed back to the draft model in its own pass; never one past the last token
         # asked for, whose row would be fed only to give a token that is not wanted (as the scheduler's limit)
         guesses, token = [], out[-1]
@@ -61,4 +62,4 @@ def speculative_greedy(target: ModelRunner, draft: ModelRunner, prompt: list[int
         if guesses and n == len(guesses):  # all kept: the draft model has not fed its last guess yet
             draft.run([Segment(0, pos + n, [guesses[-1]])])
         pos += n + 1  # keys and values past pos in either cache are stale and get overwritten
-    return out
+    return out[: out.index(eot)] if eot in out else out
