@@ -1,11 +1,12 @@
 """The build at first use: the fallback where the module built at install is missing or cannot be used (a checkout
-run without installing it, another torch). torch's cpp_extension compiles the sources with ninja into torch's
-extension cache, under a lock that dies with the process that holds it.
+run without installing it, its kernel sources edited since, another torch). torch's cpp_extension compiles the
+sources with ninja into torch's extension cache, under a lock that dies with the process that holds it.
 
 Why a lock of our own: torch guards a build with a `lock` file (FileBaton) that only the builder removes, so a build
-killed mid-way leaves it behind and every later process waited on it forever. Here each build first takes an flock on
-a file in the build directory, which the kernel drops when its holder ends however it ends; whoever holds it knows no
-other build runs there, so a torch `lock` file it finds was left by a killed build and goes, with one line.
+killed mid-way leaves it behind, and torch's `load` waits on it forever in every later process. Here each build takes
+an flock on a file in the build directory first, which the kernel drops when its holder ends however it ends; whoever
+holds it knows no other build runs there, so a torch `lock` file it finds was left by a killed build and goes, with
+one line.
 """
 
 from __future__ import annotations
