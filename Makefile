@@ -20,12 +20,13 @@ install: $(STAMP)
 # The CPU build of torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build. The package is
 # then built against it (--no-build-isolation: an isolated build environment would hold another torch, or none),
 # which compiles the native kernels into gpt2_engine/core/kernels/ (setup.py; ninja from the venv runs the compiles
-# side by side), so that no command compiles them on first use. Edited kernel sources rebuild them here.
+# side by side; numpy spares torch's warning at the build's import), so that no command compiles them on first use.
+# Edited kernel sources rebuild them here.
 KERNELS := setup.py gpt2_engine/core/kernels/sources.py $(wildcard gpt2_engine/core/kernels/*.cpp)
 $(STAMP): pyproject.toml $(KERNELS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools
-	$(PY) -m pip install --quiet torch==2.13.0 ninja
+	$(PY) -m pip install --quiet torch==2.13.0 ninja numpy
 	@echo "make: installing gpt2-engine and compiling its native kernels (a few minutes) ..."
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $@
