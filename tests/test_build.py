@@ -41,7 +41,7 @@ PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create
 """
 # the fallback's build, as decode_kernels() calls it, of the source named on the command line
 BUILD = ("import sys; from pathlib import Path; from gpt2_engine.core.kernels import jit; "
-         "print(jit.build('tiny', [Path(sys.argv[1])], [], []).answer())")
+         "print(jit.build('tiny', [Path(sys.argv[1])], [], [], what='tiny.cpp').answer())")
 
 
 def installed_from() -> Path | None:
@@ -87,8 +87,7 @@ def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
 def build_lines(directory: Path, stale: bool) -> list[str]:
     """What the fallback says when it builds into `directory`: the stale lock it cleared, then that it builds."""
     removed = f"gpt2-engine: removed {directory / 'lock'}, left by a build of the native kernels that was killed"
-    building = "gpt2-engine: building the native kernels, once for this checkout (a minute or two) ..."
-    return [removed] * stale + [building]
+    return [removed] * stale + ["gpt2-engine: building tiny.cpp ..."]
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared_with_one_line(tiny: tuple[Path, Path]) -> None:

@@ -122,7 +122,8 @@ def decode_kernels() -> ModuleType | None:
     if why:
         print(f"gpt2-engine: warning: {why}; building them from the sources instead", file=sys.stderr, flush=True)
     try:
-        return jit.build("gpt2_engine_kernels", [HERE / name for name in SOURCES], CFLAGS, LDFLAGS)
+        return jit.build("gpt2_engine_kernels", [HERE / name for name in SOURCES], CFLAGS, LDFLAGS,
+                         what="the native kernels, once for this checkout (a minute or two)")
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]
         print(f"gpt2-engine: warning: the native kernels could not be built ({reason}); the model runs on torch's "

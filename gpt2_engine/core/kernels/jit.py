@@ -65,16 +65,16 @@ def builder_lock(directory: Path) -> Iterator[None]:
         yield  # closing the file at the end drops the flock
 
 
-def build(prefix: str, sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str]) -> ModuleType:
-    """The module built from `sources` in torch's extension cache (compiled now where it is missing or out of date,
-    saying so in one line), imported."""
+def build(prefix: str, sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str], *,
+          what: str) -> ModuleType:
+    """The module built from `sources` in torch's extension cache, imported; where it is not there yet, one line says
+    that `what` is being built."""
     from torch.utils.cpp_extension import load
 
     name = cache_name(prefix, sources)
     directory = build_directory(name)
     with builder_lock(directory):
         if not (directory / f"{name}.so").exists():
-            print("gpt2-engine: building the native kernels, once for this checkout (a minute or two) ...",
-                  file=sys.stderr, flush=True)
+            print(f"gpt2-engine: building {what} ...", file=sys.stderr, flush=True)
         return load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
                     extra_ldflags=list(ldflags), build_directory=str(directory), verbose=False)
