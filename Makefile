@@ -17,12 +17,18 @@ export PROMPT
 
 install: $(STAMP)
 
-# The CPU build of torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# The CPU build of torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build. The package is
+# then built against it (--no-build-isolation: an isolated build environment would hold another torch, or none),
+# which compiles the native kernels into gpt2_engine/core/kernels/ (setup.py; ninja from the venv runs the compiles
+# side by side; numpy spares torch's warning at the build's import), so that no command compiles them on first use.
+# Edited kernel sources rebuild them here.
+KERNELS := setup.py gpt2_engine/core/kernels/sources.py $(wildcard gpt2_engine/core/kernels/*.cpp)
+$(STAMP): pyproject.toml $(KERNELS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --upgrade pip setuptools
+	$(PY) -m pip install --quiet torch==2.13.0 ninja numpy
+	@echo "make: installing gpt2-engine and compiling its native kernels (a few minutes) ..."
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $@
 
 # The whole suite, as CI runs it. The test checkpoints are built first, outside pytest, so that their progress shows.
@@ -107,5 +113,5 @@ fixtures: install
 	@$(PY) scripts/fixtures.py small trained induction saes
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench-results *.egg-info .cache
+	rm -rf $(VENV) .pytest_cache bench-results *.egg-info .cache build gpt2_engine/core/kernels/_native*.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

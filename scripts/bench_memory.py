@@ -15,7 +15,6 @@ the rate a decode step that reads each weight once could reach on these threads.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
-from gpt2_engine.core.kernels import cpu  # noqa: E402
+from gpt2_engine.core.kernels import cpu, jit  # noqa: E402
 from gpt2_engine.core.pages import huge_pages_available, move_to_huge_pages  # noqa: E402
 
 AHEAD = (0, 512, 2048, 8192)  # prefetch distances, bytes
@@ -46,12 +45,10 @@ class Ceiling:
 
 
 def kernel():
-    from torch.utils.cpp_extension import load
-
-    source = SCRIPTS / "memory_read.cpp"
-    name = "gpt2_engine_memory_read_" + hashlib.sha1(source.read_bytes()).hexdigest()[:10]
-    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                verbose=False)
+    """memory_read.cpp, built at first use as the engine's fallback builds its kernels (never waiting on the lock of a
+    killed build)."""
+    return jit.build("gpt2_engine_memory_read", [SCRIPTS / "memory_read.cpp"], ["-O3", "-fopenmp"], ["-fopenmp"],
+                     what="the memory read kernel (scripts/memory_read.cpp)")
 
 
 def buffer(gib: float, huge: bool = False) -> torch.Tensor:

@@ -5,21 +5,26 @@ quant.cpp the blockwise int8/int6/int4 matmul with integer dot products; attenti
 over many cache slots, and a prompt's causal attention; block.cpp a whole block (and the final layer norm with the
 head) of a decode-sized pass as one call on those kernels, and each row's greedy pick (argmax and logsumexp) the
 sampler reads; training.cpp the optimizer's one-pass AdamW update; lora.cpp the per-row LoRA term of multi-adapter
-passes (see their headers); module.cpp binds them all as one Python module. All are compiled on first use, as one
-module, by torch's cpp_extension (with ninja) into torch's extension cache, and loaded from there afterwards. The pure-torch paths in projection.py stay the reference and the fallback: if the
-build fails, one warning line says so and the model runs on torch's kernels (correct; float32 decoding is then not
-batch-invariant, and the quantized reference is slow).
+passes (see their headers); module.cpp binds them all as one Python module. sources.py lists them with their
+compiler flags. They are built at install (setup.py, by torch's cpp_extension) into this package's extension module
+`_native`, which decode_kernels() imports; where that module is missing (a checkout run without installing it) or
+cannot be used (built for another torch, or from other sources than those here), one line says why and jit.py builds
+the same sources at first use into torch's extension cache. The pure-torch paths in projection.py stay the reference
+and the fallback: if no module can be had, one warning line says so and the model runs on torch's kernels (correct;
+float32 decoding is then not batch-invariant, and the quantized reference is slow).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
+import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from . import jit
+from .sources import CFLAGS, LDFLAGS, MODULE, SOURCES, build_id
 
 HERE = Path(__file__).resolve().parent
 # what running without the native kernels means, said in the one warning line
@@ -84,31 +89,41 @@ def cpu() -> CPU:
                "amx_bf16" in flags and "amx_tile" in flags, {"avx512_vnni", "avx512bw"} <= flags, vendor)
 
 
+def installed() -> tuple[ModuleType | None, str | None]:
+    """The module built at install, or None and why it cannot be used (None where it is simply not there: a checkout
+    run without installing it). It is checked before it is imported: a module once imported stays, and its pybind11
+    classes would then clash with those of the build at first use."""
+    import torch  # the module links against torch's libraries (and its libgomp): they load first
+
+    spec = importlib.util.find_spec(MODULE)
+    if spec is None or spec.origin is None:
+        return None, None
+    # a wheel ships the sources beside the module, unchanged; edited in a checkout, or torch changed, the id differs
+    if all((HERE / name).exists() for name in SOURCES) and \
+            build_id(HERE, torch.__version__).encode() not in Path(spec.origin).read_bytes():
+        return None, f"{spec.origin} was built from other sources than those in {HERE} or against another torch"
+    try:
+        return importlib.import_module(MODULE), None
+    except (ImportError, OSError) as e:  # e.g. an undefined symbol
+        return None, f"the native kernels built at install do not load ({' '.join(str(e).split())[:200]})"
+
+
 @functools.cache
 def decode_kernels() -> ModuleType | None:
-    """The compiled decode.cpp, built on first use; None (after one warning line) where it cannot be built or run."""
+    """The native kernels: the module built at install, else the same sources built at first use; None (after one
+    warning line) where neither can be had or this CPU cannot run them."""
     if cpu().best_isa is None:
         print("gpt2-engine: warning: this CPU lacks AVX2, FMA or F16C; the model runs on torch's kernels "
               f"({FALLBACK})", file=sys.stderr)
         return None
+    native, why = installed()
+    if native is not None:
+        return native
+    if why:
+        print(f"gpt2-engine: warning: {why}; building them from the sources instead", file=sys.stderr, flush=True)
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
-
-        sources = [str(HERE / name) for name in ("decode.cpp", "quant.cpp", "attention.cpp", "block.cpp", "training.cpp",
-                                                 "lora.cpp", "module.cpp")]
-        # -fno-math-errno: sqrt never sets errno here, and without the flag the compiler keeps training.cpp's loop scalar
-        # -fopenmp: without it at::parallel_for compiles to a plain serial call (ATen/Parallel-inl.h), and every
-        # kernel ran on one thread. With it, the kernels' OpenMP calls bind to the libgomp.so.1 torch has already
-        # loaded (same soname), so they share torch's thread pool rather than start a second one.
-        # the name carries where these sources are: torch's extension cache is per user, and two checkouts under
-        # one name would rebuild over each other's module at every switch (~40 s each)
-        name = "gpt2_engine_decode_" + hashlib.sha1(str(HERE).encode()).hexdigest()[:10]
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())  # torch's own variable
-        if not any(root.glob(f"**/{name}/{name}.so")):  # torch keeps the module under root/[py311_cpu/]name/
-            print("gpt2-engine: building the native kernels, once for this checkout (a minute or two) ...",
-                  file=sys.stderr, flush=True)
-        return load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return jit.build("gpt2_engine_kernels", [HERE / name for name in SOURCES], CFLAGS, LDFLAGS,
+                         what="the native kernels, once for this checkout (a minute or two)")
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
         reason = " ".join(str(e).split())[:200]
         print(f"gpt2-engine: warning: the native kernels could not be built ({reason}); the model runs on torch's "

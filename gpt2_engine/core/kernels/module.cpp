@@ -54,4 +54,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   bind_row_block(m);
   m.def("adamw", &adamw, "one AdamW update of a float32 parameter in one pass (training.cpp)", release());
+
+  // The id of what a module built at install was built from (sources.py's build_id: the sources and the torch),
+  // passed by setup.py as a bare token and made a string here; kernels/__init__.py finds it in the file before it
+  // imports the module. A build at first use has none: torch rebuilds it when its sources change.
+#ifdef GPT2_ENGINE_BUILD
+#define GPT2_ENGINE_STR2(x) #x
+#define GPT2_ENGINE_STR(x) GPT2_ENGINE_STR2(x)
+  m.attr("build") = GPT2_ENGINE_STR(GPT2_ENGINE_BUILD);
+#endif
 }
