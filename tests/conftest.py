@@ -257,3 +257,12 @@ def gpt2_serve(*args: str, cwd: Path | None = None):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def trained_server(trained_dir: Path):
+    """One `gpt2 serve` on the trained checkpoint (127.0.0.1, 8 slots, 2 threads) for every test that needs a plain
+    server: started once for the session, stopped (SIGTERM, which must exit 0) at its end. Tests that need other
+    options start their own."""
+    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", "2") as (url, _):
+        yield url

@@ -10,12 +10,10 @@ import logging
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import gpt2_serve
 from test_serve import live
 
 from gpt2_engine import GPT2
@@ -33,9 +31,8 @@ RENDERED = ("Answers from the docs.\n\nUser: What does it return?\nAssistant: Th
 
 
 @pytest.fixture(scope="module")
-def server(trained_dir: Path) -> Iterator[str]:
-    with gpt2_serve("--weights", str(trained_dir), "--parallel", "4", "--threads", "2") as (url, _):
-        yield url
+def server(trained_server: str) -> str:
+    return trained_server  # the session's one server (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from conftest import SERVER_START, free_port, gpt2_serve, healthy, wait_for
+from conftest import SERVER_START, free_port, healthy, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
@@ -29,10 +29,8 @@ openai = pytest.importorskip("openai", reason="the openai client is part of the 
 
 
 @pytest.fixture(scope="module")
-def server(trained_dir: Path) -> Iterator[str]:
-    """`gpt2 serve` on the trained checkpoint, 127.0.0.1 only; stopped (SIGTERM) at the end."""
-    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", "2") as (url, _):
-        yield url
+def server(trained_server: str) -> str:
+    return trained_server  # the session's one server (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 import torch
-from conftest import gpt2_serve
 from test_serve import live
 
 from gpt2_engine import GPT2, Constraint, GenerationError
@@ -137,9 +135,8 @@ def test_gpt2_generate_flags(trained_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(trained_dir: Path) -> Iterator[str]:
-    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", "2") as (url, _):
-        yield url
+def server(trained_server: str) -> str:
+    return trained_server  # the session's one server (conftest.py)
 
 
 @pytest.fixture(scope="module")
