@@ -175,15 +175,15 @@ class Steering:
                                     f"that hook is {want} wide{' per head' if self.head is not None else ''}")
 
     def apply(self, a: torch.Tensor, weights: GPT2Weights, config: GPT2Config) -> torch.Tensor:
-        """The edited rows: a [n, *row] (hook_shape) -> [n, *row], in a's dtype."""
+        """The edited rows: a [n, *row] (hook_shape) -> [n, *row], in a's dtype, on a's device."""
         part = a if self.head is None else a[:, self.head]  # [n, hs] for one head
         if self.action == "project":
-            shifted = part if self.bias is None else part - self.bias.view(part.shape[1:])
-            d = self.vector.view(part.shape[1:])
+            shifted = part if self.bias is None else part - self.bias.to(a.device).view(part.shape[1:])
+            d = self.vector.to(a.device).view(part.shape[1:])
             proj = (shifted * d).flatten(1).sum(dim=-1).view(-1, *[1] * (part.dim() - 1))  # [n, 1...]
             edited = part + d * (self.value - proj)
         elif self.sae is None:  # a plain direction
-            edited = part + self.coef * self.vector.view(part.shape[1:])
+            edited = part + self.coef * self.vector.to(a.device).view(part.shape[1:])
         else:
             edited = part + self.sae_delta(a, weights, config)
         if self.head is None:
@@ -199,14 +199,16 @@ class Steering:
         affine = presentation(c, config, weights, a)
         p = affine.present(a.float())  # [n, *row]: as the SAE's TransformerLens model showed it
         if self.action == "add":
-            d = (self.coef * self.vector).expand(a.shape[0], -1)  # [n, d_in]
+            d = (self.coef * self.vector.to(a.device)).expand(a.shape[0], -1)  # [n, d_in]
         else:
             x = p[:, c.hook_head_index] if c.hook_head_index is not None else sae.flatten(p)  # [n, d_in]
             one = sae.select([self.feature])  # only this latent's encoder column, where that gives its exact value
-            f = (one.encode(x)[:, 0] if one is not None else sae.encode(x)[:, self.feature])  # [n]
-            d = (self.value - f)[:, None] * sae.W_dec[self.feature]  # [n, d_in]: the latent's change, decoded
+            # the SAE stays where it was loaded; on a GPU, only the one latent's column moves (topk reads them all)
+            f = (one.to(a.device).encode(x)[:, 0] if one is not None
+                 else sae.encode(x.to(sae.W_enc.device))[:, self.feature].to(a.device))  # [n]
+            d = (self.value - f)[:, None] * sae.W_dec[self.feature].to(a.device)  # [n, d_in]: its change, decoded
             if sae.dec_norm is not None:
-                d = d / sae.dec_norm[self.feature]
+                d = d / sae.dec_norm[self.feature].to(a.device)
             unnormalize = sae.normalize(x)[1]
             d = unnormalize(d) - unnormalize(torch.zeros_like(d))  # the SAE's input scale, its shift cancelled
         if c.hook_head_index is not None:
@@ -405,6 +407,7 @@ class SteeringTap:
         for g in self.groups:
             for s in g.steering:
                 if s.hook == name and len(sel := covered(s, g)):
+                    sel = sel.to(flat.device)
                     flat[sel] = s.apply(flat[sel], self.weights, self.config)
         return flat.view(x.shape)
 
