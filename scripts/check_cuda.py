@@ -41,6 +41,7 @@ import lzma
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -313,6 +314,21 @@ def check_graphs(table: Table, where: str, engine) -> None:
               worst <= 1e-6 and same)
 
 
+def check_inspect(table: Table, where: str, engine, cpu) -> None:
+    """gpt2 inspect's report (run_with_cache, the logit lens, attributions with gradients, head probes) on the
+    device: its target and log-probability against the CPU's."""
+    from gpt2_engine.inspect.report import build_report
+
+    got, want = build_report(engine, PROMPTS[4]), build_report(cpu, PROMPTS[4])
+    diff = abs(got["target"]["logprob"] - want["target"]["logprob"])
+    ig = max(abs(a - b) for a, b in zip(got["attribution"]["integrated_gradients"],
+                                         want["attribution"]["integrated_gradients"]))
+    ok = got["target"]["id"] == want["target"]["id"] and diff <= 1e-4 and ig <= 1e-3
+    table.add("gpt2 inspect's report vs the CPU's", where, f"same target, log p within {diff:.1e}, integrated "
+              f"gradients within {ig:.1e}" if got["target"]["id"] == want["target"]["id"] else "another target",
+              "same target, 1e-4, 1e-3", ok)
+
+
 def check_server(table: Table, directory: Path, cpu, device: str) -> None:
     """`gpt2 serve --device cuda` (127.0.0.1, a free port): greedy completions as the CPU engine makes them."""
     import socket
@@ -322,9 +338,10 @@ def check_server(table: Table, directory: Path, cpu, device: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a server that writes much must never block on it
     proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "serve", "--weights", str(directory), "--device",
-                             device, "--port", str(port), "--parallel", "4"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                             device, "--port", str(port), "--parallel", "4"], stdout=subprocess.DEVNULL, stderr=log,
+                            text=True, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -335,7 +352,8 @@ def check_server(table: Table, directory: Path, cpu, device: str) -> None:
             except httpx.TransportError:
                 time.sleep(0.2)  # polling the server's start, not timing anything
         if proc.poll() is not None:
-            raise RuntimeError(f"gpt2 serve exited {proc.returncode}: {proc.stderr.read()[-300:]}")
+            log.seek(0)
+            raise RuntimeError(f"gpt2 serve exited {proc.returncode}: {log.read()[-300:]}")
         got = [httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": p, "max_tokens": 24,
                                                                      "temperature": 0}).json()["choices"][0]["text"]
                for p in PROMPTS]
@@ -349,6 +367,8 @@ def check_server(table: Table, directory: Path, cpu, device: str) -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        log.close()
 
 
 # --- timing -----------------------------------------------------------------------------------------------------------
@@ -408,6 +428,7 @@ def gpu_fixture(table: Table, where: str, directory: Path, args: argparse.Namesp
     if trained and not args.quick:
         guarded(table, "gpt2 serve --device cuda vs the CPU engine", where,
                 lambda: check_server(table, directory, cpu, device))
+        guarded(table, "gpt2 inspect's report vs the CPU's", where, lambda: check_inspect(table, where, gpu, cpu))
 
 
 def cpu_checks(table: Table, args: argparse.Namespace) -> None:

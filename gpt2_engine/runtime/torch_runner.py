@@ -29,6 +29,7 @@ norms, linear(), every hook point); what it adds is where a pass's rows attend a
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -60,7 +61,8 @@ def slot_attention(x: torch.Tensor, blk: Block, n_head: int, k_cache: torch.Tens
     R, C = x.shape[1], x.shape[2]
     hs = C // n_head
     q, k, v = split_qkv(linear(x, blk.c_attn, adapters))  # 3 x [1, R, C]
-    q, k, v = (hooked(tap, f"attn.hook_{n}", t.view(1, R, n_head, hs))[0] for n, t in zip("qkv", (q, k, v)))  # [R, nh, hs]
+    q, k, v = (hooked(tap, f"attn.hook_{n}", t.view(1, R, n_head, hs))[0]  # 3 x [R, nh, hs]
+               for n, t in zip("qkv", (q, k, v)))
     k_cache[slots, :, positions] = k.to(k_cache.dtype)  # row r's at (slots[r], :, positions[r])
     v_cache[slots, :, positions] = v.to(v_cache.dtype)
     S = mask.shape[-1]
@@ -125,15 +127,18 @@ class Step:
         self.run: Callable[[], tuple[torch.Tensor, torch.Tensor]] = functools.partial(step_logits, w, config, cache,
                                                                                       self.inputs, keys)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.device = device
         if pool is not None:
-            self.graph, self.out = capture(self.run, pool)
+            with torch.cuda.device(device):  # its streams and graph on the cache's GPU, whichever is current
+                self.graph, self.out = capture(self.run, pool)
 
     def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """inputs [5, rows] (on the host) -> (logits [rows, V], picks [3, rows]) on the device."""
         self.inputs.copy_(inputs)
         if self.graph is None:
             return self.run()
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         return self.out
 
 
@@ -148,7 +153,8 @@ def capture(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], pool: tuple
             run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: another thread's CUDA work (a caller of model(ids) beside a server's engine thread) is no error
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = run()
     return graph, out
 
@@ -162,23 +168,40 @@ class DeviceCache:
                  graphs: bool | None = None) -> None:
         self.cache = KVCache.allocate(config, slots + 1, max_len, dtype, device)
         self.slots = slots
-        self.free = list(range(slots))
+        self.free = list(range(slots))  # under `lending`
+        # slots given back, by a runner's finalizer, which may run inside any allocation (the cycle collector), even
+        # one of this thread's while it holds a lock: SimpleQueue.put takes none that a caller could hold
+        self.returned: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.lending = threading.Lock()
         self.steps: dict[tuple[int, int], Step] = {}  # by (rows, keys), made on a shape's first pass
         self.lock = threading.Lock()
         graphs = device.type == "cuda" if graphs is None else graphs
         self.pool = torch.cuda.graph_pool_handle() if graphs else None  # every step's graph draws on one pool
 
+    def free_slots(self) -> list[int]:
+        """The slots no runner holds, in order."""
+        with self.lending:
+            return list(self._collect())
+
     def borrow(self, n: int) -> list[int] | None:
         """n free slots, now taken; None where fewer are free."""
-        with self.lock:
-            if len(self.free) < n:
+        with self.lending:
+            free = self._collect()
+            if len(free) < n:
                 return None
-            taken, self.free = self.free[:n], self.free[n:]
+            taken, self.free = free[:n], free[n:]
             return taken
 
+    def _collect(self) -> list[int]:
+        """`free` with the slots given back since (hold `lending`)."""
+        while not self.returned.empty():
+            self.free.append(self.returned.get())
+        self.free.sort()
+        return self.free
+
     def give_back(self, slots: list[int]) -> None:
-        with self.lock:
-            self.free = sorted(self.free + slots)
+        for slot in slots:
+            self.returned.put(slot)
 
     def step(self, w: GPT2Weights, config: GPT2Config, rows: int, keys: int) -> Step:
         """The step of this shape (call it holding `lock`), captured on its first use: a graph per shape used."""
@@ -206,9 +229,7 @@ class TorchRunners:
 
     def __call__(self, weights: GPT2Weights, config: GPT2Config, slots: int, max_len: int | None = None,
                  prefix: PrefixCache | None = None) -> TorchRunner:
-        lent = None
-        if weights is self.weights and (max_len or config.n_positions) <= config.n_positions:
-            lent = self.lend(slots)
+        lent = self.lend(slots) if weights is self.weights else None
         return TorchRunner(weights, config, slots, max_len, prefix, lent=lent)
 
     def lend(self, n: int) -> tuple[DeviceCache, list[int]]:
