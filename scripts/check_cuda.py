@@ -9,7 +9,7 @@ On the GPU machine (torch with CUDA, transformers 5, Python 3.12, no network), f
 wheels and the packed trained fixture that scripts/cuda_wheels.sh writes into the git-ignored .whl/ and
 .cuda-fixtures/ carried along (27 MB; the full-size fixture is made there, in seconds):
 
-    run(command="pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python scripts/check_cuda.py --out $OUT",
+    run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH && python3 scripts/check_cuda.py --out $OUT",
         carry=[".whl", ".cuda-fixtures"], timeout_s=540)
 
 (sized to finish in about 5 minutes there, fixtures included; --quick leaves out the server and the full-size

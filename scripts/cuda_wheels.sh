@@ -5,7 +5,7 @@
 # takes longer than the check may run). Both folders are git-ignored; the GPU session carries them:
 #
 #     scripts/cuda_wheels.sh          # here, with network (PyPI), about 20 MB of wheels and a 16 MB fixture
-#     then on the GPU machine:        pip install --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#     then on the GPU machine:        python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #
 # (the whole command line is in scripts/check_cuda.py's docstring). matplotlib (gpt2 inspect's pictures), Ray and
 # lm-eval are left out: no check uses them.

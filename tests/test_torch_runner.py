@@ -28,10 +28,11 @@ from conftest import ROOT, cli, gpt2_serve
 from safetensors.torch import save_file
 
 from gpt2_engine import GPT2, SAE, Constraint, GPT2EngineError, GenerationError, LoraSettings, Steering
-from gpt2_engine.core.lora import LoraAdapter, new_adapter
-from gpt2_engine.formats.peft import save_adapter
+from gpt2_engine.core.lora import LoraAdapter, attach, new_adapter
+from gpt2_engine.formats.peft import load_adapter, save_adapter
 from gpt2_engine.core.projection import reduce_rows
 from gpt2_engine.runtime.plan import Segment
+from gpt2_engine.runtime.runner import ModelRunner
 from gpt2_engine.runtime.torch_runner import TorchRunner, picks
 
 PASS_TOL = 1e-5  # |torch runner - native| / max |logit| of a pass, and of a decode's logprobs (see the docstring)
@@ -238,6 +239,15 @@ def test_a_lora_adapter_and_structured_output_give_the_native_runners_ids(traine
     got = b.complete(PROMPTS[:3], max_new_tokens=12, temperature=0)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert want[0].token_ids != native.complete(PROMPTS[:1], max_new_tokens=12, temperature=0)[0].token_ids
+    # two adapters stacked on the base (gpt2 serve --lora), each row its own or none: the eager pass, block by block
+    ad = load_adapter(tmp_path / "ad", native.config)
+    other = LoraAdapter(settings, {k: -t if k.endswith("lora_B") else t for k, t in ad.tensors.items()})
+    stacked = [attach(m.weights, [ad, other]) for m in (native, on_torch)]
+    ids = [native.tokenizer.encode(p) for p in PROMPTS[:3]]
+    segments = [Segment(i, 0, p, adapter=i - 1) for i, p in enumerate(ids)]  # the base, adapter 0, adapter 1
+    la = ModelRunner(stacked[0], native.config, 3, 64).run(segments)
+    lb = on_torch.runner(stacked[1], native.config, 3, 64).run(segments)
+    assert relative(lb, la) <= PASS_TOL and torch.equal(lb.argmax(-1), la.argmax(-1))
     for constraint in (Constraint.choice(["yes", "no", "the default value"]), Constraint.regex(r"[a-z ]{4,24}\.")):
         got = on_torch.complete(PROMPTS[:3], max_new_tokens=16, temperature=0, constraint=constraint)
         want = native.complete(PROMPTS[:3], max_new_tokens=16, temperature=0, constraint=constraint)
