@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from gpt2_engine import GPT2, SAE, Constraint, GPT2EngineError, GenerationError, LoraSettings, Steering
 from gpt2_engine.core.lora import LoraAdapter, attach, new_adapter
 from gpt2_engine.formats.peft import load_adapter, save_adapter
-from gpt2_engine.core.projection import reduce_rows
+from gpt2_engine.core.projection import device_project, float32_out, reduce_rows
 from gpt2_engine.runtime.plan import Segment
 from gpt2_engine.runtime.runner import ModelRunner
 from gpt2_engine.runtime.torch_runner import TorchRunner, picks
@@ -79,6 +79,18 @@ def test_picks_on_the_device_are_reduce_rows(on_torch) -> None:
     assert [int(t) for t in tokens] == want[0] and tokens[1] == 7 and tokens[2] == tokens[3] == -1
     assert torch.allclose(torch.tensor(best), torch.tensor(want[1]), equal_nan=True)
     assert torch.allclose(torch.tensor(lse), torch.tensor(want[2]), equal_nan=True, rtol=1e-6)
+
+
+def test_a_half_width_projection_off_the_cpu_path() -> None:
+    """projection.device_project, which a GPU's projections take, on CPU tensors: without addmm's out_dtype (a CUDA
+    kernel) it rounds the activations to the weight's dtype, multiplies, and adds the float32 bias."""
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(5, 64, generator=g), torch.randn(64, 32, generator=g), torch.randn(32, generator=g)
+    assert not float32_out(torch.device("cpu"), torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float16):
+        want = (x.to(dtype) @ w.to(dtype)).float() + bias
+        assert torch.equal(device_project(x, w.to(dtype), bias), want)
+    assert torch.equal(device_project(x, w, bias), torch.addmm(bias, x, w))
 
 
 @pytest.mark.parametrize("fixture", ["trained_dir", "small_dir"])

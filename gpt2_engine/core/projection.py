@@ -15,8 +15,9 @@
                  fallback where the native kernels are missing, and what the tests hold the kernel to.
 Another device (the torch runner's GPU): torch's matmul in the weight's dtype (device_project); float32 with
                  TF32 as torch is set (off by default: IEEE float32), bfloat16 and float16 with the activations
-                 rounded to that dtype and float32 accumulation (cuBLAS), the output and the bias in float32. The native
-                 kernels are for CPU tensors only: every dispatch here checks the device first.
+                 rounded to that dtype and float32 accumulation (cuBLAS), the output and the bias in float32 (straight
+                 out of the GEMM where torch has addmm's out_dtype there). The native kernels are for CPU tensors
+                 only: every dispatch here checks the device first.
 LoRA adapters (weights.LoraStack on a Linear) add their low-rank term after the base projection, each row with its
 own adapter (lora_rows).
 Inputs that require grad (attribution in inspect/) take the torch path with the weights in float32, since the
@@ -25,6 +26,7 @@ native kernels have no autograd.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -135,8 +137,23 @@ def device_project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMa
         raise TypeError(f"project: a {type(w).__name__} has no kernel on {x2.device}; move plain matrices there")
     if w.dtype == torch.float32:
         return x2 @ w if bias is None else torch.addmm(bias, x2, w)
-    y = (x2.to(w.dtype) @ w).float()  # [M, N]: half-width inputs, float32 accumulation in cuBLAS
+    x = x2.to(w.dtype)  # [M, K]: half-width inputs, float32 accumulation in cuBLAS
+    if float32_out(x.device, w.dtype):  # the sums leave the GEMM in float32, the bias added there: one kernel
+        return torch.mm(x, w, out_dtype=torch.float32) if bias is None else torch.addmm(bias, x, w,
+                                                                                          out_dtype=torch.float32)
+    y = (x @ w).float()  # [M, N], rounded to the half-width dtype on the way out
     return y if bias is None else y + bias
+
+
+@functools.cache
+def float32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch multiplies `dtype` matrices into float32 outputs on `device` (addmm's out_dtype; CUDA, recent
+    torch), asked once per device and dtype on a 2 x 2 product."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        return torch.addmm(torch.zeros(2, device=device), a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def native_projection(p: Linear) -> tuple[list[torch.Tensor], int] | None:

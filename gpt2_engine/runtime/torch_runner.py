@@ -438,7 +438,7 @@ class TorchPass:
         inputs[3, :n], inputs[4, :n] = torch.tensor(plan.out_rows), torch.tensor(plan.banned)
         with dc.lock:
             lg, picked = dc.step(self.w, self.config, rows, keys)(inputs)
-            kept = lg[torch.tensor(keep, dtype=torch.long, device=device)].cpu()
+            kept = lg[torch.tensor(keep, device=device)].cpu() if keep else torch.empty(0, lg.shape[1])
             return kept, picked[:, :n].tolist()
 
 
