@@ -28,11 +28,13 @@ from .interp.spec import Steering, check_steering
 from .core.tokenizer import Tokenizer, load_tokenizer
 from .formats.hf import (CONFIG, find_weights_file, load_weights, weights_directory, weights_fingerprint,
                          weights_from_tensors)
-from .core.weights import GPT2Weights, panel_bytes
+from .core.weights import GPT2Weights, on_device, panel_bytes
 from .documents import expand_paths, read_documents
 from .runtime.constraints import Grammars
 from .runtime.drafters import Speculation, load_speculation
 from .runtime.generate import Completion, Generation, two_samples
+from .runtime.runner import ModelRunner
+from .runtime.torch_runner import TorchRunners
 from .runtime.requests import GenerationSettings, Prompt, encode_prompts
 from .runtime.sampling import SamplingParams
 from .runtime.scoring import Score, ScoreSettings, score_documents, token_logprobs
@@ -46,12 +48,17 @@ class GPT2:
 
     def __init__(self, config: GPT2Config, weights: GPT2Weights, tokenizer: Tokenizer, *, dtype: torch.dtype,
                  device: torch.device, quantize: str | None = None, lora: LoraAdapter | None = None,
-                 source: Path | None = None) -> None:
+                 source: Path | None = None, runner: str = "native") -> None:
         self.config = config
         self.weights = weights  # with `lora` attached, if given
         self.tokenizer = tokenizer
-        self.dtype = dtype  # of the weight matrices; activations, layer norms and the KV cache are float32
+        self.dtype = dtype  # of the weight matrices; activations and layer norms are float32 (the KV cache too but
+        # on the torch runner, where it takes the matrices' dtype: runtime/torch_runner.py)
         self.device = device
+        # what executes generation's and the server's passes: the native CPU runner, or the torch runner on `device`
+        # (its factory shares one device KV cache, and the steps captured on it, among the model's runs)
+        self.runner_kind = runner
+        self.runner: Callable[..., Any] = TorchRunners(weights, config) if runner == "torch" else ModelRunner
         self.quantize = quantize
         self.lora = lora
         self.source = source  # the checkpoint directory it was loaded from (None: built in memory)
@@ -61,7 +68,7 @@ class GPT2:
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
                         device: torch.device | str = "cpu", quantize: str | None = None,
-                        lora: str | Path | None = None, force: bool = False) -> GPT2:
+                        lora: str | Path | None = None, force: bool = False, runner: str | None = None) -> GPT2:
         """Load the official-format checkpoint in `directory` (config.json, weights, BPE files); "demo": the demo model;
         or a checkpoint file of nanoGPT (ckpt.pt) or llm.c (its model .bin), told apart by content, with GPT-2's BPE.
 
@@ -71,17 +78,24 @@ class GPT2:
         PEFT's format (from `gpt2 finetune --lora` or peft's save_pretrained), applied on top of these weights in
         whatever format they are (core/lora.py); an adapter that records another base than `directory` is an
         error unless `force`.
+
+        device="cuda" (or "cuda:N"): the model on an NVIDIA GPU, on the torch runner (runtime/torch_runner.py): the
+        weights moved there once, the KV cache and every activation there, float32, bfloat16 or float16 matrices
+        (dtype), decode steps replayed as CUDA graphs. runner: "native" (the CPU's default: the engine's own kernels)
+        or "torch" (the default on a GPU; on the CPU, the same runner the GPU runs, on torch's CPU kernels).
         """
         directory, _ = weights_directory(Path(directory))
-        dtype = parse_dtype(dtype)
+        device, runner = check_device(device, runner)
+        dtype = parse_dtype(dtype, runner)
         if quantize not in (None, *FORMATS):
             raise GPT2EngineError(f"quantize: expected None, 'int8' or 'int4', got {quantize!r}")
         if quantize and dtype != torch.float32:
             raise GPT2EngineError(f"quantize={quantize!r} quantizes the float32 weights; do not combine it with "
-                                  "dtype=bfloat16")
-        device = torch.device(device)
-        if device.type != "cpu":  # the int8 kernel, the cache and the sampling loop are written and tested for CPU
-            raise GPT2EngineError(f"device: only 'cpu' is supported, got {str(device)!r}")
+                                  f"dtype={str(dtype).removeprefix('torch.')}")
+        if quantize and runner == "torch":
+            raise GPT2EngineError(f"quantize={quantize!r} runs on the native CPU runner's int8/int4 kernels, which the "
+                                  f"torch runner (device={str(device)!r}) does not have; there, use "
+                                  "dtype='bfloat16' or 'float16'")
         converted = None
         if directory.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (formats/checkpoints.py), told by content
             config, converted = read_checkpoint(directory)
@@ -97,6 +111,17 @@ class GPT2:
             adapter = load_adapter(lora, config)
             if not force:
                 check_base(adapter, Path(lora), directory)
+        if runner == "torch":  # the torch runner: the float32 file read, then its tensors moved once
+            if converted is not None:
+                weights = weights_from_tensors(converted, config, directory)
+            else:
+                weights = load_weights(directory, config)
+            if adapter is not None:
+                weights = attach(weights, [adapter])
+            weights = on_device(weights, device, dtype)
+            warn_tf32(device, dtype)
+            return cls(config, weights, tokenizer, dtype=dtype, device=device, lora=adapter, source=directory,
+                       runner=runner)
         # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read).
         # The projections in panels where this CPU reads them faster (kernels.CPU.panels): bfloat16 ones always,
         # float32 ones where the file's matrices stay beside them for GEMMs at no memory of the process's own (read
@@ -180,7 +205,7 @@ class GPT2:
         by SAELens's names, each SAE's `{hook}.hook_sae_input`, `.hook_sae_acts_pre`, `.hook_sae_acts_post`,
         `.hook_sae_recons`, `.hook_sae_error` (with the error term) and `.hook_sae_output`. Those are in the space
         the SAE was trained in (its model options: interp/sae.py); the model's own points are the engine's."""
-        saes = check_saes(saes, self.config)
+        saes = [sae.to(self.device) for sae in check_saes(saes, self.config)]
         extra = set(sae_point_names(saes))
         if names is None or callable(names):
             wanted = name_predicate(names, self.config)
@@ -203,7 +228,7 @@ class GPT2:
         mse, explained_variance, l0, l1, cossim, ce_loss_without_sae / with_sae / with_ablation (the hook zeroed),
         ce_loss_score, kl_div_with_sae / with_ablation, kl_div_score, feature_density (per feature) and tokens.
         Three passes per batch: plain, spliced and ablated. `progress(n)` is told each batch's window count."""
-        check_saes(sae, self.config)
+        sae = check_saes(sae, self.config)[0].to(self.device)
         self.check_ids(ids)
         metrics = SAEMetrics(sae.d_in, sae.d_sae)
         keep = {f"{sae.hook_name}.{p}" for p in ("hook_sae_input", "hook_sae_acts_post", "hook_sae_output")}
@@ -293,7 +318,7 @@ class GPT2:
         elif draft_tokens is not None:
             raise GenerationError("draft_tokens applies to speculative decoding: give speculate= too", param="draft_tokens")
         return Generation(self.weights, self.config, self.tokenizer, ids, settings, spec,
-                          grammars=self.grammars if settings.constraint is not None else None)
+                          grammars=self.grammars if settings.constraint is not None else None, runner=self.runner)
 
     @property
     def grammars(self) -> Grammars:
@@ -308,6 +333,10 @@ class GPT2:
         `max_running` and `settle`: Speculation's (the server's policy)."""
         check_draft_tokens(draft_tokens)
         key = str(source)
+        if self.runner_kind == "torch" and key != "ngram":
+            raise GenerationError(f"speculate={key!r}: a draft model runs on the native CPU runner; on the torch "
+                                  f"runner (device={str(self.device)!r}) only 'ngram' (prompt lookup) drafts",
+                                  param="speculate")
         if key not in self.drafts:
             self.drafts[key] = load_speculation(key, self.weights, self.config, self.tokenizer)
         return replace(self.drafts[key], policy=SpeculationPolicy(draft_tokens, max_running, settle))
@@ -345,6 +374,9 @@ class GPT2:
         (steps, epochs, lr, batch_size, context, ...); `out`: checkpoints as `gpt2 finetune --out` writes them
         (None: none). `lora` (a rank, or LoraSettings): train a LoRA adapter on the frozen weights instead, float32
         or quantized (QLoRA); afterwards the model carries it (model.lora). Same code as `gpt2 finetune`."""
+        if self.runner_kind == "torch":
+            raise GPT2EngineError(f"finetune trains with the engine's CPU backward and optimizer; load the model on "
+                                  f"the native CPU runner (not device={str(self.device)!r} / runner='torch') to train")
         if lora is not None:
             if self.lora is not None:
                 raise GPT2EngineError("finetune(lora=...): the model already carries an adapter; load the base "
@@ -407,13 +439,50 @@ class GPT2:
             raise GPT2EngineError(f"ids: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
 
 
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch.float32 / torch.bfloat16, or their names."""
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+def parse_dtype(dtype: torch.dtype | str, runner: str = "native") -> torch.dtype:
+    """torch.float32 / torch.bfloat16 (and torch.float16 on the torch runner), or their names."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
     if isinstance(dtype, str):
         if dtype not in names:
             raise GPT2EngineError(f"dtype: expected one of {', '.join(names)}, got {dtype!r}")
         dtype = names[dtype]
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise GPT2EngineError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise GPT2EngineError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    if dtype == torch.float16 and runner != "torch":
+        raise GPT2EngineError("dtype float16 runs on the torch runner (device='cuda', or runner='torch' on the CPU); "
+                              "the native CPU runner reads float32 and bfloat16")
     return dtype
+
+
+def check_device(device: torch.device | str, runner: str | None) -> tuple[torch.device, str]:
+    """(the device, the runner): 'cpu' with the native runner unless runner='torch'; 'cuda' with the torch runner,
+    where torch sees a CUDA GPU."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise GPT2EngineError(f"device: expected 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise GPT2EngineError(f"device: expected 'cpu' or 'cuda' (or 'cuda:N'), got {str(device)!r}")
+    if runner not in (None, "native", "torch"):
+        raise GPT2EngineError(f"runner: expected 'native' or 'torch', got {runner!r}")
+    if device.type == "cuda":
+        if runner == "native":
+            raise GPT2EngineError("runner 'native' is the engine's CPU kernels; on a GPU the model runs on the torch "
+                                  "runner (leave runner out, or give runner='torch')")
+        if not torch.cuda.is_available():
+            raise GPT2EngineError(f"device {str(device)!r}: torch {torch.__version__} sees no CUDA GPU "
+                                  "(torch.cuda.is_available() is False)")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise GPT2EngineError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA device(s)")
+        return device, "torch"
+    return device, runner or "native"
+
+
+def warn_tf32(device: torch.device, dtype: torch.dtype) -> None:
+    """One warning where float32 matmuls on a GPU would round their inputs to TF32 (torch's setting; off by
+    default), which moves the logits ~1e-3 away from float32's."""
+    if device.type == "cuda" and dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        warnings.warn("torch.backends.cuda.matmul.allow_tf32 is on: float32 matmuls round their inputs to TF32 "
+                      "(10-bit mantissas), so the logits are not float32's; set it to False for float32 parity",
+                      stacklevel=3)

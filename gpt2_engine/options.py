@@ -20,7 +20,8 @@ class UsageError(GPT2EngineError):
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """Which checkpoint to load and how: the `--weights`, `--dtype`, `--quantize`, `--threads` and `--lora` flags."""
+    """Which checkpoint to load and how: the `--weights`, `--dtype`, `--quantize`, `--threads`, `--lora`, `--device`
+    and `--runner` flags."""
 
     weights: Path = DEFAULT_WEIGHTS
     dtype: str = "float32"
@@ -28,12 +29,14 @@ class ModelOptions:
     threads: int | None = None  # torch's CPU threads (None: torch's choice)
     lora: Path | None = None  # a PEFT LoRA adapter directory applied on the weights
     force: bool = False  # apply `lora` even to a base other than the one it records
+    device: str = "cpu"  # where the model runs: "cpu", or "cuda" (a GPU, on the torch runner)
+    runner: str | None = None  # "native" or "torch" (None: native on the CPU, torch on a GPU)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelOptions:
         lora = getattr(args, "lora", None)
         return cls(args.weights, args.dtype, args.quantize, args.threads, lora if isinstance(lora, Path) else None,
-                   getattr(args, "force", False))
+                   getattr(args, "force", False), getattr(args, "device", "cpu"), getattr(args, "runner", None))
 
 
 def positive_int(text: str) -> int:
@@ -53,6 +56,16 @@ def add_weights_option(p: argparse.ArgumentParser) -> None:
                         f"when {DEFAULT_WEIGHTS}/ holds none and `make demo` built it; `{DEMO_NAME}` names the demo model)")
 
 
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """--device and --runner: where the model runs, and on which runner."""
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="where the model runs: cpu (default), or cuda / cuda:N for an NVIDIA GPU (the torch runner: "
+                        "weights, KV cache and activations there, decode steps as CUDA graphs; see docs/cuda.md)")
+    p.add_argument("--runner", choices=["native", "torch"],
+                   help="native: the engine's CPU kernels (the default on the CPU); torch: torch's kernels on --device "
+                        "(the default on a GPU; on the CPU, the runner a GPU runs)")
+
+
 def add_force_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="apply a LoRA adapter even to weights other than the base it was trained on (by default an "
@@ -62,12 +75,14 @@ def add_force_option(p: argparse.ArgumentParser) -> None:
 def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
     """The model flags; `lora`: with --lora DIR (gpt2 serve has its own, NAME=DIR, repeatable)."""
     add_weights_option(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and matmul dtype (default float32)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weights and matmul dtype (default float32; float16 on the torch runner only)")
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="quantize the projections at load time to blockwise int8 or int4 (the head to int8, or "
                         "6 bits with int4): "
                         "faster decoding, a little less accurate (see README)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    add_device_options(p)
     if lora:
         p.add_argument("--lora", type=Path, metavar="DIR",
                        help="a LoRA adapter (PEFT's format, from gpt2 finetune --lora or peft) applied on the weights; "
@@ -84,7 +99,7 @@ def load_model(options: ModelOptions):
     if options.threads:
         torch.set_num_threads(options.threads)
     return GPT2.from_pretrained(options.weights, dtype=options.dtype, quantize=options.quantize, lora=options.lora,
-                                force=options.force)
+                                force=options.force, device=options.device, runner=options.runner)
 
 
 def add_steer_option(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,8 @@
 
     python scripts/bench.py [--weights DIR] [--threads 2] [--repeats 3] [--new-tokens 256] [--variants fp32,bf16,int8,int4]
 
+    python scripts/bench.py --device cuda [--repeats 3]   # on a GPU: the torch runner against transformers there
+
 Rows: prefill tokens/s at 128 / 512 / 1024 tokens (ids in, first token out); decode tokens/s at batch 1 and batch 8
 (16-token prompt, greedy, N new tokens: (N - 1) / (t(N) - t(1))); scoring tokens/s of `gpt2 score`'s core against
 transformers' sliding-window loop on the same windows (~50,000 tokens of docstrings); time from process start to the
@@ -234,6 +236,87 @@ def write_fixture(name: str = "small") -> Path:
     return fixtures.ensure(name)
 
 
+def synchronized(run, device: str) -> float:
+    """Seconds of run(), the GPU's queue drained before and after (on the CPU, just the time)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def device_rows(weights: Path, device: str, repeats: int, new_tokens: int = 256, batches: tuple[int, ...] = (1, 64),
+                prefill: int = 1024, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[dict]:
+    """The engine on `device` (the torch runner) against transformers' generate on the same device, in the same
+    dtype, TF32 off: decode rows (a 16-token prompt, greedy, (N - 1) / (t(N) - t(1)) for each of `batches`) and the
+    first token of a `prefill`-token prompt. Alternating, after a warm-up each, medians (measure_row)."""
+    from gpt2_engine import GPT2
+    from transformers import GPT2LMHeadModel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    rows: list[dict] = []
+    for dtype in dtypes:  # one pair of models at a time on the device
+        rows += dtype_rows(GPT2.from_pretrained(weights, device=device, dtype=dtype),
+                           GPT2LMHeadModel.from_pretrained(weights, dtype=getattr(torch, dtype)).to(device).eval(),
+                           dtype, device, repeats, new_tokens, batches, prefill)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def dtype_rows(engine, hf, dtype: str, device: str, repeats: int, new_tokens: int, batches: tuple[int, ...],
+               prefill: int) -> list[dict]:
+    """device_rows' rows of one dtype."""
+    prompt = engine.tokenizer.encode(PROMPT_16)
+    rows = []
+
+    def ours(ids: torch.Tensor, n: int) -> float:
+        run = engine.generation(ids.tolist(), max_new_tokens=n, temperature=0, ignore_eos=True)
+        return synchronized(run.run, device)
+
+    def theirs(ids: torch.Tensor, n: int) -> float:
+        return synchronized(lambda: reference_generate(hf, ids.to(device), n), device)
+
+    def add(row: str, batch: int, tokens: int, eng: float, ref: float) -> None:
+        rows.append({"row": row, "batch": batch, "dtype": dtype, "engine": tokens / eng, "transformers": tokens / ref,
+                     "ratio": ref / eng})
+        print(f"  {row} {dtype}: engine {tokens / eng:.0f}, transformers {tokens / ref:.0f} ({ref / eng:.2f}x)",
+              file=sys.stderr, flush=True)
+
+    for batch in batches:
+        ids = torch.tensor([prompt] * batch)
+        eng, ref = measure_row({dtype: lambda: ours(ids, new_tokens) - ours(ids, 1)},
+                               lambda: theirs(ids, new_tokens) - theirs(ids, 1), repeats)
+        add(f"decode batch {batch}, {new_tokens} new (tok/s)", batch, batch * (new_tokens - 1), eng[dtype], ref)
+    ids = torch.randint(0, engine.config.vocab_size, (1, prefill), generator=torch.Generator().manual_seed(0))
+    eng, ref = measure_row({dtype: lambda: ours(ids, 1)}, lambda: theirs(ids, 1), repeats)
+    add(f"prefill {prefill} tokens (tok/s)", 1, prefill, eng[dtype], ref)
+    return rows
+
+
+def device_main(args: argparse.Namespace, weights: Path) -> int:
+    """`--device cuda`: device_rows as a table and JSON."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"bench: --device {args.device}: torch {torch.__version__} sees no CUDA GPU")
+    name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "CPU"
+    machine = f"{name}, torch {torch.__version__}, TF32 off"
+    rows = device_rows(weights, args.device, args.repeats, args.new_tokens)
+    print(f"\nengine (torch runner, --device {args.device}) vs transformers 5 on the same device and dtype, {machine}")
+    print(f"| {'metric':<36} | {'dtype':<8} | {'transformers':>12} | {'engine':>10} | {'ratio':>6} |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['row']:<36} | {r['dtype']:<8} | {r['transformers']:>12,.0f} | {r['engine']:>10,.0f} | "
+              f"{r['ratio']:>5.2f}x |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "device": args.device, "weights": str(weights),
+                                    "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture, written once)")
@@ -249,12 +332,17 @@ def main() -> int:
     p.add_argument("--no-steering", dest="steering", action="store_false",
                    help="leave out the steering rows (decode with one steering vector against plain decode)")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench.json", help="where to write the JSON")
+    p.add_argument("--device", default="cpu",
+                   help="cuda: the engine's torch runner on the GPU against transformers there (decode batch 1 and "
+                        "64 at --new-tokens, prefill 1,024; float32 and bfloat16), instead of the CPU rows")
     p.add_argument("--child", choices=["engine", "reference"], help=argparse.SUPPRESS)
     args = p.parse_args()
     weights = args.weights or write_fixture()
     if args.child:
         child(args.child, weights, args.variants, 32)
         return 0
+    if args.device != "cpu":
+        return device_main(args, weights)
 
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")

@@ -15,15 +15,15 @@ import numpy as np
 import torch
 
 from ..core.errors import GPT2EngineError, WeightsError
-from ..options import add_force_option, add_weights_option
+from ..options import add_device_options, add_force_option, add_weights_option
 from ..runtime.requests import prompt_or_endoftext
 
 # Default tolerances, relative to max |reference|: measured errors are ~1e-6 (torch fp32) and ~1e-6 (NumPy).
 DEFAULT_RTOL = {"torch": 1e-4, "numpy": 1e-3}
 # bfloat16, int8 and int4 weights cannot match to rounding; they pass on top-1 agreement with the reference and on
 # the change of perplexity, both over all prompts' tokens together.
-DEFAULT_MIN_TOP1 = {"bfloat16": 0.995, "int8": 0.99, "int4": 0.95}
-DEFAULT_MAX_PPL_CHANGE = {"bfloat16": 0.005, "int8": 0.005, "int4": 0.02}
+DEFAULT_MIN_TOP1 = {"bfloat16": 0.995, "float16": 0.995, "int8": 0.99, "int4": 0.95}
+DEFAULT_MAX_PPL_CHANGE = {"bfloat16": 0.005, "float16": 0.005, "int8": 0.005, "int4": 0.02}
 
 BUILTIN_PROMPTS = {
     "english": "The old lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father "
@@ -78,7 +78,7 @@ def reference_outputs(hf_model, ids: torch.Tensor) -> tuple[torch.Tensor, list[t
     finally:
         for h in handles:
             h.remove()
-    return logits.float(), [b.float() for b in blocks]
+    return logits.float().cpu(), [b.float().cpu() for b in blocks]
 
 
 def engine_outputs(model, ids: torch.Tensor, engine: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -86,7 +86,7 @@ def engine_outputs(model, ids: torch.Tensor, engine: str) -> tuple[torch.Tensor,
     blocks: list = []
     if engine == "torch":
         logits = model.forward(ids, hidden_states=blocks)
-        return logits.float(), [b.float() for b in blocks]
+        return logits.float().cpu(), [b.float().cpu() for b in blocks]
     from ..core import numpy_ref
     from ..core.weights import assemble, named_tensors
 
@@ -190,15 +190,18 @@ def run_compare(args: argparse.Namespace) -> int:
         raise GPT2EngineError("--dtype bfloat16 / --quantize apply to the torch engine; the NumPy reference is float32")
     if args.lora and engines != ["torch"]:
         raise GPT2EngineError("--lora applies to the torch engine; the NumPy reference has no adapters")
+    if args.device != "cpu" and engines != ["torch"]:
+        raise GPT2EngineError(f"--device {args.device} applies to the torch engine; the NumPy reference runs on "
+                              "the CPU")
     min_top1 = args.min_top1 if args.min_top1 is not None else DEFAULT_MIN_TOP1.get(variant or "")
     if args.weights is not None and args.weights.is_file():
         raise GPT2EngineError(f"{args.weights}: gpt2 compare holds the engine to transformers, which reads a Hugging "
                               f"Face directory; convert the file first (gpt2 convert {args.weights} DIR --to hf)")
     prompts = collect_prompts(args)
     model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize, lora=args.lora,
-                                 force=args.force)
+                                 force=args.force, device=args.device, runner=args.runner)
     reference_dir = args.reference or args.weights
-    hf_model = load_reference(reference_dir, args.lora)
+    hf_model = load_reference(reference_dir, args.lora).to(model.device)  # transformers on the engine's device
     if hf_model.config.n_layer != model.config.n_layer or hf_model.config.n_embd != model.config.n_embd:
         raise WeightsError(f"{reference_dir}: the reference has another shape than {args.weights}")
 
@@ -207,7 +210,7 @@ def run_compare(args: argparse.Namespace) -> int:
     for name, text in prompts.items():
         ids = prompt_or_endoftext(model.tokenizer.encode(text)[: model.config.n_positions], model.tokenizer.eot_id)
         ids_t = torch.tensor([ids])
-        ref = reference_outputs(hf_model, ids_t)
+        ref = reference_outputs(hf_model, ids_t.to(model.device))
         for engine in engines:
             reports.append(compare_outputs(name, engine, ids_t[0], ref, engine_outputs(model, ids_t, engine), rtols[engine]))
     max_change = args.max_ppl_change if args.max_ppl_change is not None else DEFAULT_MAX_PPL_CHANGE.get(variant or "")
@@ -296,7 +299,9 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rtol", type=float, metavar="R",
                    help="tolerance relative to max |reference| (default 1e-4 for torch, 1e-3 for numpy; "
                         "not applied to bfloat16 / int8 / int4 unless given)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights dtype (default float32)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="engine weights dtype (default float32; float16 on the torch runner)")
+    add_device_options(p)
     p.add_argument("--quantize", choices=["int8", "int4"], help="check the engine with blockwise int8 or int4 weights")
     p.add_argument("--lora", type=Path, metavar="DIR",
                    help="check with a LoRA adapter (PEFT's format) applied; the reference is peft's PeftModel")

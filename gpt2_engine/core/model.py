@@ -141,7 +141,7 @@ def gelu(x: torch.Tensor, out: torch.Tensor | None = None, exact: bool = False) 
     nothing to differentiate; elsewhere torch's. Written into `out` where given (the training step's buffer).
     `exact`: the erf form 0.5 x (1 + erf(x / sqrt 2)) instead, for models trained with it (nanoGPT's nn.GELU())."""
     how = "none" if exact else "tanh"
-    native = None if exact else decode_kernels()
+    native = None if exact or x.device.type != "cpu" else decode_kernels()
     if (native is not None and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad)
             and (out is None or (out.dtype == torch.float32 and out.is_contiguous()))):
         return native.gelu(x, out)
@@ -196,8 +196,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """softmax(q k^T / sqrt(hs), causal) v for a whole sequence: q, k, v [B, nh, T, hs] -> [B, nh, T, hs]. The
     native kernel (kernels/attention.cpp) where it applies: AVX-512, float32, head size 64, nothing to differentiate;
     it returns the heads merged ([B, T, nh, hs]), so the result here is a transposed view and merge_heads copies
-    nothing. Elsewhere torch's fused flash-attention kernel."""
-    native = decode_kernels()
+    nothing. Elsewhere (another device included) torch's fused flash-attention kernel."""
+    native = decode_kernels() if q.device.type == "cpu" else None
     if (native is not None and cpu().avx512 and q.shape[-1] == 64
             and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (q, k, v))
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
@@ -276,7 +276,8 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, at: Layer) -
         k_cache[:, :, at.start : end] = k
         v_cache[:, :, at.start : end] = v
         k, v = k_cache[:, :, :end], v_cache[:, :, :end]  # [B, nh, S, hs], S = start + T
-    y = attention(q, k, v, at.mask, at.tap, causal=at.causal)  # [B, nh, T, hs]
+    # a cache in bfloat16 or float16 (the torch runner's, for such weights): the queries meet the keys in its dtype
+    y = attention(q.to(k.dtype), k, v, at.mask, at.tap, causal=at.causal).to(x.dtype)  # [B, nh, T, hs]
     y = at.hook("attn.hook_z", y.transpose(1, 2)).transpose(1, 2)  # hooked as [B, T, nh, hs]
     return linear(merge_heads(y), blk.attn_c_proj, at.adapters)  # [B, T, C]
 
@@ -354,6 +355,9 @@ def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, po
     the weights carry several (-1: the base; None: adapter 0, the model's own).
     """
     B, T = ids.shape
+    device = w.wpe.device  # the weights' (a GPU's, on the torch runner): the ids and what goes with them move there
+    ids, positions, key_mask, adapters = (None if t is None else t.to(device)
+                                          for t in (ids, positions, key_mask, adapters))
     if positions is None:
         positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
     tokens = hooked(tap, "hook_embed", embed(w, ids))  # [B, T, C]: the residual stream is float32 whatever the weights

@@ -13,6 +13,11 @@
   int8 / int4    (QuantizedMatrix) the native blockwise kernel (kernels/quant.cpp) at every row count, so prefill,
                  scoring and decode share one arithmetic; quantized_reference() is the same arithmetic in torch: the
                  fallback where the native kernels are missing, and what the tests hold the kernel to.
+Another device (the torch runner's GPU): torch's matmul in the weight's dtype (device_project); float32 with
+                 TF32 as torch is set (off by default: IEEE float32), bfloat16 and float16 with the activations
+                 rounded to that dtype and float32 accumulation (cuBLAS), the output and the bias in float32 (straight
+                 out of the GEMM where torch has addmm's out_dtype there). The native kernels are for CPU tensors
+                 only: every dispatch here checks the device first.
 LoRA adapters (weights.LoraStack on a Linear) add their low-rank term after the base projection, each row with its
 own adapter (lora_rows).
 Inputs that require grad (attribution in inspect/) take the torch path with the weights in float32, since the
@@ -21,6 +26,7 @@ native kernels have no autograd.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -98,6 +104,8 @@ def quantized_reference(x2: torch.Tensor, m: QuantizedMatrix, bias: torch.Tensor
 def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
             bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] @ w (K, N) (+ bias) -> [M, N] float32, by the weight's format (see the module docstring)."""
+    if x2.device.type != "cpu":
+        return device_project(x2, w, bias)
     M = x2.shape[0]
     grad = x2.requires_grad
     native = decode_kernels() if not grad else None
@@ -120,6 +128,32 @@ def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
     if (flat := split_matmul(x2, w)) is not None:
         return flat + bias
     return torch.addmm(bias, x2, w)
+
+
+def device_project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """project() off the CPU: [M, K] float32 @ w (K, N) float32, bfloat16 or float16 (+ bias) -> [M, N] float32."""
+    if not isinstance(w, torch.Tensor):  # quantized and paneled matrices are the CPU's layouts (weights.on_device)
+        raise TypeError(f"project: a {type(w).__name__} has no kernel on {x2.device}; move plain matrices there")
+    if w.dtype == torch.float32:
+        return x2 @ w if bias is None else torch.addmm(bias, x2, w)
+    x = x2.to(w.dtype)  # [M, K]: half-width inputs, float32 accumulation in cuBLAS
+    if float32_out(x.device, w.dtype):  # the sums leave the GEMM in float32, the bias added there: one kernel
+        return torch.mm(x, w, out_dtype=torch.float32) if bias is None else torch.addmm(bias, x, w,
+                                                                                          out_dtype=torch.float32)
+    y = (x @ w).float()  # [M, N], rounded to the half-width dtype on the way out
+    return y if bias is None else y + bias
+
+
+@functools.cache
+def float32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch multiplies `dtype` matrices into float32 outputs on `device` (addmm's out_dtype; CUDA, recent
+    torch), asked once per device and dtype on a 2 x 2 product."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        return torch.addmm(torch.zeros(2, device=device), a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def native_projection(p: Linear) -> tuple[list[torch.Tensor], int] | None:
@@ -152,6 +186,8 @@ def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch
         return project(x2, head, None)
     M, C = x2.shape
     V = head.shape[0]
+    if x2.device.type != "cpu":  # wte (V, C) as the matrix of x @ wte^T, in cuBLAS
+        return x2 @ head.t() if head.dtype == torch.float32 else (x2.to(head.dtype) @ head.t()).float()
     grad = x2.requires_grad
     native = decode_kernels() if M <= DECODE_ROWS and not grad else None
     if native is not None and head.dtype in NATIVE_DTYPES and head.is_contiguous():
@@ -175,7 +211,7 @@ def lora_rows(x2: torch.Tensor, lora: LoraStack, rows: torch.Tensor | None, y: t
     row adapter 0). The native kernel reduces each row on its own in a fixed order (kernels/lora.cpp), so a row's
     bits do not depend on the other rows or adapters; it adds in place. The torch form (no kernels, or autograd)
     groups rows by adapter and returns a new tensor."""
-    native = decode_kernels() if not (x2.requires_grad or lora.a.requires_grad) else None
+    native = decode_kernels() if not (x2.requires_grad or lora.a.requires_grad) and x2.device.type == "cpu" else None
     if native is not None and x2.dtype == torch.float32 and lora.a.dtype == torch.float32:
         index = rows if rows is not None else torch.zeros(x2.shape[0], dtype=torch.long)
         native.lora_rows(x2.contiguous(), lora.a, lora.b, lora.scale, index, y)
@@ -215,7 +251,7 @@ def reduce_rows(logits: torch.Tensor, banned: list[int] | None = None) -> tuple[
     never depend on what else shares the pass; torch's, row by row, where the native kernels are missing."""
     n = logits.shape[0]
     banned = [-1] * n if banned is None else banned
-    native = decode_kernels()
+    native = decode_kernels() if logits.device.type == "cpu" else None
     if native is not None and logits.dtype == torch.float32:
         rows = logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous()
         return native.reduce_rows(rows, banned)

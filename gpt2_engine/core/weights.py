@@ -268,3 +268,29 @@ def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None, arena: Huge
     pages = None if file is None else file_pages(w.head, file)
     move_to_huge_pages(list({id(t): t for t in tensors}.values()), None if pages is None else {id(w.head): pages})
 
+
+
+def on_device(w: GPT2Weights, device: torch.device, dtype: torch.dtype | None = None) -> GPT2Weights:
+    """The weights as the torch runner keeps them (runtime/torch_runner.py), on `device`: each block's four
+    projections as plain (K, N) matrices in `dtype` (None: as they are), everything else (biases, layer norms, wpe, LoRA
+    adapters) float32, and wte, which is also the head, float32 too: the CPU's bfloat16 path found a bfloat16 head
+    cost top-1 agreement (core/projection.py). Tensors already there in that dtype are kept, not copied, so applying
+    it again (to adapters attached since) moves only what is new."""
+    def move(t: torch.Tensor, to: torch.dtype | None = torch.float32) -> torch.Tensor:
+        return t.to(device=device, dtype=to or t.dtype)
+
+    def linear(p: Linear) -> Linear:
+        if isinstance(p.weight, QuantizedMatrix):
+            raise ValueError("on_device: quantized matrices have no kernel off the native CPU runner")
+        lora = None if p.lora is None else LoraStack(move(p.lora.a), move(p.lora.b), move(p.lora.scale))
+        return Linear(move(float_matrix(p.weight), dtype), move(p.bias), lora)
+
+    def norm(p: LayerNorm) -> LayerNorm:
+        return LayerNorm(move(p.weight), move(p.bias))
+
+    blocks = tuple(Block(norm(b.ln_1), linear(b.c_attn), linear(b.attn_c_proj), norm(b.ln_2), linear(b.c_fc),
+                         linear(b.mlp_c_proj)) for b in w.blocks)
+    if isinstance(w.head, QuantizedMatrix):
+        raise ValueError("on_device: a quantized head has no kernel off the native CPU runner")
+    wte = move(w.wte)
+    return GPT2Weights(wte, move(w.wpe), blocks, norm(w.ln_f), wte if w.head is w.wte else move(w.head))

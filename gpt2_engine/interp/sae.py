@@ -117,6 +117,17 @@ class SAE:
             weights["b_dec"] = weights["b_dec"] / norm_scaling_factor
         return cls(config, weights)
 
+    def to(self, device: torch.device | str) -> SAE:
+        """This SAE with its weights on `device` (itself where they are all there): what a model on a GPU splices.
+        The digest is the loaded SAE's (the same values)."""
+        names = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "b_gate", "b_mag", "r_mag", "dec_norm")
+        moved = {n: None if (t := getattr(self, n)) is None else t.to(device) for n in names}
+        if all(moved[n] is getattr(self, n) for n in names):
+            return self
+        out = object.__new__(SAE)
+        out.__dict__.update(self.__dict__, **moved)
+        return out
+
     @property
     def hook_name(self) -> str:
         return self.config.hook_name

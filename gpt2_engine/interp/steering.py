@@ -80,15 +80,15 @@ def hf_module_hook(module: str, config: GPT2Config) -> str:
 
 
 def apply(s: Steering, a: torch.Tensor, weights: GPT2Weights, config: GPT2Config) -> torch.Tensor:
-    """The rows `a` with edit `s` applied: a [n, *row] (hook_shape) -> [n, *row], in a's dtype."""
+    """The rows `a` with edit `s` applied: a [n, *row] (hook_shape) -> [n, *row], in a's dtype, on a's device."""
     part = a if s.head is None else a[:, s.head]  # [n, hs] for one head
     if s.action == "project":
-        shifted = part if s.bias is None else part - s.bias.view(part.shape[1:])
-        d = s.vector.view(part.shape[1:])
+        shifted = part if s.bias is None else part - s.bias.to(a.device).view(part.shape[1:])
+        d = s.vector.to(a.device).view(part.shape[1:])
         proj = (shifted * d).flatten(1).sum(dim=-1).view(-1, *[1] * (part.dim() - 1))  # [n, 1...]
         edited = part + d * (s.value - proj)
     elif s.sae is None:  # a plain direction
-        edited = part + s.coef * s.vector.view(part.shape[1:])
+        edited = part + s.coef * s.vector.to(a.device).view(part.shape[1:])
     else:
         edited = part + sae_delta(s, a, weights, config)
     if s.head is None:
@@ -104,14 +104,16 @@ def sae_delta(s: Steering, a: torch.Tensor, weights: GPT2Weights, config: GPT2Co
     affine = presentation(c, config, weights, a)
     p = affine.present(a.float())  # [n, *row]: as the SAE's TransformerLens model showed it
     if s.action == "add":
-        d = (s.coef * s.vector).expand(a.shape[0], -1)  # [n, d_in]
+        d = (s.coef * s.vector.to(a.device)).expand(a.shape[0], -1)  # [n, d_in]
     else:
         x = p[:, c.hook_head_index] if c.hook_head_index is not None else sae.flatten(p)  # [n, d_in]
         one = sae.select([s.feature])  # only this latent's encoder column, where that gives its exact value
-        f = (one.encode(x)[:, 0] if one is not None else sae.encode(x)[:, s.feature])  # [n]
-        d = (s.value - f)[:, None] * sae.W_dec[s.feature]  # [n, d_in]: the latent's change, decoded
+        # the SAE stays where it was loaded; on a GPU, only the one latent's column moves (topk reads them all)
+        f = (one.to(a.device).encode(x)[:, 0] if one is not None
+             else sae.encode(x.to(sae.W_enc.device))[:, s.feature].to(a.device))  # [n]
+        d = (s.value - f)[:, None] * sae.W_dec[s.feature].to(a.device)  # [n, d_in]: its change, decoded
         if sae.dec_norm is not None:
-            d = d / sae.dec_norm[s.feature]
+            d = d / sae.dec_norm[s.feature].to(a.device)
         unnormalize = sae.normalize(x)[1]
         d = unnormalize(d) - unnormalize(torch.zeros_like(d))  # the SAE's input scale, its shift cancelled
     if c.hook_head_index is not None:
@@ -168,6 +170,7 @@ class SteeringTap:
         for g in self.groups:
             for s in g.steering:
                 if s.hook == name and len(sel := covered(s, g)):
+                    sel = sel.to(flat.device)
                     flat[sel] = apply(s, flat[sel], self.weights, self.config)
         return flat.view(x.shape)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..core.config import GPT2Config
@@ -78,13 +78,14 @@ class Generation:
     """One generation run over a batch of prompts (token ids), each sequence in a slot of its own. Iterate it to
     stream (sequence index, text) pieces as they become final; afterwards `completions` and `stats` hold the
     results. Sequence i is sample i % num_samples of prompt i // num_samples. `slots`: sequences run at once (the
-    rest wait for a slot); None: all of them."""
+    rest wait for a slot); None: all of them. `runner`: what executes the passes, made as ModelRunner is (GPT2.runner:
+    ModelRunner, or the torch runner's factory)."""
 
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, prompts: list[list[int]],
                  settings: GenerationSettings, speculation: Speculation | None = None, slots: int | None = None,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, runner: Callable[..., ModelRunner] = ModelRunner) -> None:
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
-        self.settings, self.speculation, self.slots = settings, speculation, slots
+        self.settings, self.speculation, self.slots, self.runner = settings, speculation, slots, runner
         if settings.constraint is not None and grammars is None:
             grammars = Grammars(tokenizer, config.vocab_size)
         self.batch: RequestSet = build_requests(prompts, settings, config, tokenizer.eot_id, grammars)
@@ -127,7 +128,7 @@ class Generation:
         spec, slots = self.speculation, min(len(reqs), self.slots or len(reqs))
         return EngineLoop(Scheduler(self.config, self.tokenizer, slots=slots, max_len=max_len,
                                     speculation=None if spec is None else spec.policy),
-                          ModelRunner(self.weights, self.config, slots=slots, max_len=max_len),
+                          self.runner(self.weights, self.config, slots=slots, max_len=max_len),
                           None if spec is None else spec.drafter(slots, max_len))
 
     def _finish(self, done: list[Finished], logprobs: list[list[float]], finish: list[str]) -> None:

@@ -137,7 +137,7 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
     prefix = view = None
     if settings.prefix_cache_mb is not None:
         prefix = PrefixCache(config, settings.prefix_cache_mb)
-        view = KVCache.allocate(config, 1, settings.context)  # [n_layer, 1, nh, context, hs]
+        view = KVCache.allocate(config, 1, settings.context, device=w.wpe.device)  # [n_layer, 1, nh, context, hs]
 
     def run_cached(jobs: list[tuple[_Pending, int]]) -> None:
         """Each window alone through prefix.prefill: a window that starts with cached blocks runs only the rest."""
@@ -167,7 +167,7 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
             tap = batch_tap(w, config, settings.steering, ids.numel())
             x = residual_stream(w, config, ids, tap=tap).view(-1, config.n_embd)  # [B * L, C]
             picked = torch.cat(rows)
-            stats = token_stats(w, config, x[picked], torch.tensor(targets), top=settings.top,
+            stats = token_stats(w, config, x[picked.to(x.device)], torch.tensor(targets), top=settings.top,
                                 details=settings.details, tap=None if tap is None else tap.select(picked))
         offset = 0
         for d, i in jobs:

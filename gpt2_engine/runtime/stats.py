@@ -45,7 +45,8 @@ def prompt_stats(w: GPT2Weights, config: GPT2Config, x: torch.Tensor, targets: t
 
 
 def stats_of(lg: torch.Tensor, targets: torch.Tensor, top: int, details: bool) -> TokenStats:
-    """Logits [n, V] and their targets [n] -> TokenStats (n may be 0)."""
+    """Logits [n, V] and their targets [n] -> TokenStats (n may be 0), on the CPU whatever device the logits are on."""
+    targets = targets.to(lg.device)
     lse = torch.logsumexp(lg, dim=-1, keepdim=True)  # [n, 1]
     chosen = lg.gather(-1, targets[:, None])  # [n, 1]
     part = TokenStats((chosen - lse)[:, 0])
@@ -57,4 +58,7 @@ def stats_of(lg: torch.Tensor, targets: torch.Tensor, top: int, details: bool) -
     if top:
         values, part.top_ids = lg.topk(top, dim=-1)  # [n, top]
         part.top_logprobs = values - lse
+    if lg.device.type != "cpu":  # the torch runner's GPU: a few numbers a token come back
+        part = TokenStats(*(None if t is None else t.cpu() for t in (part.logprob, part.rank, part.entropy,
+                                                                      part.top_ids, part.top_logprobs)))
     return part

@@ -31,7 +31,6 @@ from ..runtime.loop import EngineLoop
 from ..runtime.plan import Event
 from ..runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache
 from ..runtime.requests import Request
-from ..runtime.runner import ModelRunner
 from ..runtime.plan import Output
 from ..runtime.scheduler import Scheduler, describe
 from ..runtime.speculation import SERVE_MAX_RUNNING, SERVE_SETTLE_TOKENS
@@ -62,7 +61,8 @@ def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] 
     """A running engine thread over a loaded GPT2: one server's, or one Ray replica's. `adapters`: LoRA adapter
     directories served next to the base, stacked on its weights as adapters 0, 1, ... (requests name theirs; the
     base's rows use none), so that one pass runs requests for any of them."""
-    decode_kernels()  # built (once per machine) before the first request, not during it
+    if model.runner_kind == "native":
+        decode_kernels()  # built (once per machine) before the first request, not during it
     slots = settings.parallel
     spec = drafter = None
     if settings.speculate is not None:  # drafts from the base's weights, whatever adapter a request names
@@ -73,7 +73,7 @@ def start_engine(model: Any, settings: EngineSettings, adapters: Sequence[Path] 
     weights = attach(model.weights, [load_adapter(path, model.config) for path in adapters])
     loop = EngineLoop(Scheduler(model.config, model.tokenizer, slots=slots, queue_timeout=settings.queue_timeout,
                                 speculation=None if spec is None else spec.policy),
-                      ModelRunner(weights, model.config, slots=slots, prefix=prefix), drafter)
+                      model.runner(weights, model.config, slots=slots, prefix=prefix), drafter)
     engine = AsyncEngine(loop, max_queue=settings.max_queue)
     engine.start()
     return engine
