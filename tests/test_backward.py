@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpt2_engine import GPT2
-from gpt2_engine.core.model import Layer, attention_mask, causal_self_attention, query_blocks
+from gpt2_engine.core.model import BlockCall, attention_mask, causal_self_attention, query_blocks
 from gpt2_engine.core.projection import as_float32
 from gpt2_engine.core.weights import Linear
 from gpt2_engine.train.backward import (
@@ -177,7 +177,7 @@ def test_p_zero_is_the_inference_forward(model: GPT2) -> None:
     x = torch.randn(2, 20, model.config.n_embd, generator=torch.Generator().manual_seed(3))
     run = attention_forward_train(x, blk.c_attn, blk.attn_c_proj, model.config.n_head)
     assert run.att_keep is None and run.out_keep is None
-    expected = causal_self_attention(x, blk, model.config.n_head, Layer(mask=attention_mask(20, 0, None, x.device)))
+    expected = causal_self_attention(x, blk, model.config.n_head, BlockCall(mask=attention_mask(20, 0, None, x.device)))
     # Once bit-equal; the training forward's softmax is now written out in place (max, exp, divide) where the
     # inference one is torch's fused kernel: they differ by rounding, measured 2.6e-7 of the largest output here
     assert (run.out - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()

@@ -349,7 +349,7 @@ def test_gelu_is_the_tanh_form_and_the_decode_steps(native) -> None:
     alone (a decode step's rows)."""
     import math
 
-    from gpt2_engine.core.model import gelu
+    from gpt2_engine.core.ops import gelu
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 3072, generator=g) * 4

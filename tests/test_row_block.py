@@ -13,7 +13,8 @@ import torch
 
 from gpt2_engine import GPT2
 from gpt2_engine.core.kernels import decode_kernels
-from gpt2_engine.core.model import FEW_IDS, KVCache, embed, logits
+from gpt2_engine.core.ops import FEW_IDS, embed
+from gpt2_engine.core.model import KVCache, logits
 from gpt2_engine.core.projection import reduce_rows
 from gpt2_engine.runtime.rows import RowLayout, embeds_natively, native_embed
 from gpt2_engine.runtime.plan import Picks, Segment

@@ -267,7 +267,7 @@ def _present_pages(start: int, end: int) -> int:
 def test_a_quantized_model_keeps_no_float32_embedding_pages(small_dir: Path) -> None:
     """A quantized model reads wte only for the embedding; each lookup maps the page-cache folios around its rows
     (about 0.9 MB each on a kernel with large folios), and embed() drops them again, with the file's values."""
-    from gpt2_engine.core.model import embed
+    from gpt2_engine.core.ops import embed
 
     model = GPT2.from_pretrained(small_dir, quantize="int8")
     pages = model.weights.wte_pages

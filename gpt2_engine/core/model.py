@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import GPT2Config
-from .kernels import cpu, decode_kernels
+from .ops import causal_attention, embed, gelu
 from .pages import huge_zeros
 from .projection import head_logits, lora_rows, project
 from .weights import Block, GPT2Weights, LayerNorm, Linear, QuantizedMatrix, split_qkv
@@ -84,8 +84,8 @@ def hooked(tap: Tap | None, name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Layer:
-    """What one call layers on a block's math, worked out once per call: where its T new tokens sit (positions
+class BlockCall:
+    """What one call of a block is given beyond its weights, worked out once per call of the forward: where its T new tokens sit (positions
     [start, start + T), with this layer's KV cache view (k, v) [B, nh, max_len, hs] to write them into), which keys
     each query sees (`mask` [B|1, 1, T, S]; `causal` when that is only the causal mask of whole sequences), the hook
     points (`tap`, scoped to the block) and each row's LoRA adapter (`adapters` [B*T], linear()'s)."""
@@ -135,21 +135,6 @@ def lm_head(x: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tens
     return flat.view(*x.shape[:-1], flat.shape[-1])
 
 
-def gelu(x: torch.Tensor, out: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
-    """GPT-2's GELU is the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), not the erf form.
-    The native kernel's (kernels/block.cpp, what a decode step's blocks compute) where it applies: float32 with
-    nothing to differentiate; elsewhere torch's. Written into `out` where given (the training step's buffer).
-    `exact`: the erf form 0.5 x (1 + erf(x / sqrt 2)) instead, for models trained with it (nanoGPT's nn.GELU())."""
-    how = "none" if exact else "tanh"
-    native = None if exact or x.device.type != "cpu" else decode_kernels()
-    if (native is not None and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad)
-            and (out is None or (out.dtype == torch.float32 and out.is_contiguous()))):
-        return native.gelu(x, out)
-    if out is None:
-        return F.gelu(x, approximate=how)
-    return torch.ops.aten.gelu.out(x, approximate=how, out=out)
-
-
 def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
     """[B, T, C] -> [B, nh, T, hs]: head h owns channels [h*hs:(h+1)*hs]."""
     B, T, C = x.shape
@@ -190,19 +175,6 @@ def query_blocks(T: int, S: int) -> list[tuple[int, int, int]]:
     """(first query, end query, keys seen) per block of at most QUERY_BLOCK of the T queries, which are the last T of
     the S positions: a block sees keys up to its own last query only, since the causal mask hides every later one."""
     return [(i, min(i + QUERY_BLOCK, T), S - T + min(i + QUERY_BLOCK, T)) for i in range(0, T, QUERY_BLOCK)]
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs), causal) v for a whole sequence: q, k, v [B, nh, T, hs] -> [B, nh, T, hs]. The
-    native kernel (kernels/attention.cpp) where it applies: AVX-512, float32, head size 64, nothing to differentiate;
-    it returns the heads merged ([B, T, nh, hs]), so the result here is a transposed view and merge_heads copies
-    nothing. Elsewhere (another device included) torch's fused flash-attention kernel."""
-    native = decode_kernels() if q.device.type == "cpu" else None
-    if (native is not None and cpu().avx512 and q.shape[-1] == 64
-            and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (q, k, v))
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        return native.prefill_attention(q, k, v).transpose(1, 2)  # [B, nh, T, hs]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -259,7 +231,7 @@ def tapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out
 
 
-def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, at: Layer) -> torch.Tensor:
+def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, at: BlockCall) -> torch.Tensor:
     """[B, T, C] -> [B, T, C]. With a cache, this call's keys/values are written at [start, start+T) first.
 
     Hook points (TransformerLens's layout, heads before head size): attn.hook_q|hook_k|hook_v|hook_z [B, T, nh, hs],
@@ -282,7 +254,7 @@ def causal_self_attention(x: torch.Tensor, blk: Block, n_head: int, at: Layer) -
     return linear(merge_heads(y), blk.attn_c_proj, at.adapters)  # [B, T, C]
 
 
-def mlp(x: torch.Tensor, blk: Block, at: Layer, exact_gelu: bool = False) -> torch.Tensor:
+def mlp(x: torch.Tensor, blk: Block, at: BlockCall, exact_gelu: bool = False) -> torch.Tensor:
     """[B, T, C] -> [B, T, C] through the 4C-wide hidden layer; hook points mlp.hook_pre|hook_post [B, T, 4C]."""
     h = at.hook("mlp.hook_pre", linear(x, blk.c_fc, at.adapters))  # [B, T, 4C]
     h = at.hook("mlp.hook_post", gelu(h, exact=exact_gelu))  # [B, T, 4C]
@@ -290,7 +262,7 @@ def mlp(x: torch.Tensor, blk: Block, at: Layer, exact_gelu: bool = False) -> tor
 
 
 def block(x: torch.Tensor, blk: Block, config: GPT2Config, attend: Callable[[torch.Tensor], torch.Tensor],
-          at: Layer) -> torch.Tensor:
+          at: BlockCall) -> torch.Tensor:
     """[B, T, C] -> [B, T, C]: one pre-LN transformer block, x + attn(ln_1(x)), then + mlp(ln_2(x)); `attend` is its
     self-attention on ln_1(x) (causal_self_attention, or the rows of a batched pass: runtime/rows.py).
 
@@ -321,27 +293,6 @@ def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device: to
     return mask
 
 
-EMBED_CHUNK = 32  # token ids a quantized model looks up between releases of wte's pages
-FEW_IDS = 32  # up to this many ids (a decode step's), a quantized model reads wte's rows from the file
-
-
-def embed(w: GPT2Weights, ids: torch.Tensor) -> torch.Tensor:
-    """ids [...] -> [..., C] float32 token embeddings (wte rows), whatever the weights' dtype. A quantized model
-    keeps wte's float32 pages out of its memory (GPT2Weights.wte_pages), so that it stays the quantized size: a
-    decode step's few rows are read from the file (FilePages.read_rows); longer inputs go EMBED_CHUNK ids at a time
-    through the mapping, whose pages are then dropped, since each distinct id can map a folio of ~1 MB."""
-    if w.wte_pages is None:
-        return w.wte[ids].float()  # [..., C]
-    flat = ids.reshape(-1)
-    if flat.shape[0] <= FEW_IDS and (rows := w.wte_pages.read_rows(w.wte, flat.tolist())) is not None:
-        return rows.float().view(*ids.shape, -1)
-    rows = torch.empty(flat.shape[0], w.wte.shape[1])  # [n, C]
-    for i in range(0, flat.shape[0], EMBED_CHUNK):
-        rows[i : i + EMBED_CHUNK] = w.wte[flat[i : i + EMBED_CHUNK]]
-        w.wte_pages.release(w.wte)
-    return rows.view(*ids.shape, -1)
-
-
 def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                     cache: KVCache | None = None, start: int = 0, key_mask: torch.Tensor | None = None,
                     hidden_states: list[torch.Tensor] | None = None, tap: Tap | None = None,
@@ -367,7 +318,7 @@ def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, po
     causal = start == 0 and key_mask is None
     rows = None if adapters is None else adapters.repeat_interleave(T)  # [B*T]
     for i, blk in enumerate(w.blocks):
-        at = Layer(start, mask, causal, None if cache is None else (cache.k[i], cache.v[i]),
+        at = BlockCall(start, mask, causal, None if cache is None else (cache.k[i], cache.v[i]),
                    None if tap is None else ScopedTap(tap, f"blocks.{i}."), rows)
         x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, at), at)
         if hidden_states is not None:
@@ -390,4 +341,5 @@ def forward(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, positions:
     return logits(w, config, x, tap)  # [B, T, V]
 
 # Next: runtime/greedy.py runs this forward as a generator does, a prompt into the KV cache and then one token at a
-# time. (runtime/rows.py runs many sequences' rows in one pass; projection.py says how each weight format multiplies.)
+# time. (ops.py says which kernel runs GELU, causal attention and the embedding, projection.py each weight format's
+# matmul; runtime/rows.py runs many sequences' rows in one pass.)

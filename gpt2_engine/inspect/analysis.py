@@ -17,7 +17,8 @@ import torch
 from ..api import GPT2
 from ..core.errors import GPT2EngineError
 from ..interp.hooks import ActivationCache, Recorder
-from ..core.model import embed, logits, residual_stream
+from ..core.ops import embed
+from ..core.model import logits, residual_stream
 from ..core.projection import as_float32, head_rows
 from ..core.weights import GPT2Weights, LayerNorm
 

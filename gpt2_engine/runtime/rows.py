@@ -12,7 +12,8 @@ import torch
 
 from ..core.config import GPT2Config
 from ..core.kernels import cpu, decode_kernels
-from ..core.model import FEW_IDS, Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
+from ..core.ops import FEW_IDS
+from ..core.model import Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
 from ..core.projection import native_projection
 from ..core.weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
 

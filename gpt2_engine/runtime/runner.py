@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.config import DECODE_ROWS, GPT2Config
-from ..core.model import KVCache, Layer, ScopedTap, block, embed, hooked, logits
+from ..core.model import KVCache, BlockCall, ScopedTap, block, hooked, logits
+from ..core.ops import embed
 from ..core.projection import reduce_rows
 from .rows import RowLayout, embeds_natively, native_block, native_embed, native_head, self_attention_segments
 from ..interp.steering import SteeredRows, SteeringTap
@@ -104,7 +105,7 @@ def rows_block(w: GPT2Weights, config: GPT2Config, i: int, x: torch.Tensor, layo
     scoped = None if tap is None else ScopedTap(tap, f"blocks.{i}.")
     attend = lambda h: self_attention_segments(h, blk, config.n_head, cache.k[i], cache.v[i], layout, adapters,  # noqa: E731
                                                scoped)
-    return block(x, blk, config, attend, Layer(tap=scoped, adapters=adapters))
+    return block(x, blk, config, attend, BlockCall(tap=scoped, adapters=adapters))
 
 
 def sub_layout(layout: RowLayout, rows: torch.Tensor) -> RowLayout:

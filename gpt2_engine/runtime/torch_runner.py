@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import GPT2Config
-from ..core.model import KVCache, Layer, ScopedTap, Tap, block, embed, hooked, linear, logits
+from ..core.model import KVCache, BlockCall, ScopedTap, Tap, block, hooked, linear, logits
+from ..core.ops import embed
 from ..core.weights import Block, GPT2Weights, on_device, split_qkv
 from ..interp.spec import Steering
 from ..interp.steering import SteeringTap
@@ -110,7 +111,7 @@ def step_logits(w: GPT2Weights, config: GPT2Config, cache: KVCache, inputs: torc
     for i, blk in enumerate(w.blocks):
         attend = functools.partial(slot_attention, blk=blk, n_head=config.n_head, k_cache=cache.k[i],
                                    v_cache=cache.v[i], slots=slots, positions=positions, mask=mask)
-        x = block(x, blk, config, attend, Layer())
+        x = block(x, blk, config, attend, BlockCall())
     lg = logits(w, config, x[0, out_rows])  # [R, V]
     return lg, picks(lg, banned)
 
@@ -411,7 +412,7 @@ class TorchPass:
         attend = functools.partial(slot_attention, blk=blk, n_head=self.config.n_head, k_cache=cache.k[i],
                                    v_cache=cache.v[i], slots=slots, positions=positions, mask=mask,
                                    adapters=adapters, tap=scoped)
-        return block(x, blk, self.config, attend, Layer(tap=scoped, adapters=adapters))
+        return block(x, blk, self.config, attend, BlockCall(tap=scoped, adapters=adapters))
 
     @torch.inference_mode()
     def head(self, keep: list[int]) -> tuple[torch.Tensor, list[list[float]]]:

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from ..core.model import gelu, query_blocks, split_heads
+from ..core.ops import gelu
+from ..core.model import query_blocks, split_heads
 from ..core.projection import HEAD_BLOCK, dequantize_columns, project
 from ..core.weights import LayerNorm, Linear, QuantizedMatrix, float_matrix
 

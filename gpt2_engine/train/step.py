@@ -26,7 +26,8 @@ import torch
 
 from ..core.config import GPT2Config
 from ..core.lora import TARGETS, LoraSettings, module_name
-from ..core.model import embed, query_blocks
+from ..core.ops import embed
+from ..core.model import query_blocks
 from ..core.projection import HEAD_BLOCK
 from ..core.weights import Block, GPT2Weights, Linear, LoraStack, assemble, expected_shapes, named_tensors
 from .backward import (
