@@ -213,30 +213,32 @@ def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path
     assert total["tokens"] == sum(r["tokens"] for r in doc["results"]) and abs(total["ppl_change"]) < 1e-4
 
 
+# The compare tests below run on the small trained checkpoint (4 layers): what they check does not need GPT-2's size
+# (test_compare_passes_on_the_fixture_with_both_engines runs the full-size one).
 @pytest.fixture(scope="module")
-def perturbed_dir(small_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def perturbed_dir(trained_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     def perturb(t: dict) -> None:
-        t["h.5.mlp.c_fc.weight"][10, 20] += 0.5
+        t["h.2.attn.c_proj.bias"][10] += 0.5  # adds 0.5 to the residual stream at every position, from block 2 on
 
-    return edited_copy(small_dir, tmp_path_factory.mktemp("perturbed"), perturb)
+    return edited_copy(trained_dir, tmp_path_factory.mktemp("perturbed"), perturb)
 
 
-def test_compare_names_the_first_divergent_block(capsys, small_dir: Path, perturbed_dir: Path) -> None:
-    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(small_dir),
+def test_compare_names_the_first_divergent_block(capsys, trained_dir: Path, perturbed_dir: Path) -> None:
+    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(trained_dir),
                        "--prompt", "The quick brown fox jumps over the lazy dog", "--json")
     assert code == 1
     [r] = json.loads(out)["results"]
-    assert r["passed"] is False and r["first_divergent_block"] == 5 and r["first_divergent_position"] == 0
-    before, at = max(r["per_block_max_abs"][:5]), r["per_block_max_abs"][5]
-    assert before < 1e-4 and at > 1000 * before  # rounding before block 5, a real difference from it on
+    assert r["passed"] is False and r["first_divergent_block"] == 2 and r["first_divergent_position"] == 0
+    before, at = max(r["per_block_max_abs"][:2]), r["per_block_max_abs"][2]
+    assert before < 1e-4 and at > 1000 * before  # rounding before block 2, a real difference from it on
 
-    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(small_dir), "--prompt", "Hi")
-    assert code == 1 and "MISMATCH from block 5, position 0" in out and "0 passed, 1 failed" in out
+    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(trained_dir), "--prompt", "Hi")
+    assert code == 1 and "MISMATCH from block 2, position 0" in out and "0 passed, 1 failed" in out
 
 
-def test_compare_table_and_prompts_file(capsys, tmp_path: Path, small_dir: Path) -> None:
+def test_compare_table_and_prompts_file(capsys, tmp_path: Path, trained_dir: Path) -> None:
     (tmp_path / "prompts.txt").write_text("first prompt\n\nsecond prompt\n")
-    code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--prompts-file", str(tmp_path / "prompts.txt"))
+    code, out, _ = run(capsys, "compare", "--weights", str(trained_dir), "--prompts-file", str(tmp_path / "prompts.txt"))
     assert code == 0 and "prompts.txt:1" in out and "prompts.txt:2" in out and "all 2 comparisons within tolerance" in out
 
 
@@ -246,8 +248,8 @@ def test_compare_bad_weights_exits_2_with_the_loader_message(capsys, tmp_path: P
     assert "weights directory does not exist" in err
 
 
-def test_compare_rtol_zero_fails_on_rounding(capsys, small_dir: Path) -> None:
-    code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--prompt", "Hi there", "--rtol", "0", "--json")
+def test_compare_rtol_zero_fails_on_rounding(capsys, trained_dir: Path) -> None:
+    code, out, _ = run(capsys, "compare", "--weights", str(trained_dir), "--prompt", "Hi there", "--rtol", "0", "--json")
     assert code == 1 and json.loads(out)["passed"] is False
 
 
