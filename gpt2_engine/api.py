@@ -40,7 +40,7 @@ from .runtime.sampling import SamplingParams
 from .runtime.scoring import Score, ScoreSettings, score_documents, token_logprobs
 from .runtime.speculation import SpeculationPolicy, check_draft_tokens
 from .train.step import trainable_copy
-from .train.trainer import Started, Trainer, TrainResult, TrainSettings, record
+from .train.trainer import Base, Output, Started, Trainer, TrainResult, TrainSettings, record
 
 
 class GPT2:
@@ -406,10 +406,10 @@ class GPT2:
         fingerprint = weights_fingerprint(self.source) if self.source is not None and self.lora is None else ""
         base = fingerprint + (f":{self.quantize}" if fingerprint and self.quantize else "")
         trainer = Trainer(weights, self.config, self.tokenizer, texts(texts_or_paths), TrainSettings(**settings),
-                          val_texts=None if val is None else texts(val), out=None if out is None else Path(out),
-                          base=base, resume=resume, overwrite=overwrite, lora=lora,
-                          base_name=str(self.source.resolve()) if lora and self.source else "",
-                          base_fingerprint=fingerprint if lora else "",
+                          val_texts=None if val is None else texts(val),
+                          base=Base(base, lora, str(self.source.resolve()) if lora and self.source else "",
+                                    fingerprint if lora else ""),
+                          output=Output(None if out is None else Path(out), resume, overwrite),
                           sampler=functools.partial(two_samples, config=self.config, tokenizer=self.tokenizer))
         history = []
         for event in trainer.run():

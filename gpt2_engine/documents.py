@@ -1,7 +1,9 @@
-"""Reading documents: each FILE is one UTF-8 document, a `.jsonl` file holds one document per line in its "text"
+"""Reading text input: each FILE is one UTF-8 document, a `.jsonl` file holds one document per line in its "text"
 field, `-` is stdin. Every reading error is one line that names the file (and the line or byte offset).
 
-`gpt2 score` and its Ray workers read through this module.
+Every command reads its text through this module: `gpt2 score`, `finetune` and `tokenize` their documents (and
+score's Ray workers), `generate`, `inspect` and `sae features` a prompt, `compare` its prompts file. GPT-2's tokenizer
+takes text, so input that is not UTF-8 is refused, at the first invalid byte, wherever it comes from.
 """
 
 from __future__ import annotations
@@ -26,17 +28,27 @@ def decode_utf8(data: bytes, name: str, base: int = 0) -> str:
         raise InputError(f"{name}: invalid UTF-8 at byte offset {base + e.start} (expected UTF-8 text)") from None
 
 
-def read_bytes(path: str, stdin: IO[bytes]) -> bytes:
+def read_bytes(path: str, stdin: IO[bytes], name: str | None = None) -> bytes:
+    """The bytes of a file, or of stdin for `-`; errors name the file as `name` (default: its path)."""
     if path == "-":
         return stdin.read()
+    name = name or path
     try:
         return Path(path).read_bytes()
     except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+        raise InputError(f"{name}: no such file") from None
     except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, expected a text or .jsonl file") from None
+        raise InputError(f"{name}: is a directory, expected a text or .jsonl file") from None
     except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise InputError(f"{name}: cannot read ({e.strerror or e})") from None
+
+
+def read_text(path: str | Path, stdin: IO[bytes], flag: str = "") -> str:
+    """One whole input as text: a UTF-8 file, or stdin for `-`. Errors name it as `FLAG PATH` (`flag`: the option that
+    gave the path, if one did), or as stdin."""
+    path = str(path)
+    name = "stdin" if path == "-" else f"{flag} {path}".lstrip()
+    return decode_utf8(read_bytes(path, stdin, name), name)
 
 
 def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:
@@ -49,7 +61,7 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
     one document's memory (gpt2 tokenize)."""
     for path in paths:
         if not path.endswith(".jsonl") or path == "-":
-            yield path, decode_utf8(read_bytes(path, stdin), path)
+            yield path, read_text(path, stdin)
             continue
         try:
             f = open(path, "rb")

@@ -134,20 +134,36 @@ def parse_steer_args(specs: list[str]) -> list[dict[str, str] | Path]:
 
 def steering_from_args(specs: list[dict[str, str] | Path], config) -> tuple:
     """The Steering edits the parsed --steer specs name, for a model with this config (SAEs and vectors loaded
-    once per path)."""
+    once per path). A file that cannot be read is named as the spec gave it: `--steer sae=PATH: ...`."""
+    from .formats.saes import SAEError
     from .interp.sae import SAE
+    from .core.errors import SteeringError
+    from .formats.vectors import read_vector
     from .interp.spec import check_steering, from_fields
     from .interp.steering import load_lm_eval
-    from .formats.vectors import read_vector
 
     saes: dict[str, SAE] = {}
 
     def sae(path: str) -> SAE:
         if path not in saes:
-            saes[path] = SAE.load(path)
+            try:
+                saes[path] = SAE.load(path)
+            except SAEError as e:  # the loader speaks of --sae, gpt2 serve's flag
+                raise SteeringError(f"--steer sae={path}: {unprefixed(str(e), '--sae ')}") from None
         return saes[path]
+
+    def vector(path: str):
+        try:
+            return read_vector(path)
+        except SteeringError as e:
+            raise SteeringError(f"--steer vector={path}: {unprefixed(str(e), 'steering vector ')}") from None
 
     out = []
     for spec in specs:
-        out += load_lm_eval(spec, config) if isinstance(spec, Path) else [from_fields(spec, sae, read_vector)]
+        out += load_lm_eval(spec, config) if isinstance(spec, Path) else [from_fields(spec, sae, vector)]
     return check_steering(out, config)
+
+
+def unprefixed(message: str, prefix: str) -> str:
+    """`message` without its leading `PREFIX NAME: ` (a file named twice reads badly)."""
+    return message.split(": ", 1)[1] if message.startswith(prefix) and ": " in message else message

@@ -317,7 +317,7 @@ def device_main(args: argparse.Namespace, weights: Path) -> int:
     return 0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", type=Path, help="checkpoint directory (default: the full-size fixture, written once)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default 2)")
@@ -336,7 +336,92 @@ def main() -> int:
                    help="cuda: the engine's torch runner on the GPU against transformers there (decode batch 1 and "
                         "64 at --new-tokens, prefill 1,024; float32 and bfloat16), instead of the CPU rows")
     p.add_argument("--child", choices=["engine", "reference"], help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+class Rows:
+    """The table's rows, each printed on stderr as it is measured: the reference's figure, each variant's and its
+    ratio to the reference."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add(self, metric: str, better: str, ref: float, results: dict[str, float]) -> None:
+        row = {"metric": metric, "better": better, "transformers": ref}
+        for v, val in results.items():
+            row[v] = val
+            row[f"{v}_ratio"] = val / ref
+        self.rows.append(row)
+        print(f"  {metric}: transformers {ref:.4g}, " + ", ".join(f"{v} {val:.4g} ({val / ref:.2f}x)" for v, val in results.items()),
+              file=sys.stderr, flush=True)
+
+
+def prefill_rows(rows: Rows, engines: dict, hf, lengths: list[int], repeats: int) -> None:
+    """Prefill tokens/s at each length: random ids in, the first token out."""
+    g = torch.Generator().manual_seed(0)
+    for T in lengths:
+        ids = torch.randint(0, 50257, (1, T), generator=g)
+        runs = {v: (lambda m=m: engine_generate(m, ids, 1)) for v, m in engines.items()}
+        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, 1), repeats)
+        rows.add(f"prefill {T} tokens (tok/s)", "higher", T / ref, {v: T / t for v, t in eng.items()})
+
+
+def decode_rows(rows: Rows, engines: dict, hf, prompt: list[int], n: int, repeats: int) -> None:
+    """Decode tokens/s at batch 1 and 8: (n - 1) new tokens over t(n) - t(1), prefill subtracted."""
+    for batch in (1, 8):
+        ids = torch.tensor([prompt] * batch)
+        runs = {v: (lambda m=m: engine_generate(m, ids, n) - engine_generate(m, ids, 1)) for v, m in engines.items()}
+        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, n) - reference_generate(hf, ids, 1), repeats)
+        tokens = batch * (n - 1)
+        rows.add(f"decode batch {batch}, {n} new (tok/s)", "higher", tokens / ref, {v: tokens / t for v, t in eng.items()})
+
+
+def score_row(rows: Rows, engines: dict, hf, tokens: int) -> None:
+    """Scoring tokens/s of gpt2 score's core against transformers' sliding-window loop, on the same windows."""
+    first = next(iter(engines.values()))
+    ids = bench_text(tokens, first.tokenizer)
+    context = first.config.n_positions
+    runs = {v: (lambda m=m: engine_score(m, ids, context, context // 2)) for v, m in engines.items()}
+    # both sides are warm from the rows above; one long run each, alternating
+    eng, ref = measure_row(runs, lambda: reference_score(hf, ids, context, context // 2), 1, warmup=False)
+    rows.add(f"score {len(ids)} tokens, stride {context // 2} (tok/s)", "higher", len(ids) / ref,
+             {v: len(ids) / t for v, t in eng.items()})
+
+
+def process_rows(rows: Rows, weights: Path, variants: list[str], threads: int, repeats: int) -> None:
+    """Time from process start to the first token and the peak RSS of a generate run, fresh processes alternating."""
+    starts: dict[str, list[float]] = {v: [] for v in variants}
+    rss: dict[str, list[float]] = {v: [] for v in variants}
+    ref_start, ref_rss = [], []
+    for _ in range(repeats):
+        for v in variants:
+            s, r = startup_and_rss("engine", weights, v, threads)
+            starts[v].append(s), rss[v].append(r)
+        s, r = startup_and_rss("reference", weights, "fp32", threads)
+        ref_start.append(s), ref_rss.append(r)
+    rows.add("process start to first token (s)", "lower", statistics.median(ref_start),
+             {v: statistics.median(x) for v, x in starts.items()})
+    rows.add("peak RSS of a generate run (MiB)", "lower", statistics.median(ref_rss),
+             {v: statistics.median(x) for v, x in rss.items()})
+
+
+def print_extra(variant: str, structured: list[dict], steered: list[dict]) -> None:
+    """The structured-output and steering tables, where they ran."""
+    if structured:
+        print(f"\nstructured output ({variant}, greedy, a JSON schema against free text; llguidance's mask per "
+              "token):")
+        print(f"{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'ratio':>6}")
+        for r in structured:
+            print(f"{r['batch']:>5} {r['free_tok_s']:>11.1f} {r['json_schema_tok_s']:>13.1f} {r['ratio']:>5.2f}x")
+    if steered:
+        print(f"\nsteering ({variant}, batch 1, greedy, one vector of coefficient 4 against plain decode):")
+        print(f"{'hook':>26} {'tok/s':>8} {'ratio':>7}")
+        for r in steered:
+            print(f"{r['steering']:>26} {r['tok_s']:>8.1f} {r['ratio']:>6.3f}x")
+
+
+def main() -> int:
+    args = parse_args()
     weights = args.weights or write_fixture()
     if args.child:
         child(args.child, weights, args.variants, 32)
@@ -347,79 +432,27 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
     hf = load_reference(weights)
-    rows: list[dict] = []
-
-    def add(metric: str, better: str, ref: float, results: dict[str, float]) -> None:
-        row = {"metric": metric, "better": better, "transformers": ref}
-        for v, val in results.items():
-            row[v] = val
-            row[f"{v}_ratio"] = val / ref
-        rows.append(row)
-        print(f"  {metric}: transformers {ref:.4g}, " + ", ".join(f"{v} {val:.4g} ({val / ref:.2f}x)" for v, val in results.items()),
-              file=sys.stderr, flush=True)
-
-    g = torch.Generator().manual_seed(0)
+    rows = Rows()
     engines = {v: load_engine(weights, v) for v in variants}
-    for T in [int(t) for t in args.prefill.split(",")]:
-        ids = torch.randint(0, 50257, (1, T), generator=g)
-        runs = {v: (lambda m=m: engine_generate(m, ids, 1)) for v, m in engines.items()}
-        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, 1), args.repeats)
-        add(f"prefill {T} tokens (tok/s)", "higher", T / ref, {v: T / t for v, t in eng.items()})
-
-    prompt = engines[variants[0]].tokenizer.encode(PROMPT_16)
-    n = args.new_tokens
-    for batch in (1, 8):
-        ids = torch.tensor([prompt] * batch)
-        runs = {v: (lambda m=m: engine_generate(m, ids, n) - engine_generate(m, ids, 1)) for v, m in engines.items()}
-        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, n) - reference_generate(hf, ids, 1), args.repeats)
-        tokens = batch * (n - 1)
-        add(f"decode batch {batch}, {n} new (tok/s)", "higher", tokens / ref, {v: tokens / t for v, t in eng.items()})
-
-    structured = structured_rows(engines[variants[0]], prompt, n, args.repeats) if args.structured else []
-    steered = steering_rows(engines[variants[0]], prompt, n, max(args.repeats, 5)) if args.steering else []
-
+    first = engines[variants[0]]
+    prefill_rows(rows, engines, hf, [int(t) for t in args.prefill.split(",")], args.repeats)
+    prompt = first.tokenizer.encode(PROMPT_16)
+    decode_rows(rows, engines, hf, prompt, args.new_tokens, args.repeats)
+    structured = structured_rows(first, prompt, args.new_tokens, args.repeats) if args.structured else []
+    steered = steering_rows(first, prompt, args.new_tokens, max(args.repeats, 5)) if args.steering else []
     if args.score_tokens:
-        ids = bench_text(args.score_tokens, engines[variants[0]].tokenizer)
-        context = engines[variants[0]].config.n_positions
-        runs = {v: (lambda m=m: engine_score(m, ids, context, context // 2)) for v, m in engines.items()}
-        # both sides are warm from the rows above; one long run each, alternating
-        eng, ref = measure_row(runs, lambda: reference_score(hf, ids, context, context // 2), 1, warmup=False)
-        add(f"score {len(ids)} tokens, stride {context // 2} (tok/s)", "higher", len(ids) / ref,
-            {v: len(ids) / t for v, t in eng.items()})
-
-    del engines, hf
-    starts = {v: [] for v in variants}
-    rss = {v: [] for v in variants}
-    ref_start, ref_rss = [], []
-    for _ in range(args.repeats):
-        for v in variants:
-            s, r = startup_and_rss("engine", weights, v, args.threads)
-            starts[v].append(s), rss[v].append(r)
-        s, r = startup_and_rss("reference", weights, "fp32", args.threads)
-        ref_start.append(s), ref_rss.append(r)
-    add("process start to first token (s)", "lower", statistics.median(ref_start),
-        {v: statistics.median(x) for v, x in starts.items()})
-    add("peak RSS of a generate run (MiB)", "lower", statistics.median(ref_rss),
-        {v: statistics.median(x) for v, x in rss.items()})
+        score_row(rows, engines, hf, args.score_tokens)
+    del engines, first, hf
+    process_rows(rows, weights, variants, args.threads, args.repeats)
 
     from gpt2_engine.core.kernels import cpu
 
     machine = f"{cpu().summary()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads"
-    print_table(rows, variants, machine)
-    if structured:
-        print(f"\nstructured output ({variants[0]}, greedy, a JSON schema against free text; llguidance's mask per "
-              "token):")
-        print(f"{'batch':>5} {'free tok/s':>11} {'schema tok/s':>13} {'ratio':>6}")
-        for r in structured:
-            print(f"{r['batch']:>5} {r['free_tok_s']:>11.1f} {r['json_schema_tok_s']:>13.1f} {r['ratio']:>5.2f}x")
-    if steered:
-        print(f"\nsteering ({variants[0]}, batch 1, greedy, one vector of coefficient 4 against plain decode):")
-        print(f"{'hook':>26} {'tok/s':>8} {'ratio':>7}")
-        for r in steered:
-            print(f"{r['steering']:>26} {r['tok_s']:>8.1f} {r['ratio']:>6.3f}x")
+    print_table(rows.rows, variants, machine)
+    print_extra(variants[0], structured, steered)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "cpu": dataclasses.asdict(cpu()), "weights": str(weights),
-                                    "repeats": args.repeats, "rows": rows, "structured": structured,
+                                    "repeats": args.repeats, "rows": rows.rows, "structured": structured,
                                     "steering": steered}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0

@@ -63,27 +63,37 @@ def buffer(gib: float, huge: bool = False) -> torch.Tensor:
     return buf
 
 
+Variant = tuple[int, int, bool, bool]  # (load width in bytes, prefetch distance, non-temporal, 2 MB pages)
+
+
+def variant_name(v: Variant) -> str:
+    return (f"{v[0] * 8}-bit {'non-temporal' if v[2] else 'plain'} loads, prefetch {v[1]} B ahead, "
+            f"{'2 MB' if v[3] else '4 KB'} pages")
+
+
+def read_rate(mod, buf: torch.Tensor, v: Variant, threads: int, passes: int) -> float:
+    """GB/s of the best of `passes` reads of `buf` with variant `v`; a read that did not sum all of it (the buffer
+    holds ones: whole steps per thread, nearly all) means the kernel skipped loads, and ends the benchmark."""
+    gbs, total = mod.read_rate(buf, *v[:3], threads, passes)
+    if not 0.999 <= total / (passes * buf.numel()) <= 1.0:
+        raise SystemExit(f"bench-memory: the {variant_name(v)} read summed {total:.0f}, expected about "
+                         f"{passes * buf.numel()}: the kernel skipped loads")
+    return gbs
+
+
 def measure(threads: int = 2, gib: float = 1.0, passes: int = 5, rounds: int = 3) -> Ceiling:
     """Every variant, alternating, `rounds` rounds of `passes` passes each: medians of the per-round bests."""
     mod = kernel()
     bufs = {huge: buffer(gib, huge) for huge in ((False, True) if huge_pages_available() else (False,))}
     widths = [32] + ([64] if cpu().avx512 else [])
-    variants = [(w, a, nt, huge) for huge in bufs for w in widths for nt in (False, True) for a in AHEAD]
-    names = {v: f"{v[0] * 8}-bit {'non-temporal' if v[2] else 'plain'} loads, prefetch {v[1]} B ahead, "
-                f"{'2 MB' if v[3] else '4 KB'} pages" for v in variants}
-    seen: dict[tuple[int, int, bool, bool], list[float]] = {}
+    variants: list[Variant] = [(w, a, nt, huge) for huge in bufs for w in widths for nt in (False, True) for a in AHEAD]
+    seen: dict[Variant, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
-            buf = bufs[v[3]]
-            gbs, total = mod.read_rate(buf, *v[:3], threads, passes)
-            # the buffer holds ones: every pass must have summed (nearly: whole steps per thread) all of it
-            if not 0.999 <= total / (passes * buf.numel()) <= 1.0:
-                raise SystemExit(f"bench-memory: the {names[v]} read summed {total:.0f}, expected about "
-                                 f"{passes * buf.numel()}: the kernel skipped loads")
-            seen.setdefault(v, []).append(gbs)
+            seen[v].append(read_rate(mod, bufs[v[3]], v, threads, passes))
     medians = {v: statistics.median(rates) for v, rates in seen.items()}
     best = max(medians, key=medians.get)
-    return Ceiling(medians[best], names[best], best, threads, {names[v]: m for v, m in medians.items()})
+    return Ceiling(medians[best], variant_name(best), best, threads, {variant_name(v): m for v, m in medians.items()})
 
 
 def main() -> int:

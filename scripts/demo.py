@@ -8,9 +8,9 @@
 `make generate` runs the second form, `make demo` the first. The demo model has 4 layers, 4 heads and 256 channels
 (GPT-2's full vocabulary) and is trained for a few minutes on the docstrings of Python's standard library (the
 text is on every machine, offline). It writes docstring-like English, not GPT-2's text. It is built once into the
-git-ignored .cache/demo/ of the working directory (the directory name carries a hash of this script; an interrupted
-build resumes), and .cache/demo/latest points to it: every `gpt2` command then finds it, as `--weights demo` or as
-the default when weights/ holds no checkpoint.
+git-ignored .cache/demo/ of this checkout (the directory name carries a hash of this script; an interrupted build
+resumes), and .cache/demo/latest points to it: every `gpt2` command then finds it, from any working directory, as
+`--weights demo` or as the default when weights/ holds no checkpoint (formats/hf.py's demo_caches says where it looks).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
+SCRIPTS = Path(__file__).absolute().parent
+ROOT = SCRIPTS.parent  # the checkout, as the package finds it (formats/hf.py's demo_caches)
 sys.path.insert(0, str(ROOT))  # the package, also where it is not installed
 
 from gpt2_engine.formats.files import atomic_write
-from gpt2_engine.formats.hf import DEMO_NAME, DEMO_WEIGHTS
+from gpt2_engine.formats.hf import DEMO_CACHE, DEMO_LATEST, DEMO_NAME
 
 CONFIG = {"n_layer": 4, "n_head": 4, "n_embd": 256, "n_positions": 256, "vocab_size": 50257, "model_type": "gpt2"}
 TRAIN = ["--steps", "300", "--context", "128", "--batch-size", "8", "--lr", "2e-3", "--warmup", "20",
@@ -47,7 +47,7 @@ def demo_key() -> str:
 
 def point_latest(dest: Path) -> None:
     """Point .cache/demo/latest at `dest`, atomically (a new link renamed over the old one)."""
-    latest = dest.parent / DEMO_WEIGHTS.name
+    latest = dest.parent / DEMO_LATEST
     if latest.is_symlink() and os.readlink(latest) == dest.name:
         return
     tmp = latest.with_name(f".{latest.name}-{os.getpid()}")
@@ -59,7 +59,7 @@ def point_latest(dest: Path) -> None:
 def ensure_demo() -> Path:
     """The demo model's directory, trained first (with gpt2 finetune's progress bar on stderr) if it is not built."""
     key = demo_key()
-    cache = DEMO_WEIGHTS.parent.resolve()
+    cache = ROOT / DEMO_CACHE  # where formats/hf.py's demo_caches looks first
     dest = cache / f"model-{key}"
     if has_weights(dest):
         point_latest(dest)
@@ -85,8 +85,8 @@ def ensure_demo() -> Path:
     subprocess.run(gpt2 + TRAIN + resume, check=True, stdout=sys.stderr, cwd=ROOT)
     os.replace(partial, dest)
     point_latest(dest)
-    print(f"demo: the demo model is ready in {DEMO_WEIGHTS} (-> {dest.name}); every gpt2 command finds it as "
-          f"--weights {DEMO_NAME}, and by default while weights/ holds no checkpoint", file=sys.stderr)
+    print(f"demo: the demo model is ready in {cache / DEMO_LATEST} (-> {dest.name}); every gpt2 command finds it "
+          f"as --weights {DEMO_NAME}, and by default while weights/ holds no checkpoint", file=sys.stderr)
     return dest
 
 

@@ -68,7 +68,7 @@ def test_generate_reads_the_prompt_from_a_file_and_from_stdin(capsys, monkeypatc
     (tmp_path / "p.txt").write_text("Hello, my dog is", encoding="utf-8")
     args = ("-n", "5", "--temperature", "0", "--weights", str(small_dir))
     _, from_file, _ = run(capsys, "generate", "-f", str(tmp_path / "p.txt"), *args)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello, my dog is"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello, my dog is")))
     _, from_stdin, _ = run(capsys, "generate", "-", *args)
     _, from_arg, _ = run(capsys, "generate", "Hello, my dog is", *args)
     assert from_file == from_stdin == from_arg
@@ -111,18 +111,66 @@ def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> Non
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "Hi", "--temperature", "-1"], "gpt2 generate: error: temperature must be in [0, 2]"),
-        (["generate", "Hi", "--top-p", "0"], "gpt2 generate: error: top_p must be in (0, 1]"),
-        (["generate", "Hi", "--top-k", "-3"], "gpt2 generate: error: top_k must be an integer >= 0"),
-        (["generate", "Hi", "-n", "-2"], "gpt2 generate: error: max_new_tokens must be an integer >= 0"),
-        (["generate", "Hi", "--repetition-penalty", "0"], "gpt2 generate: error: repetition_penalty must be a finite number > 0"),
+        (["generate", "Hi", "--temperature", "-1"], "gpt2 generate: error: --temperature must be in [0, 2]"),
+        (["generate", "Hi", "--top-p", "0"], "gpt2 generate: error: --top-p must be in (0, 1]"),
+        (["generate", "Hi", "--top-k", "-3"], "gpt2 generate: error: --top-k must be an integer >= 0"),
+        (["generate", "Hi", "-n", "-2"], "gpt2 generate: error: --max-new-tokens must be an integer >= 0"),
+        (["generate", "Hi", "--repetition-penalty", "0"], "gpt2 generate: error: --repetition-penalty must be a finite number > 0"),
         (["generate"], "gpt2 generate: error: no prompt: give PROMPT, '-' for stdin, or -f FILE"),
-        (["generate", "-f", "/nonexistent/prompt.txt"], "gpt2 generate: error: cannot read prompt file /nonexistent/prompt.txt"),
+        (["generate", "-f", "/nonexistent/prompt.txt"], "gpt2 generate: error: -f /nonexistent/prompt.txt: no such file"),
+        # the limits of runtime/requests.py, which the Python API shares, named by the flag
+        (["generate", "Hi", "-n", "2", "--num-samples", "1000000"],
+         "gpt2 generate: error: --num-samples must be an integer in [1, 10000], got 1000000\n"),
+        (["generate", "Hi", "-n", "100000"], "gpt2 generate: error: --max-new-tokens: asking for 100000 new tokens "
+                                             "exceeds the context of 1024 tokens (at most 1024)\n"),
     ],
 )
 def test_generate_bad_input_is_one_line_and_exit_2(capsys, small_dir: Path, argv: list[str], message: str) -> None:
     code, out, err = run(capsys, *argv, "--weights", str(small_dir))
     assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
+
+
+def test_generate_refuses_samples_whose_kv_cache_cannot_fit(capsys, monkeypatch, trained_dir: Path) -> None:
+    """All of a run's samples decode at once, each with its KV cache slot: what cannot fit is refused up front,
+    with the numbers, rather than failing in the allocator."""
+    from gpt2_engine.runtime import generate
+
+    monkeypatch.setattr(generate, "available_memory", lambda: 10**9)
+    code, out, err = run(capsys, "generate", "Hi", "-n", "500", "--num-samples", "300", "--weights", str(trained_dir))
+    assert code == 2 and out == ""
+    assert err == ("gpt2 generate: error: --num-samples 300 needs a 1.2 GB KV cache (300 sequences of up to 500 "
+                   "positions at once); this machine has 1.0 GB available, room for 244 sequences; ask for fewer "
+                   "samples or new tokens a call\n")  # 500 positions x 4 layers x 2 x 256 channels x 4 bytes each
+
+
+def test_steer_names_a_missing_sae_as_the_steer_flag_gave_it(capsys, trained_dir: Path) -> None:
+    code, out, err = run(capsys, "generate", "Hi", "--steer", "sae=/nonexistent/saes/res6,feature=1,coef=8",
+                         "--weights", str(trained_dir))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--sae" not in err
+    assert err.startswith("gpt2 generate: error: --steer sae=/nonexistent/saes/res6: no such file or directory")
+
+
+BAD_UTF8 = b"Hello, my \xff dog"  # the first invalid byte at offset 10
+
+
+@pytest.mark.parametrize("argv, source", [
+    (["generate", "-"], "stdin"),
+    (["generate", "-f", "{bad}"], "-f {bad}"),
+    (["score", "-"], "stdin"),
+    (["score", "{bad}"], "{bad}"),
+    (["inspect", "-"], "stdin"),
+])
+def test_text_that_is_not_utf8_is_refused_wherever_it_comes_from(tmp_path: Path, trained_dir: Path, argv: list[str],
+                                                                 source: str) -> None:
+    """GPT-2's tokenizer takes text: stdin, a prompt file and a scored file are read by one function, and bytes that
+    are not UTF-8 are one line naming the source and the first invalid byte, before any model loads."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(BAD_UTF8)
+    proc = subprocess.run([sys.executable, "-m", "gpt2_engine", *[a.format(bad=bad) for a in argv], "--weights",
+                           str(trained_dir)], input=BAD_UTF8, capture_output=True)
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert proc.stderr.decode() == (f"gpt2 {argv[0]}: error: {source.format(bad=bad)}: invalid UTF-8 at byte offset 10 "
+                                    "(expected UTF-8 text)\n")
 
 
 def test_generate_bad_weights_directory(capsys, tmp_path: Path) -> None:
@@ -165,30 +213,32 @@ def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path
     assert total["tokens"] == sum(r["tokens"] for r in doc["results"]) and abs(total["ppl_change"]) < 1e-4
 
 
+# The compare tests below run on the small trained checkpoint (4 layers): what they check does not need GPT-2's size
+# (test_compare_passes_on_the_fixture_with_both_engines runs the full-size one).
 @pytest.fixture(scope="module")
-def perturbed_dir(small_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def perturbed_dir(trained_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     def perturb(t: dict) -> None:
-        t["h.5.mlp.c_fc.weight"][10, 20] += 0.5
+        t["h.2.attn.c_proj.bias"][10] += 0.5  # adds 0.5 to the residual stream at every position, from block 2 on
 
-    return edited_copy(small_dir, tmp_path_factory.mktemp("perturbed"), perturb)
+    return edited_copy(trained_dir, tmp_path_factory.mktemp("perturbed"), perturb)
 
 
-def test_compare_names_the_first_divergent_block(capsys, small_dir: Path, perturbed_dir: Path) -> None:
-    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(small_dir),
+def test_compare_names_the_first_divergent_block(capsys, trained_dir: Path, perturbed_dir: Path) -> None:
+    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(trained_dir),
                        "--prompt", "The quick brown fox jumps over the lazy dog", "--json")
     assert code == 1
     [r] = json.loads(out)["results"]
-    assert r["passed"] is False and r["first_divergent_block"] == 5 and r["first_divergent_position"] == 0
-    before, at = max(r["per_block_max_abs"][:5]), r["per_block_max_abs"][5]
-    assert before < 1e-4 and at > 1000 * before  # rounding before block 5, a real difference from it on
+    assert r["passed"] is False and r["first_divergent_block"] == 2 and r["first_divergent_position"] == 0
+    before, at = max(r["per_block_max_abs"][:2]), r["per_block_max_abs"][2]
+    assert before < 1e-4 and at > 1000 * before  # rounding before block 2, a real difference from it on
 
-    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(small_dir), "--prompt", "Hi")
-    assert code == 1 and "MISMATCH from block 5, position 0" in out and "0 passed, 1 failed" in out
+    code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(trained_dir), "--prompt", "Hi")
+    assert code == 1 and "MISMATCH from block 2, position 0" in out and "0 passed, 1 failed" in out
 
 
-def test_compare_table_and_prompts_file(capsys, tmp_path: Path, small_dir: Path) -> None:
+def test_compare_table_and_prompts_file(capsys, tmp_path: Path, trained_dir: Path) -> None:
     (tmp_path / "prompts.txt").write_text("first prompt\n\nsecond prompt\n")
-    code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--prompts-file", str(tmp_path / "prompts.txt"))
+    code, out, _ = run(capsys, "compare", "--weights", str(trained_dir), "--prompts-file", str(tmp_path / "prompts.txt"))
     assert code == 0 and "prompts.txt:1" in out and "prompts.txt:2" in out and "all 2 comparisons within tolerance" in out
 
 
@@ -198,8 +248,8 @@ def test_compare_bad_weights_exits_2_with_the_loader_message(capsys, tmp_path: P
     assert "weights directory does not exist" in err
 
 
-def test_compare_rtol_zero_fails_on_rounding(capsys, small_dir: Path) -> None:
-    code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--prompt", "Hi there", "--rtol", "0", "--json")
+def test_compare_rtol_zero_fails_on_rounding(capsys, trained_dir: Path) -> None:
+    code, out, _ = run(capsys, "compare", "--weights", str(trained_dir), "--prompt", "Hi there", "--rtol", "0", "--json")
     assert code == 1 and json.loads(out)["passed"] is False
 
 

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -234,6 +235,8 @@ def test_resume_refuses_other_settings_and_out_refuses_a_second_run(trained_dir:
     ("ok", ("--resume",), "nothing to resume (no last/trainer_state.json); run without --resume to start"),
     ("ok", ("--lr", "1e30", "--steps", "3", "--clip", "0"), "the validation loss became nan at step 1; training stopped"),
     ("ok", ("--init", "huge"), "--init: 'huge' is neither small|medium|large|xl"),
+    ("ok", ("--sample-every", "1", "--sample-tokens", "100000"),
+     "sample_tokens: 100000 tokens exceed the model's n_positions 512"),  # before training, not at the first sample
     ("missing", (), "no such file"),
 ])
 def test_bad_input_is_one_line_and_exit_2(trained_dir: Path, tmp_path: Path, case: str, extra: tuple[str, ...],
@@ -249,6 +252,57 @@ def test_bad_input_is_one_line_and_exit_2(trained_dir: Path, tmp_path: Path, cas
     lines = [line for line in done.stderr.splitlines() if line.startswith("gpt2 finetune: error:")]
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_batch_that_cannot_fit_is_refused_with_the_numbers(trained_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A micro-batch whose step cannot fit in memory is one line, before anything is allocated: what it needs, what
+    the machine has, and the largest --batch-size that fits (which does fit, and one more does not)."""
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.train import trainer
+
+    data = corpus(tmp_path)
+    done = finetune(*small_run(trained_dir, data, tmp_path / "out", "--batch-size", "1000000", "--context", "512"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert re.fullmatch(r"gpt2 finetune: error: --batch-size 1000000 x --context 512 needs ~[\d,]+\.\d GB for a "
+                        r"step's activations, gradients and optimizer state; this machine has [\d.]+ GB available: at "
+                        r"most --batch-size \d+ fits \(--accumulate makes larger updates of smaller micro-batches; "
+                        r"--recompute keeps fewer activations\)", line), line
+
+    monkeypatch.setattr(trainer, "available_memory", lambda: 4 * 10**9)
+    done = finetune(*small_run(trained_dir, data, tmp_path / "out", "--batch-size", "1000", "--context", "512"))
+    assert done.returncode == 2 and "this machine has 4.0 GB available" in done.stderr
+    fits = int(re.search(r"at most --batch-size (\d+) fits", done.stderr)[1])
+    config, settings = GPT2Config.from_json(trained_dir / "config.json"), trainer.TrainSettings(context=512)
+    assert 0 < fits < 1000
+    assert trainer.step_bytes(config, settings, fits, None, False) <= 4 * 10**9
+    assert trainer.step_bytes(config, settings, fits + 1, None, False) > 4 * 10**9
+
+
+def test_running_out_of_memory_in_a_step_is_one_line(trained_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's allocator failing inside an update is the user's batch being too large for the machine: one line and
+    exit 2 (what else fails there is a bug: an internal error, exit 1)."""
+    from gpt2_engine.train import trainer
+
+    def fails(message: str):
+        def forward_loss(*args, **kwargs):
+            raise RuntimeError(message)
+        return forward_loss
+
+    oom = ("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: not enough memory: you tried to allocate "
+           "262144000000 bytes.")
+    args = small_run(trained_dir, corpus(tmp_path), tmp_path / "out", "--steps", "2", "--val-fraction", "0")
+    monkeypatch.setattr(trainer, "forward_loss", fails(oom))
+    done = finetune(*args)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (f"gpt2 finetune: error: update 1: out of memory ({oom}); lower --batch-size "
+                                            "or --context, or add --recompute")
+    monkeypatch.setattr(trainer, "forward_loss", fails("kernel exploded"))
+    done = finetune(*args, "--overwrite")
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith("gpt2 finetune: internal error: RuntimeError: kernel exploded")
 
 
 def test_python_api_trains_the_model_in_place(trained_dir: Path) -> None:

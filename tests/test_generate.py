@@ -202,6 +202,8 @@ def test_several_samples_per_prompt(model: GPT2) -> None:
         (dict(max_new_tokens=1025, truncate="left"), "asking for 1025 new tokens exceeds the context of 1024 tokens"),
         (dict(stop=[""]), "stop strings must be non-empty strings"),
         (dict(top_kk=3), "unknown generation option(s): top_kk"),
+        (dict(num_samples=10_001), "num_samples must be an integer in [1, 10000], got 10001"),  # the CLI's limit too
+        (dict(top_logprobs=21), "top_logprobs must be an integer in [0, 20], got 21"),  # the server's
     ],
 )
 def test_invalid_settings_are_refused(model: GPT2, kwargs: dict, message: str) -> None:

@@ -322,17 +322,18 @@ def test_the_int4_drafter_is_steered_too(trained_model, trained_dir) -> None:
 
     s = Steering("blocks.1.hook_resid_pre", direction(trained_model, " file"), 4.0)
     ids = trained_model.tokenizer.encode(PROMPTS[0])
-    drafter = trained_model.speculation("int4").drafter(1, len(ids) + 8)
+    n = 24
+    drafter = trained_model.speculation("int4").drafter(1, len(ids) + n)
     greedy = SamplingParams(temperature=0)
 
     def drafts(steering: tuple) -> list[int]:
-        ask = DraftAsk(0, ids, 8, greedy, torch.Generator(), (), steering, len(ids))
+        ask = DraftAsk(0, ids, n, greedy, torch.Generator(), (), steering, len(ids))
         return drafter.propose([ask])[0].tokens
 
     int4 = GPT2.from_pretrained(trained_dir, quantize="int4")
-    steered = int4.generate_ids(ids, max_new_tokens=8, temperature=0, steering=[s], ignore_eos=True)
+    steered = int4.generate_ids(ids, max_new_tokens=n, temperature=0, steering=[s], ignore_eos=True)
     assert drafts((s,)) == steered
-    assert drafts(()) == int4.generate_ids(ids, max_new_tokens=8, temperature=0, ignore_eos=True) != steered
+    assert drafts(()) == int4.generate_ids(ids, max_new_tokens=n, temperature=0, ignore_eos=True) != steered
 
 
 @pytest.mark.parametrize("variant", [{"dtype": "bfloat16"}, {"quantize": "int8"}, {"quantize": "int4"}])

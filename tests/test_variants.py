@@ -222,8 +222,8 @@ def test_generation_runs_with_cache_in_each_variant(variants: dict[str, GPT2], n
     assert m(ids)[0, -1].argmax().item() == c.token_ids[-1]  # the cached decode agrees with a full forward
 
 
-def test_compare_reports_agreement_for_int8(capsys, small_dir: Path) -> None:
-    args = ["compare", "--weights", str(small_dir), "--quantize", "int8", "--prompt", "The quick brown fox jumps", "--json"]
+def test_compare_reports_agreement_for_int8(capsys, trained_dir: Path) -> None:
+    args = ["compare", "--weights", str(trained_dir), "--quantize", "int8", "--prompt", "The quick brown fox jumps", "--json"]
     code = main(args + ["--min-top1", "0.5"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["variant"] == "int8" and doc["min_top1"] == 0.5 and doc["rtol"] == {"torch": None}

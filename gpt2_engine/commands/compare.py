@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from ..core.errors import GPT2EngineError, WeightsError
+from ..documents import read_text
 from ..options import add_device_options, add_force_option, add_weights_option
 from ..runtime.requests import prompt_or_endoftext
 
@@ -170,10 +172,7 @@ def collect_prompts(args: argparse.Namespace) -> dict[str, str]:
     for i, text in enumerate(args.prompt or []):
         prompts[f"prompt{i + 1}"] = text
     if args.prompts_file is not None:
-        try:
-            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise GPT2EngineError(f"cannot read prompts file {args.prompts_file}: {getattr(e, 'strerror', None) or e}") from None
+        lines = read_text(args.prompts_file, sys.stdin.buffer, "--prompts-file").splitlines()
         for i, line in enumerate(l for l in lines if l.strip()):
             prompts[f"{args.prompts_file.name}:{i + 1}"] = line
         if not prompts:
@@ -181,11 +180,32 @@ def collect_prompts(args: argparse.Namespace) -> dict[str, str]:
     return prompts or {**BUILTIN_PROMPTS, "long": long_prompt()}
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    from ..api import GPT2
+@dataclass(frozen=True)
+class Judgement:
+    """How a comparison is judged: the engines checked, the variant (None: float32), each engine's tolerance on the
+    logits (None: not judged alone), and the bounds over all prompts (None: none)."""
 
+    engines: list[str]
+    variant: str | None
+    rtols: dict[str, float | None]
+    min_top1: float | None
+    max_change: float | None
+
+
+def judgement_from_args(args: argparse.Namespace) -> Judgement:
+    """The engines, variant and tolerances the flags ask for (the defaults of the variant where not given); a
+    combination the NumPy reference or transformers cannot check is an error."""
     engines = ["torch", "numpy"] if args.engine == "all" else [args.engine]
     variant = args.quantize or (args.dtype if args.dtype != "float32" else None)
+    check_checkable(args, engines, variant)
+    rtols = {e: args.rtol if args.rtol is not None or variant else DEFAULT_RTOL[e] for e in engines}
+    return Judgement(engines, variant, rtols, given_or(args.min_top1, DEFAULT_MIN_TOP1.get(variant or "")),
+                     given_or(args.max_ppl_change, DEFAULT_MAX_PPL_CHANGE.get(variant or "")))
+
+
+def check_checkable(args: argparse.Namespace, engines: list[str], variant: str | None) -> None:
+    """Refuse what the references cannot check: a variant or an adapter on the NumPy reference (float32, no
+    adapters), a checkpoint file (transformers reads a Hugging Face directory)."""
     if variant and engines != ["torch"]:
         raise GPT2EngineError("--dtype bfloat16 / --quantize apply to the torch engine; the NumPy reference is float32")
     if args.lora and engines != ["torch"]:
@@ -193,46 +213,74 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.device != "cpu" and engines != ["torch"]:
         raise GPT2EngineError(f"--device {args.device} applies to the torch engine; the NumPy reference runs on "
                               "the CPU")
-    min_top1 = args.min_top1 if args.min_top1 is not None else DEFAULT_MIN_TOP1.get(variant or "")
     if args.weights is not None and args.weights.is_file():
         raise GPT2EngineError(f"{args.weights}: gpt2 compare holds the engine to transformers, which reads a Hugging "
                               f"Face directory; convert the file first (gpt2 convert {args.weights} DIR --to hf)")
-    prompts = collect_prompts(args)
+
+
+def given_or(value: float | None, default: float | None) -> float | None:
+    return value if value is not None else default
+
+
+def load_both(args: argparse.Namespace):
+    """(the engine's model, transformers' reference, the reference's directory), checked to be the same shape."""
+    from ..api import GPT2
+
     model = GPT2.from_pretrained(args.weights, dtype=args.dtype, quantize=args.quantize, lora=args.lora,
                                  force=args.force, device=args.device, runner=args.runner)
     reference_dir = args.reference or args.weights
     hf_model = load_reference(reference_dir, args.lora).to(model.device)  # transformers on the engine's device
     if hf_model.config.n_layer != model.config.n_layer or hf_model.config.n_embd != model.config.n_embd:
         raise WeightsError(f"{reference_dir}: the reference has another shape than {args.weights}")
+    return model, hf_model, reference_dir
 
+
+def compare_prompts(prompts: dict[str, str], model, hf_model, judgement: Judgement) -> list[Report]:
+    """One Report per prompt and engine: the reference runs once per prompt, each engine against it."""
     reports = []
-    rtols = {e: args.rtol if args.rtol is not None or variant else DEFAULT_RTOL[e] for e in engines}
     for name, text in prompts.items():
         ids = prompt_or_endoftext(model.tokenizer.encode(text)[: model.config.n_positions], model.tokenizer.eot_id)
         ids_t = torch.tensor([ids])
         ref = reference_outputs(hf_model, ids_t.to(model.device))
-        for engine in engines:
-            reports.append(compare_outputs(name, engine, ids_t[0], ref, engine_outputs(model, ids_t, engine), rtols[engine]))
-    max_change = args.max_ppl_change if args.max_ppl_change is not None else DEFAULT_MAX_PPL_CHANGE.get(variant or "")
-    total = summarize(reports, min_top1, max_change)
+        for engine in judgement.engines:
+            reports.append(compare_outputs(name, engine, ids_t[0], ref, engine_outputs(model, ids_t, engine),
+                                           judgement.rtols[engine]))
+    return reports
+
+
+def print_total(total: dict, judgement: Judgement, default_prompts: bool) -> None:
+    """The line over all prompts: top-1 agreement and the perplexity change, judged (and a note on the default
+    prompts when the perplexity failed on them)."""
+    low, high = total["ppl_change_range"]
+    max_change = judgement.max_change
+    print(f"over all prompts ({total['tokens']} tokens): top-1 agreement {total['top1_agreement']:.2%}, perplexity "
+          f"{total['ppl_reference']:.4g} (transformers) -> {total['ppl']:.4g} (engine), {total['ppl_change']:+.3%}"
+          + (f" ({low:+.2%} to {high:+.2%} at 2 standard errors)" if judgement.variant else "")
+          + ("" if max_change is None else f" (allowed: +{max_change:.1%})")
+          + ("" if total["passed"] else ": MISMATCH (" + "; ".join(total["failures"]) + ")"))
+    if any("perplexity" in f for f in total["failures"]) and default_prompts:
+        print("(the default prompts are English prose, code and Unicode, GPT-2's kind of text; a quantization's "
+              "cost in perplexity depends on the text, and is larger where the model predicts it poorly: judge "
+              "another model on text like its own, with --prompts-file)")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    judgement = judgement_from_args(args)
+    prompts = collect_prompts(args)
+    model, hf_model, reference_dir = load_both(args)
+    reports = compare_prompts(prompts, model, hf_model, judgement)
+    total = summarize(reports, judgement.min_top1, judgement.max_change)
     passed = all(r.passed for r in reports) and total["passed"]
+    variant = judgement.variant or "float32"
     if args.json:
         print(json.dumps({"passed": passed, "weights": str(args.weights), "reference": str(reference_dir),
-                          "variant": variant or "float32", "rtol": rtols, "min_top1": min_top1,
-                          "max_ppl_change": max_change, "results": [asdict(r) for r in reports], "total": total},
-                         indent=2))
+                          "variant": variant, "rtol": judgement.rtols, "min_top1": judgement.min_top1,
+                          "max_ppl_change": judgement.max_change, "results": [asdict(r) for r in reports],
+                          "total": total}, indent=2))
     else:
-        print_table(reports, rtols, min_top1, max_change, variant or "float32", args.weights, reference_dir)
-        low, high = total["ppl_change_range"]
-        print(f"over all prompts ({total['tokens']} tokens): top-1 agreement {total['top1_agreement']:.2%}, perplexity "
-              f"{total['ppl_reference']:.4g} (transformers) -> {total['ppl']:.4g} (engine), {total['ppl_change']:+.3%}"
-              + (f" ({low:+.2%} to {high:+.2%} at 2 standard errors)" if variant else "")
-              + ("" if max_change is None else f" (allowed: +{max_change:.1%})")
-              + ("" if total["passed"] else ": MISMATCH (" + "; ".join(total["failures"]) + ")"))
-        if any("perplexity" in f for f in total["failures"]) and not args.prompt and args.prompts_file is None:
-            print("(the default prompts are English prose, code and Unicode, GPT-2's kind of text; a quantization's "
-                  "cost in perplexity depends on the text, and is larger where the model predicts it poorly: judge "
-                  "another model on text like its own, with --prompts-file)")
+        print_table(reports, judgement.rtols, judgement.min_top1, judgement.max_change, variant, args.weights,
+                    reference_dir)
+        print_total(total, judgement, default_prompts=not args.prompt and args.prompts_file is None)
     return 0 if passed else 1
 
 
@@ -242,19 +290,25 @@ def summarize(reports: list[Report], min_top1: float | None, max_change: float |
     comes with its range at 2 standard errors of the mean per-token NLL change: whether the prompts are enough
     tokens to judge it."""
     tokens = sum(r.tokens for r in reports)
-    scored = sum(r.tokens - 1 for r in reports)
-    nll_ref, nll = sum(r.nll_reference for r in reports), sum(r.nll for r in reports)
-    ppl_ref = math.exp(nll_ref / scored) if scored else math.nan
-    ppl = math.exp(nll / scored) if scored else math.nan
-    change = math.exp((nll - nll_ref) / scored) - 1 if scored else 0.0
-    mean = (nll - nll_ref) / scored if scored else 0.0
-    spread = math.sqrt(max(sum(r.nll_change_sq for r in reports) / scored - mean * mean, 0.0) / scored) if scored else 0.0
-    band = (math.expm1(mean - 2 * spread), math.expm1(mean + 2 * spread))
     top1 = sum(r.top1_agreement * r.tokens for r in reports) / tokens
+    ppl_ref, ppl, change, band = perplexity_change(reports)
     failures = ([f"top-1 agreement {top1:.2%} < {min_top1:.1%}"] if min_top1 is not None and top1 < min_top1 else []) \
         + ([f"perplexity {change:+.3%} > +{max_change:.1%}"] if max_change is not None and change > max_change else [])
     return {"tokens": tokens, "top1_agreement": top1, "ppl_reference": ppl_ref, "ppl": ppl, "ppl_change": change,
             "ppl_change_range": band, "passed": not failures, "failures": failures}
+
+
+def perplexity_change(reports: list[Report]) -> tuple[float, float, float, tuple[float, float]]:
+    """(reference perplexity, engine perplexity, relative change, its range at 2 standard errors) over every
+    prompt's predicted tokens; nan perplexities and no change when no token is predicted."""
+    scored = sum(r.tokens - 1 for r in reports)
+    if not scored:
+        return math.nan, math.nan, 0.0, (0.0, 0.0)
+    nll_ref, nll = sum(r.nll_reference for r in reports), sum(r.nll for r in reports)
+    mean = (nll - nll_ref) / scored  # the mean per-token NLL change
+    spread = math.sqrt(max(sum(r.nll_change_sq for r in reports) / scored - mean * mean, 0.0) / scored)
+    return (math.exp(nll_ref / scored), math.exp(nll / scored), math.exp(mean) - 1,
+            (math.expm1(mean - 2 * spread), math.expm1(mean + 2 * spread)))
 
 
 def print_table(reports: list[Report], rtols: dict[str, float | None], min_top1: float | None,
@@ -272,11 +326,7 @@ def print_table(reports: list[Report], rtols: dict[str, float | None], min_top1:
     print("-" * len(header))
     for r in reports:
         worst = int(np.argmax(r.per_block_max_abs)) if r.per_block_max_abs else 0
-        result = "ok" if r.passed else (
-            f"MISMATCH from block {r.first_divergent_block}, position {r.first_divergent_position}"
-            if r.first_divergent_block is not None else f"MISMATCH in logits at position {r.first_divergent_position}")
-        if rtols.get(r.engine) is None:  # not judged alone: its share of the judgement over all prompts
-            result = f"ppl {math.expm1((r.nll - r.nll_reference) / max(r.tokens - 1, 1)):+.2%}"
+        result = row_result(r, rtols.get(r.engine) is not None)
         print(f"{r.prompt[:14]:<14} {r.engine:<6} {r.tokens:>6} {r.max_abs:>9.2e} {r.mean_abs:>9.2e} {r.max_rel:>9.2e} "
               f"{r.kl_max:>9.2e} {r.top1_agreement:>7.2%} {r.top5_overlap:>7.2%} "
               f"{worst:>3} ({r.per_block_max_abs[worst]:.1e})  {result}")
@@ -284,6 +334,18 @@ def print_table(reports: list[Report], rtols: dict[str, float | None], min_top1:
         return
     bad = [r for r in reports if not r.passed]
     print(f"{len(reports) - len(bad)} passed, {len(bad)} failed" if bad else f"all {len(reports)} comparisons within tolerance")
+
+
+def row_result(r: Report, judged: bool) -> str:
+    """A table row's verdict: ok, or where the mismatch starts; a row not judged alone (no tolerance on the logits:
+    bfloat16, int8, int4) shows its share of the judgement over all prompts, its perplexity change."""
+    if not judged:
+        return f"ppl {math.expm1((r.nll - r.nll_reference) / max(r.tokens - 1, 1)):+.2%}"
+    if r.passed:
+        return "ok"
+    if r.first_divergent_block is not None:
+        return f"MISMATCH from block {r.first_divergent_block}, position {r.first_divergent_position}"
+    return f"MISMATCH in logits at position {r.first_divergent_position}"
 
 
 def add_compare(sub: argparse._SubParsersAction) -> None:

@@ -46,27 +46,51 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_eval)
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def check_flags(args: argparse.Namespace) -> list[str]:
+    """The task names and files (comma-separated lists split), with every flag checked before lm-eval imports."""
     if importlib.util.find_spec("lm_eval") is None:
         raise UsageError("gpt2 eval needs lm-eval, which is not installed: pip install 'gpt2-engine[eval]'")
-    if args.prefix_cache_mb is not None and args.prefix_cache_mb <= 0:
-        raise UsageError(f"--prefix-cache-mb must be a positive number of MB, got {args.prefix_cache_mb}")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise UsageError(f"--num-fewshot must be at least 0, got {args.num_fewshot}")
-    if args.limit is not None and args.limit <= 0:
-        raise UsageError(f"--limit must be a positive count or fraction, got {args.limit}")
-    if args.include_path is not None and not args.include_path.is_dir():
-        raise UsageError(f"--include-path {args.include_path}: not a directory")
-    if args.log_samples and args.output is None:
-        raise UsageError("--log-samples writes the samples into --output FILE: give --output too")
+    for bad, message in (
+            (args.prefix_cache_mb is not None and args.prefix_cache_mb <= 0,
+             f"--prefix-cache-mb must be a positive number of MB, got {args.prefix_cache_mb}"),
+            (args.num_fewshot is not None and args.num_fewshot < 0,
+             f"--num-fewshot must be at least 0, got {args.num_fewshot}"),
+            (args.limit is not None and args.limit <= 0,
+             f"--limit must be a positive count or fraction, got {args.limit}"),
+            (args.include_path is not None and not args.include_path.is_dir(),
+             f"--include-path {args.include_path}: not a directory"),
+            (args.log_samples and args.output is None,
+             "--log-samples writes the samples into --output FILE: give --output too")):
+        if bad:
+            raise UsageError(message)
+    return [t for spec in args.tasks for t in spec.split(",") if t]
+
+
+def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:
+    """lm-eval's simple_evaluate on the tasks, every seed --seed; an unknown task or data that cannot be loaded is
+    a UsageError."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(args.include_path) if args.include_path else None)
+    limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
+    try:
+        return simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
+                               log_samples=args.log_samples, random_seed=args.seed, numpy_random_seed=args.seed,
+                               torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+    except KeyError as e:  # lm-eval's "not a registered task/group/tag name or valid YAML path"
+        raise UsageError(f"--tasks: {' '.join(str(e).strip(chr(39) + chr(34)).split())}") from None
+    except (OSError, ConnectionError) as e:
+        raise UsageError(f"a task's data could not be loaded: {' '.join(str(e).split())[:300]} ({HUB_HINT})") from None
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    tasks = check_flags(args)
     steer = parse_steer_args(args.steer)
-    tasks = [t for spec in args.tasks for t in spec.split(",") if t]
     for t in tasks:
         if t.endswith((".yaml", ".yml")) and not Path(t).is_file():
             raise UsageError(f"--tasks {t}: no such task file")
 
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
     from ..harness import EngineLM
@@ -75,17 +99,7 @@ def run_eval(args: argparse.Namespace) -> int:
     mb = None if args.no_prefix_cache else args.prefix_cache_mb or DEFAULT_CAPACITY_MB
     lm = EngineLM(model, prefix_cache_mb=mb, slots=args.slots, seed=args.seed,
                   steering=steering_from_args(steer, model.config))
-    manager = TaskManager(include_path=str(args.include_path) if args.include_path else None)
-    limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
-    try:
-        results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit,
-                                  task_manager=manager, log_samples=args.log_samples, random_seed=args.seed,
-                                  numpy_random_seed=args.seed, torch_random_seed=args.seed,
-                                  fewshot_random_seed=args.seed)
-    except KeyError as e:  # lm-eval's "not a registered task/group/tag name or valid YAML path"
-        raise UsageError(f"--tasks: {' '.join(str(e).strip(chr(39) + chr(34)).split())}") from None
-    except (OSError, ConnectionError) as e:
-        raise UsageError(f"a task's data could not be loaded: {' '.join(str(e).split())[:300]} ({HUB_HINT})") from None
+    results = evaluate(args, lm, tasks)
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))

@@ -14,10 +14,13 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import torch
+from tqdm import tqdm
 
 from ..formats.checkpoints import read_checkpoint
 from ..core.config import PRESETS, GPT2Config
@@ -25,13 +28,15 @@ from ..formats.shards import TokenStream, shard_files
 from ..core.errors import WeightsError
 from ..core.lora import ALL_TARGETS, LoraSettings, parse_targets
 from ..core.quantize import FORMATS, quantize_weights
-from ..core.tokenizer import load_tokenizer
+from ..core.tokenizer import Tokenizer, load_tokenizer
+from ..core.weights import GPT2Weights
 from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
 from ..documents import expand_paths, read_documents
 from ..options import UsageError, positive_int
 from ..runtime.generate import two_samples
 from ..train.step import initial_weights, trainable_copy
-from ..train.trainer import Eval, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings, record
+from ..train.trainer import (Base, Eval, Event, Output, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings,
+                             record)
 from .merge import merge_lora
 
 INIT_NAMES = {"small": "gpt2", "medium": "gpt2-medium", "large": "gpt2-large", "xl": "gpt2-xl"}
@@ -179,122 +184,181 @@ def lora_from_args(args: argparse.Namespace) -> LoraSettings | None:
                         targets=parse_targets(args.lora_targets) if args.lora_targets is not None else ALL_TARGETS)
 
 
-def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
-    settings = settings_from_args(args)
-    lora = lora_from_args(args)
+def read_data(args: argparse.Namespace, stdin: IO[bytes]) -> tuple[list[str] | TokenStream, list[str] | TokenStream | None]:
+    """(training data, validation data or None): token shards as the memory-mapped stream they hold, or the texts
+    of the documents; --val must be of the same kind as DATA."""
     shards = shard_files(args.data)  # llm.c's token shards: memory-mapped, trained on as the stream they hold
     if shards is not None:
-        docs: list[tuple[str, str]] | TokenStream = TokenStream.of(shards)
+        stream = TokenStream.of(shards)
         val_shards = shard_files(args.val) if args.val else None
         if args.val and val_shards is None:
             raise UsageError("--val: give token shards too when DATA is token shards")
-        val: list[str] | TokenStream | None = TokenStream.of(val_shards) if val_shards else None
+        return stream, TokenStream.of(val_shards) if val_shards else None
+    docs = read_documents(expand_paths(args.data), stdin)
+    if not docs:
+        raise UsageError("no documents: DATA named no files with text")
+    val = [text for _, text in read_documents(expand_paths(args.val), stdin)] if args.val else None
+    if args.val and shard_files(args.val) is not None:
+        raise UsageError("--val: give text too when DATA is text")
+    return [text for _, text in docs], val
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from: the model's config, the tokenizer, the weights (trainable, or the frozen base of an
+    adapter) and what the checkpoints record of them."""
+
+    config: GPT2Config
+    tokenizer: Tokenizer
+    weights: GPT2Weights
+    base: str  # the resume check's name for the weights
+    fingerprint: str  # the base file's, recorded in an adapter ("" for --init)
+
+
+def start_from_init(args: argparse.Namespace, lora: LoraSettings | None) -> Start:
+    """--init: GPT-2's initialisation of the config it names; the BPE files of --weights where it is a directory."""
+    config = init_config(args.init)
+    tokenizer = load_tokenizer(args.weights if args.weights.is_dir() else None)
+    weights = initial_weights(config, torch.Generator().manual_seed(args.seed))
+    return Start(config, tokenizer, weights,
+                 "init:" + json.dumps(config.to_json_dict(), sort_keys=True) + f":seed={args.seed}", "")
+
+
+def start_from_file(args: argparse.Namespace, lora: LoraSettings | None) -> Start:
+    """nanoGPT's ckpt.pt or llm.c's model file (formats/checkpoints.py), with GPT-2's BPE."""
+    config, tensors = read_checkpoint(args.weights)
+    tokenizer = load_tokenizer(None)
+    base = fingerprint = weights_fingerprint(args.weights)
+    weights = weights_from_tensors(tensors, config, args.weights)
+    if lora is None:
+        weights = trainable_copy(weights, config)
+    elif args.quantize:
+        weights = quantize_weights(weights, args.quantize)
+        base += f":{args.quantize}"
+    return Start(config, tokenizer, weights, base, fingerprint)
+
+
+def start_from_directory(args: argparse.Namespace, lora: LoraSettings | None) -> Start:
+    """A checkpoint directory in the official layout: owned float32 copies to train, or (LoRA) the frozen base used
+    in place from the mapped file, or quantized with its float32 pages released as it goes."""
+    find_weights_file(args.weights)
+    config = GPT2Config.from_json(args.weights / CONFIG)
+    tokenizer = load_tokenizer(args.weights)
+    base = fingerprint = weights_fingerprint(args.weights)
+    if lora is None:
+        weights = trainable_copy(load_weights(args.weights, config), config)
     else:
-        docs = read_documents(expand_paths(args.data), stdin)
-        if not docs:
-            raise UsageError("no documents: DATA named no files with text")
-        val = [text for _, text in read_documents(expand_paths(args.val), stdin)] if args.val else None
-        if args.val and shard_files(args.val) is not None:
-            raise UsageError("--val: give text too when DATA is text")
-    if args.init:
-        config = init_config(args.init)
-        tokenizer = load_tokenizer(args.weights if args.weights.is_dir() else None)
-        weights = initial_weights(config, torch.Generator().manual_seed(args.seed))
-        base = "init:" + json.dumps(config.to_json_dict(), sort_keys=True) + f":seed={args.seed}"
-        fingerprint = ""
-    elif args.weights.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (formats/checkpoints.py), GPT-2's BPE
-        config, tensors = read_checkpoint(args.weights)
-        tokenizer = load_tokenizer(None)
-        base = fingerprint = weights_fingerprint(args.weights)
-        weights = weights_from_tensors(tensors, config, args.weights)
-        if lora is None:
-            weights = trainable_copy(weights, config)
-        elif args.quantize:
-            weights = quantize_weights(weights, args.quantize)
+        weights = load_weights(args.weights, config, resident=not args.quantize)
+        if args.quantize:
+            weights = quantize_weights(weights, args.quantize, find_weights_file(args.weights))
             base += f":{args.quantize}"
+    return Start(config, tokenizer, weights, base, fingerprint)
+
+
+def build_trainer(args: argparse.Namespace, stdin: IO[bytes]) -> Trainer:
+    settings = settings_from_args(args)
+    lora = lora_from_args(args)
+    data, val = read_data(args, stdin)
+    load = start_from_init if args.init else start_from_file if args.weights.is_file() else start_from_directory
+    start = load(args, lora)
+    if start.tokenizer.n_vocab > start.config.vocab_size:
+        raise UsageError(f"the tokenizer has {start.tokenizer.n_vocab} tokens, more than the model's vocab_size "
+                         f"{start.config.vocab_size}")
+    base = Base(start.base, lora, str(args.weights.resolve()) if lora else "", start.fingerprint if lora else "")
+    return Trainer(start.weights, start.config, start.tokenizer, data, settings, val_texts=val, base=base,
+                   output=Output(args.out, args.resume, args.overwrite),
+                   sampler=functools.partial(two_samples, config=start.config, tokenizer=start.tokenizer))
+
+
+class Progress:
+    """The run on stderr: a tqdm bar (step, loss, learning rate, tokens/s) and, above it, the evaluations, samples
+    and the reason a run stopped early; each event also as a line of the --log JSONL."""
+
+    def __init__(self, log: IO[str] | None) -> None:
+        self.log, self.bar = log, None
+        self.first_eval: Eval | None = None
+        self.last_eval: Eval | None = None
+        self.show: dict[type, Callable] = {Started: self.started, Step: self.stepped, Eval: self.evaluated,
+                                           Sample: self.sampled, Saved: lambda event: None, Stopped: self.stopped}
+
+    def __call__(self, event: Event) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(record(event)) + "\n")
+            self.log.flush()
+        self.show[type(event)](event)
+
+    def started(self, event: Started) -> None:
+        print(f"finetune: {event.parameters:,} parameters | {event.train_tokens:,} training tokens in "
+              f"{event.windows:,} windows | {event.val_tokens:,} validation tokens | {event.steps:,} updates "
+              f"of {event.tokens_per_step:,} tokens" + (f" | resuming at update {event.first_step}"
+                                                          if event.first_step else ""), file=sys.stderr)
+        if event.warning:
+            print(f"gpt2 finetune: warning: {event.warning}", file=sys.stderr)
+        self.bar = tqdm(total=event.steps, initial=event.first_step, desc="finetune", unit="step", file=sys.stderr,
+                        dynamic_ncols=True)
+
+    def stepped(self, event: Step) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"loss {event.loss:.4f} | lr {event.lr:.2e} | {event.tokens_per_second:,.0f} tok/s")
+
+    def evaluated(self, event: Eval) -> None:
+        self.first_eval = self.first_eval or event
+        self.last_eval = event
+        tqdm.write(f"step {event.step}: validation loss {event.val_loss:.4f}, perplexity {event.val_ppl:.2f}"
+                   + (" (best, saved)" if event.best else ""), file=sys.stderr)
+
+    def sampled(self, event: Sample) -> None:
+        tqdm.write(f"step {event.step}: greedy: {event.greedy!r}\nstep {event.step}: sampled: {event.sampled!r}",
+                   file=sys.stderr)
+
+    def stopped(self, event: Stopped) -> None:
+        tqdm.write(f"step {event.step}: {event.reason}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.log is not None:
+            self.log.close()
+
+
+def open_log(path: Path | None) -> IO[str] | None:
+    """--log FILE, opened to append (None without it)."""
+    if path is None:
+        return None
+    try:
+        return open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"--log {path}: cannot write ({e.strerror or e})") from None
+
+
+def summary(trainer: Trainer, progress: Progress, out: Path, wall: float) -> str:
+    """The last line: the best validation loss (from the first evaluation's) and where it is saved, the tokens and
+    updates trained, the wall time."""
+    result = trainer.result([])
+    first, last = progress.first_eval, progress.last_eval
+    if result.best_val_loss is not None:
+        before = f" (from {first.val_loss:.4f} at step {first.step})" if first and first is not last else ""
+        head = (f"best validation loss {result.best_val_loss:.4f} (perplexity {math.exp(result.best_val_loss):.2f}) "
+                f"at step {result.best_step}{before}, saved in {out}")
     else:
-        find_weights_file(args.weights)
-        config = GPT2Config.from_json(args.weights / CONFIG)
-        tokenizer = load_tokenizer(args.weights)
-        base = fingerprint = weights_fingerprint(args.weights)
-        if lora is None:
-            weights = trainable_copy(load_weights(args.weights, config), config)
-        else:  # frozen: used in place from the mapped file, or quantized with its float32 pages released as it goes
-            weights = load_weights(args.weights, config, resident=not args.quantize)
-            if args.quantize:
-                weights = quantize_weights(weights, args.quantize, find_weights_file(args.weights))
-                base += f":{args.quantize}"
-    if tokenizer.n_vocab > config.vocab_size:
-        raise UsageError(f"the tokenizer has {tokenizer.n_vocab} tokens, more than the model's vocab_size {config.vocab_size}")
-    data = docs if isinstance(docs, TokenStream) else [text for _, text in docs]
-    return Trainer(weights, config, tokenizer, data, settings, val_texts=val, out=args.out,
-                   base=base, resume=args.resume, overwrite=args.overwrite, lora=lora,
-                   base_name=str(args.weights.resolve()) if lora else "", base_fingerprint=fingerprint if lora else "",
-                   sampler=functools.partial(two_samples, config=config, tokenizer=tokenizer))
+        head = f"no validation data; the last model is saved in {out}"
+    if trainer.lora is not None:
+        head = head.replace("saved in", "adapter saved in")
+    return f"finetune: {head} | {result.tokens:,} tokens trained in {result.steps} updates | {wall:.1f} s"
 
 
 def run_finetune(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer = build_trainer(args, sys.stdin.buffer)
-    log = None
-    if args.log:
-        try:
-            log = open(args.log, "a", encoding="utf-8")
-        except OSError as e:
-            raise UsageError(f"--log {args.log}: cannot write ({e.strerror or e})") from None
-    bar = None
+    progress = Progress(open_log(args.log))
     t0 = time.perf_counter()
-    first_eval: Eval | None = None
-    last_eval: Eval | None = None
     try:
         for event in trainer.run():
-            if log is not None:
-                log.write(json.dumps(record(event)) + "\n")
-                log.flush()
-            if isinstance(event, Started):
-                print(f"finetune: {event.parameters:,} parameters | {event.train_tokens:,} training tokens in "
-                      f"{event.windows:,} windows | {event.val_tokens:,} validation tokens | {event.steps:,} updates "
-                      f"of {event.tokens_per_step:,} tokens" + (f" | resuming at update {event.first_step}"
-                                                                  if event.first_step else ""), file=sys.stderr)
-                if event.warning:
-                    print(f"gpt2 finetune: warning: {event.warning}", file=sys.stderr)
-                bar = tqdm(total=event.steps, initial=event.first_step, desc="finetune", unit="step",
-                           file=sys.stderr, dynamic_ncols=True)
-            elif isinstance(event, Step):
-                bar.update(1)
-                bar.set_postfix_str(f"loss {event.loss:.4f} | lr {event.lr:.2e} | {event.tokens_per_second:,.0f} tok/s")
-            elif isinstance(event, Eval):
-                first_eval = first_eval or event
-                last_eval = event
-                tqdm.write(f"step {event.step}: validation loss {event.val_loss:.4f}, perplexity {event.val_ppl:.2f}"
-                           + (" (best, saved)" if event.best else ""), file=sys.stderr)
-            elif isinstance(event, Sample):
-                tqdm.write(f"step {event.step}: greedy: {event.greedy!r}\nstep {event.step}: sampled: "
-                           f"{event.sampled!r}", file=sys.stderr)
-            elif isinstance(event, Saved):
-                pass
-            elif isinstance(event, Stopped):
-                tqdm.write(f"step {event.step}: {event.reason}", file=sys.stderr)
+            progress(event)
     finally:
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-    result = trainer.result([])
-    wall = time.perf_counter() - t0
-    if result.best_val_loss is not None:
-        before = f" (from {first_eval.val_loss:.4f} at step {first_eval.step})" if first_eval and first_eval is not last_eval else ""
-        head = (f"best validation loss {result.best_val_loss:.4f} (perplexity {math.exp(result.best_val_loss):.2f}) "
-                f"at step {result.best_step}{before}, saved in {args.out}")
-    else:
-        head = f"no validation data; the last model is saved in {args.out}"
-    if trainer.lora is not None:
-        head = head.replace("saved in", "adapter saved in")
-    print(f"finetune: {head} | {result.tokens:,} tokens trained in {result.steps} updates | {wall:.1f} s",
-          file=sys.stderr)
+        progress.close()
+    print(summary(trainer, progress, args.out, time.perf_counter() - t0), file=sys.stderr)
     if args.merge:
         merge_lora(args.weights, args.out, args.out / "merged")
         print(f"finetune: the base with the adapter merged in is saved in {args.out / 'merged'}", file=sys.stderr)

@@ -6,16 +6,25 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from ..core.config import GPT2Config
 from ..core.errors import GenerationError
+from ..documents import read_text
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, steering_from_args)
 from ..runtime.constraints import Constraint
-from ..runtime.requests import GenerationSettings
+from ..runtime.generate import Completion, Generation, GenerationStats
+from ..runtime.requests import MAX_SAMPLES, GenerationSettings
 from ..runtime.sampling import SamplingParams
 from ..runtime.speculation import ADAPTIVE_MAX, ADAPTIVE_START, MAX_DRAFT_TOKENS, check_draft_tokens
+
+if TYPE_CHECKING:
+    from ..api import GPT2
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +50,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop before this string (repeatable; escapes like \\n are understood)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past <|endoftext|>")
-    p.add_argument("--num-samples", type=positive_int, default=g.num_samples, metavar="K", help="completions to generate (default 1)")
+    p.add_argument("--num-samples", type=positive_int, default=g.num_samples, metavar="K",
+                   help=f"completions to generate, at most {MAX_SAMPLES:,} (default 1)")
     p.add_argument("--truncate", choices=["left"], help="keep the last tokens of a prompt too long for the context")
     p.add_argument("--allow-special", action="store_true", help="read <|endoftext|> in the prompt as the special token, not text")
     p.add_argument("--no-stream", action="store_true", help="print the text only when it is complete")
@@ -66,51 +76,64 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_generate)
 
 
+# The structured-output flags and the Constraint each makes from its value (a file's text for the two that take one)
+CONSTRAINTS: dict[str, Callable[[Any], Constraint]] = {
+    "--json-schema": lambda path: Constraint.json_schema(read_text(path, sys.stdin.buffer, "--json-schema")),
+    "--json-object": lambda _: Constraint.json_object(),
+    "--regex": Constraint.regex,
+    "--choice": Constraint.choice,
+    "--grammar": lambda path: Constraint.grammar(read_text(path, sys.stdin.buffer, "--grammar")),
+}
+
+# The settings' names (GenerationError.param) and the flags that set them: an error names what the user typed
+FLAGS = {"max_new_tokens": "--max-new-tokens", "num_samples": "--num-samples", "temperature": "--temperature",
+         "top_k": "--top-k", "top_p": "--top-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
+         "stop": "--stop", "ignore_eos": "--ignore-eos"}
+
+
+@contextmanager
+def flags_named() -> Iterator[None]:
+    """The engine's GenerationErrors in the command line's words: the flag at fault in place of the setting's name
+    (`num_samples must be ...` -> `--num-samples must be ...`), or before the message."""
+    try:
+        yield
+    except GenerationError as e:
+        flag, message = FLAGS.get(e.param or ""), str(e)
+        if flag is not None:
+            message = flag + message[len(e.param):] if message.startswith(e.param) else f"{flag}: {message}"
+        raise UsageError(message) from None
+
+
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The structured-output flag given, as a Constraint (at most one)."""
-    given = [flag for flag, value in (("--json-schema", args.json_schema), ("--json-object", args.json_object or None),
-                                      ("--regex", args.regex), ("--choice", args.choice), ("--grammar", args.grammar))
-             if value is not None]
+    given = [(flag, value) for flag in CONSTRAINTS
+             if (value := getattr(args, flag[2:].replace("-", "_"))) is not None and value is not False]
     if len(given) > 1:
-        raise UsageError(f"give one structured-output flag, not {' and '.join(given)}")
+        raise UsageError(f"give one structured-output flag, not {' and '.join(flag for flag, _ in given)}")
     if not given:
         return None
+    flag, value = given[0]
     try:
-        if args.json_object:
-            return Constraint.json_object()
-        if args.regex is not None:
-            return Constraint.regex(args.regex)
-        if args.choice is not None:
-            return Constraint.choice(args.choice)
-        path = args.json_schema or args.grammar
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"{given[0]} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-        return Constraint.json_schema(text) if args.json_schema else Constraint.grammar(text)
+        return CONSTRAINTS[flag](value)
     except GenerationError as e:
-        raise UsageError(f"{given[0]}: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt: the argument, stdin ('-') or -f FILE's text (UTF-8, checked)."""
+    if args.file is not None and args.prompt is not None:
+        raise UsageError("give the prompt either as an argument or with -f FILE, not both")
     if args.file is not None:
-        if args.prompt is not None:
-            raise UsageError("give the prompt either as an argument or with -f FILE, not both")
-        try:
-            return args.file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
+        return read_text(args.file, sys.stdin.buffer, "-f")
     if args.prompt is None:
         raise UsageError("no prompt: give PROMPT, '-' for stdin, or -f FILE")
-    if args.prompt == "-":
-        return sys.stdin.read()
-    return args.prompt
+    return read_text("-", sys.stdin.buffer) if args.prompt == "-" else args.prompt
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    prompt = read_prompt(args)
+def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
+    """The run's settings, checked before the model loads (a typo costs no load time)."""
     stop = tuple(s.encode("utf-8").decode("unicode_escape") if "\\" in s else s for s in args.stop)
-    settings = GenerationSettings(  # checked before the model loads: a typo costs no load time
+    settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
         stop=stop, ignore_eos=args.ignore_eos, seed=args.seed, num_samples=args.num_samples, truncate=args.truncate,
@@ -118,6 +141,11 @@ def run_generate(args: argparse.Namespace) -> int:
     check_draft_tokens(args.draft_tokens, "--draft-tokens")
     if args.draft_tokens is not None and args.speculate is None:
         raise UsageError("--draft-tokens applies to speculative decoding: give --speculate too")
+    return settings
+
+
+def start(args: argparse.Namespace, prompt: str, settings: GenerationSettings) -> tuple[GPT2, Generation, float]:
+    """(model, the run, seconds to load the model and any draft model): the model loaded, steering applied."""
     steer = parse_steer_args(args.steer)
     t0 = time.perf_counter()
     model = load_model(ModelOptions.from_args(args))
@@ -125,29 +153,41 @@ def run_generate(args: argparse.Namespace) -> int:
         settings = replace(settings, steering=steering_from_args(steer, model.config))
     run = model.generation(prompt, allow_special=args.allow_special, settings=settings, speculate=args.speculate,
                            draft_tokens=args.draft_tokens)
-    load_seconds = time.perf_counter() - t0  # with the draft model's
+    return model, run, time.perf_counter() - t0
+
+
+def warn_about_context(run: Generation, config: GPT2Config, max_new_tokens: int) -> None:
+    """A line on stderr when the prompt was truncated, or leaves room for fewer new tokens than asked."""
     if run.stats.truncated_tokens:
         print(f"gpt2: prompt truncated from the left: dropped {run.stats.truncated_tokens} tokens to fit the context "
-              f"of {model.config.n_positions}", file=sys.stderr)
+              f"of {config.n_positions}", file=sys.stderr)
     if run.stats.context_limited:
-        print(f"gpt2: the context of {model.config.n_positions} tokens leaves room for {run.stats.context_limited} new "
-              f"tokens, not {args.max_new_tokens}: generation stops there (--truncate left keeps room for all of them)",
+        print(f"gpt2: the context of {config.n_positions} tokens leaves room for {run.stats.context_limited} new "
+              f"tokens, not {max_new_tokens}: generation stops there (--truncate left keeps room for all of them)",
               file=sys.stderr)
-    stream = not (args.no_stream or args.json or settings.num_samples > 1)
+
+
+def json_record(i: int, c: Completion, st: GenerationStats, speculate: str | None) -> dict[str, Any]:
+    """One sample as a --json line."""
+    doc = {"index": i, "text": c.text, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
+           "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens, "seed": st.seed}
+    if speculate is not None:
+        doc["speculation"] = {"drafter": speculate, "drafted": st.drafted, "accepted": st.accepted,
+                              "acceptance_rate": none_if_nan(st.acceptance_rate),
+                              "verify_passes": st.verify_passes, "tokens_per_verify": none_if_nan(st.tokens_per_verify)}
+    return doc
+
+
+def write_text(run: Generation, args: argparse.Namespace) -> None:
+    """The samples on stdout: streamed as they come (one sample), or whole when done, as text or JSON Lines."""
+    stream = not (args.no_stream or args.json or run.settings.num_samples > 1)
     for _, piece in run:
         if stream:
             sys.stdout.write(piece)
             sys.stdout.flush()
     if args.json:  # one object per sample, one per line (JSON Lines): the same shape for one sample or many
-        st = run.stats
         for i, c in enumerate(run.completions):
-            doc = {"index": i, "text": c.text, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
-                   "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens, "seed": st.seed}
-            if args.speculate is not None:
-                doc["speculation"] = {"drafter": args.speculate, "drafted": st.drafted, "accepted": st.accepted,
-                                      "acceptance_rate": none_if_nan(st.acceptance_rate),
-                                      "verify_passes": st.verify_passes, "tokens_per_verify": none_if_nan(st.tokens_per_verify)}
-            print(json.dumps(doc, ensure_ascii=False))
+            print(json.dumps(json_record(i, c, run.stats, args.speculate), ensure_ascii=False))
     elif stream:
         print()
     else:
@@ -155,15 +195,29 @@ def run_generate(args: argparse.Namespace) -> int:
             if len(run.completions) > 1:
                 print(f"--- sample {i + 1} ({c.finish_reason}) ---")
             print(c.text)
+
+
+def stats_line(run: Generation, args: argparse.Namespace, load_seconds: float) -> str:
+    """The line on stderr after the text: load time, token counts, speeds, the seed and the drafts."""
     st = run.stats
     seed = "greedy" if args.temperature == 0 else f"seed {st.seed}"  # a seed changes nothing at temperature 0
     speculation = ""
     if args.speculate is not None:
         speculation = (f" | drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
                        f"{st.tokens_per_verify:.2f} tokens per verify pass" if st.verify_passes else " | no drafts")
-    print(f"load {load_seconds:.2f} s | prompt {run.completions[0].prompt_tokens} tokens | {st.new_tokens} new tokens | "
-          f"prefill {st.prefill_tokens_per_second:.1f} tok/s | decode {st.decode_tokens_per_second:.1f} tok/s | "
-          f"{seed}{speculation}", file=sys.stderr)
+    return (f"load {load_seconds:.2f} s | prompt {run.completions[0].prompt_tokens} tokens | {st.new_tokens} new "
+            f"tokens | prefill {st.prefill_tokens_per_second:.1f} tok/s | decode {st.decode_tokens_per_second:.1f} "
+            f"tok/s | {seed}{speculation}")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    with flags_named():
+        prompt = read_prompt(args)
+        settings = settings_from_args(args)
+        model, run, load_seconds = start(args, prompt, settings)
+    warn_about_context(run, model.config, args.max_new_tokens)
+    write_text(run, args)
+    print(stats_line(run, args, load_seconds), file=sys.stderr)
     return 0
 
 

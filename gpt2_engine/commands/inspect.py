@@ -8,22 +8,45 @@ import sys
 import time
 from pathlib import Path
 
+from ..documents import read_text
 from ..interp.sae import SAE
 from ..inspect.report import ReportSettings, build_report, parse_layers, write_report
 from ..inspect.sae import feature_attribution
 from ..options import ModelOptions, UsageError, add_model_options, load_model
 
 
-def run_inspect(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt (the argument, or stdin's text for '-'), with --ig-steps checked."""
+    prompt = read_text("-", sys.stdin.buffer) if args.prompt == "-" else args.prompt
     if not prompt:
         raise UsageError("the prompt is empty; expected text (or '-' to read it from stdin)")
     if args.ig_steps < 1:
         raise UsageError(f"--ig-steps: expected a positive integer, got {args.ig_steps}")
-    t0 = time.perf_counter()
+    return prompt
+
+
+def read_sae(args: argparse.Namespace) -> SAE | None:
+    """The --sae, if given, read before the model loads: a bad file fails first."""
     if args.sae_hook is not None and args.sae is None:
         raise UsageError("--sae-hook names the hook of an --sae; expected --sae PATH with it")
-    sae = SAE.load(args.sae, hook_name=args.sae_hook) if args.sae is not None else None  # a bad file fails first
+    return SAE.load(args.sae, hook_name=args.sae_hook) if args.sae is not None else None
+
+
+def summary(report: dict, out: Path, written: list[Path], seconds: float) -> None:
+    """The lines on stderr: the SAE feature that drives the target most, the target and the files written."""
+    target = report["target"]
+    if "sae" in report and report["sae"]["top"]:
+        best = report["sae"]["top"][0]
+        print(f"SAE: feature #{best['feature']} at {best['token']!r} (position {best['position']}) drives it most "
+              f"({best['attribution']:+.4f})", file=sys.stderr)
+    print(f"target {target['text']!r} ({target['chosen']}, log p {target['logprob']:.3f}); wrote "
+          f"{', '.join(p.name for p in written)} to {out}/ in {seconds:.1f} s", file=sys.stderr)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+    t0 = time.perf_counter()
+    sae = read_sae(args)
     model = load_model(ModelOptions.from_args(args))
     layers = parse_layers(args.layers, model.config.n_layer)
     report = build_report(model, prompt, ReportSettings(target=args.target, layers=layers, ig_steps=args.ig_steps))
@@ -35,13 +58,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         out = args.out if args.out is not None else Path("inspect")
         written = write_report(report, out)
         if not args.quiet:
-            target = report["target"]
-            if "sae" in report and report["sae"]["top"]:
-                best = report["sae"]["top"][0]
-                print(f"SAE: feature #{best['feature']} at {best['token']!r} (position {best['position']}) drives it most "
-                      f"({best['attribution']:+.4f})", file=sys.stderr)
-            print(f"target {target['text']!r} ({target['chosen']}, log p {target['logprob']:.3f}); wrote "
-                  f"{', '.join(p.name for p in written)} to {out}/ in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            summary(report, out, written, time.perf_counter() - t0)
     return 0
 
 

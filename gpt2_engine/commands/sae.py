@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from ..interp.sae import SAE, check_saes
-from ..documents import expand_paths
+from ..documents import expand_paths, read_text
 from ..inspect.sae import (DashboardSettings, build_dashboard, corpus_windows, dashboard_data, feature_acts,
                            parse_features, prompt_ids, run_key, write_dashboard)
 from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
@@ -27,7 +27,7 @@ def load(args: argparse.Namespace):
 
 
 def run_features(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_text("-", sys.stdin.buffer) if args.prompt == "-" else args.prompt
     if not prompt:
         raise UsageError("the prompt is empty; expected text (or '-' to read it from stdin)")
     model, sae = load(args)

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -163,9 +163,8 @@ def ray_scores(args: argparse.Namespace) -> tuple[Any, ScoreSettings, Iterator[S
     return None, settings, score_on_ray(args, args.files, stdin_docs, settings)
 
 
-def run_score(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+def check_flags(args: argparse.Namespace) -> None:
+    """The flag combinations that cannot work, refused before anything is read."""
     if not args.ray and (args.address is not None or args.workers is not None):
         raise InputError("--address and --workers need --ray")
     if args.workers is not None and args.workers < 1:
@@ -174,53 +173,80 @@ def run_score(args: argparse.Namespace) -> int:
         raise InputError("--per-token is not available with --ray; use --output for one line per document")
     if str(args.per_token) == str(args.output) == "-":
         raise InputError("--per-token and --output cannot both be - (stdout): give one of them a file")
+
+
+@dataclass
+class Totals:
+    """What the scores add up to: each document's figures (unless they went to --output), the total, the count."""
+
+    scores: list[Score] = field(default_factory=list)
+    total: Score = field(default_factory=lambda: Score("total", 0, 0, 0.0))
+    documents: int = 0
+
+    def add(self, s: Score, listed: bool) -> None:
+        if listed:
+            self.scores.append(Score(s.name, s.tokens, s.bytes, s.nll))  # the figures only, not the details
+        self.total = Score("total", self.total.tokens + s.tokens, self.total.bytes + s.bytes, self.total.nll + s.nll)
+        self.documents += 1
+
+
+def score_into(args: argparse.Namespace, writers: dict[str, AtomicWriter | StdoutWriter]) -> tuple[ScoreSettings, Totals]:
+    """Score every document (locally or on Ray), its lines written as they come, behind a progress bar on stderr."""
+    from tqdm import tqdm
+
+    totals = Totals()
+    bar = tqdm(total=None, unit="tok", unit_scale=True, file=sys.stderr, desc="scoring",
+               disable=args.quiet or not sys.stderr.isatty())
+    with bar:
+        tokenizer, settings, stream = ray_scores(args) if args.ray else local_scores(args, bar)
+        for s in stream:
+            if "per_token" in writers:
+                for record in per_token_records(s, tokenizer):
+                    writers["per_token"].write_json(record)
+            if "output" in writers:
+                writers["output"].write_json({"name": s.name, **figures(s)})
+            totals.add(s, listed="output" not in writers)
+            if args.ray:
+                bar.update(s.tokens)
+    if totals.total.tokens == 0:
+        raise InputError("nothing to score: every document is empty" + (" or one token long (--no-bos scores "
+                                                                         "from the second token on)" if args.no_bos else ""))
+    return settings, totals
+
+
+def report(args: argparse.Namespace, settings: ScoreSettings, totals: Totals, seconds: float, out: IO[str]) -> None:
+    """The report: one JSON document, or the table and where the per-document figures went."""
+    if args.json:
+        doc = {"documents": [{"name": s.name, **figures(s)} for s in totals.scores], "total": figures(totals.total),
+                  "settings": {"context": settings.context, "stride": settings.stride, "bos": not args.no_bos,
+                               "dtype": args.dtype, "quantize": args.quantize, "weights": str(args.weights)}}
+        if args.output is not None:  # the documents are in the file, not repeated here
+            del doc["documents"]
+            doc["output"] = str(args.output)
+        print(json.dumps(doc, ensure_ascii=False), file=out)
+        return
+    print_table(totals.scores, totals.total, totals.documents, seconds, out)
+    if args.output is not None and str(args.output) != "-":
+        print(f"per-document figures: {args.output}", file=out)
+
+
+def run_score(args: argparse.Namespace) -> int:
+    check_flags(args)
     if shard_files(args.files) is None:  # token shards (a folder of them, too) are read as they are
         args.files = expand_paths(args.files)  # a folder is the text files under it, as gpt2 finetune reads it
     writers = {name: open_writer(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
                if dest is not None}
     out = sys.stderr if any(isinstance(w, StdoutWriter) for w in writers.values()) else sys.stdout  # the report
-    scores: list[Score] = []
-    total, documents = Score("total", 0, 0, 0.0), 0
     t0 = time.perf_counter()
     try:
-        bar = tqdm(total=None, unit="tok", unit_scale=True, file=sys.stderr, desc="scoring",
-                   disable=args.quiet or not sys.stderr.isatty())
-        with bar:
-            tokenizer, settings, stream = ray_scores(args) if args.ray else local_scores(args, bar)
-            for s in stream:
-                if "per_token" in writers:
-                    for record in per_token_records(s, tokenizer):
-                        writers["per_token"].write_json(record)
-                if "output" in writers:
-                    writers["output"].write_json({"name": s.name, **figures(s)})
-                else:
-                    scores.append(Score(s.name, s.tokens, s.bytes, s.nll))  # the figures only, not the details
-                total = Score("total", total.tokens + s.tokens, total.bytes + s.bytes, total.nll + s.nll)
-                documents += 1
-                if args.ray:
-                    bar.update(s.tokens)
-        if total.tokens == 0:
-            raise InputError("nothing to score: every document is empty" + (" or one token long (--no-bos scores "
-                                                                             "from the second token on)" if args.no_bos else ""))
+        settings, totals = score_into(args, writers)
         for writer in writers.values():
             writer.commit()
         writers.clear()
     finally:
         for writer in writers.values():
             writer.discard()
-    seconds = time.perf_counter() - t0
-    if args.json:
-        report = {"documents": [{"name": s.name, **figures(s)} for s in scores], "total": figures(total),
-                  "settings": {"context": settings.context, "stride": settings.stride, "bos": not args.no_bos,
-                               "dtype": args.dtype, "quantize": args.quantize, "weights": str(args.weights)}}
-        if args.output is not None:  # the documents are in the file, not repeated here
-            del report["documents"]
-            report["output"] = str(args.output)
-        print(json.dumps(report, ensure_ascii=False), file=out)
-    else:
-        print_table(scores, total, documents, seconds, out)
-        if args.output is not None and str(args.output) != "-":
-            print(f"per-document figures: {args.output}", file=out)
+    report(args, settings, totals, time.perf_counter() - t0, out)
     return 0
 
 

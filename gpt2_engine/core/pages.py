@@ -46,6 +46,22 @@ def huge_pages_available(mode_file: Path = THP_MODE) -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
+def available_memory() -> int:
+    """Bytes this process may still fill without swapping: Linux's MemAvailable, within the cgroup's memory limit where
+    one is set (a container's); elsewhere the physical memory. What a command checks a large allocation against."""
+    try:
+        free = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit here
+    return free
+
+
 def huge_region(nbytes: int) -> torch.Tensor:
     """[nbytes] uint8 of a new anonymous mapping advised as huge pages, starting on a 2 MB boundary (a huge page
     must); the tensor and its views hold the mapping alive. Untouched: the advice is given before the first touch,

@@ -55,6 +55,22 @@ class Scorer:
 def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tuple[str, str]],
                  settings: ScoreSettings) -> Iterator[Score]:
     """Scores of every document of `paths` (stdin, '-', read by the caller into `stdin_docs`), in input order."""
+    ray = start_ray(args)
+    docs = read_on_ray(ray, paths, stdin_docs)
+    threads = args.threads or 1
+    workers = args.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
+    options = dataclasses.replace(ModelOptions.from_args(args), threads=threads)
+    scored = docs.map_batches(Scorer, fn_constructor_args=(options, settings), batch_size=DOCUMENTS_PER_BATCH,
+                              num_cpus=threads,
+                              # one batch at a time per actor: the first actor up would otherwise queue them all
+                              compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))
+    for row in scored.iter_rows():
+        yield Score(str(row["name"]), int(row["tokens"]), int(row["bytes"]), float(row["nll"]))
+
+
+def start_ray(args: argparse.Namespace) -> Any:
+    """The ray module, joined to --address (or started here), with Ray Data keeping input order and its progress
+    bars only where stderr is a terminal."""
     try:
         import ray
     except ImportError:
@@ -66,8 +82,12 @@ def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tu
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # results in input order
     context.enable_progress_bars = not args.quiet and sys.stderr.isatty()
-    threads = args.threads or 1
-    workers = args.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
+    return ray
+
+
+def read_on_ray(ray: Any, paths: list[str], stdin_docs: list[tuple[str, str]]) -> Any:
+    """Every document as a Ray dataset of (file, line, name, text) rows in input order, each file read by a task and
+    every one checked (the first reader's error raised) before any model loads; one block per batch of documents."""
     rows = [{"file": i, "path": p} for i, p in enumerate(paths) if p != "-"]
     docs = ray.data.from_items(rows).flat_map(read_file).materialize() if rows else None  # read and checked first
     if docs is not None and (errors := [r["error"] for r in docs.select_columns(["error"]).take_all() if r["error"]]):
@@ -80,11 +100,4 @@ def score_on_ray(args: argparse.Namespace, paths: list[str], stdin_docs: list[tu
         raise InputError("nothing to score: the input holds no documents")
     # one block per batch of documents, made now: a .jsonl file is read into one block, which one actor would score
     # alone; and left lazy, the repartition's tasks would wait forever for the CPUs the scoring actors hold
-    docs = docs.repartition(max(1, math.ceil(docs.count() / DOCUMENTS_PER_BATCH))).materialize()
-    options = dataclasses.replace(ModelOptions.from_args(args), threads=threads)
-    scored = docs.map_batches(Scorer, fn_constructor_args=(options, settings), batch_size=DOCUMENTS_PER_BATCH,
-                              num_cpus=threads,
-                              # one batch at a time per actor: the first actor up would otherwise queue them all
-                              compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))
-    for row in scored.iter_rows():
-        yield Score(str(row["name"]), int(row["tokens"]), int(row["bytes"]), float(row["nll"]))
+    return docs.repartition(max(1, math.ceil(docs.count() / DOCUMENTS_PER_BATCH))).materialize()

@@ -10,6 +10,7 @@ file, the tensor, the expected and the found shape.
 
 from __future__ import annotations
 
+import os
 import re
 import zipfile
 from pathlib import Path
@@ -28,8 +29,10 @@ DEFAULT_WEIGHTS = Path("weights")  # the project's default checkpoint directory
 
 
 # The demo model (scripts/demo.py, `make demo`): a small GPT-2 trained offline where the official weights cannot be
-# downloaded. `latest` is a link to the newest build; "demo" names it wherever a checkpoint directory is asked for.
-DEMO_WEIGHTS = Path(".cache/demo/latest")
+# downloaded, built into the project checkout's .cache/demo/; `latest` is a link to the newest build. "demo" names
+# it wherever a checkpoint directory is asked for, from any working directory (demo_caches).
+DEMO_CACHE = Path(".cache/demo")  # in the project checkout
+DEMO_LATEST = "latest"
 
 
 DEMO_NAME = "demo"
@@ -59,16 +62,31 @@ def weights_directory(given: Path | None) -> tuple[Path, str]:
     line says so). "demo" names the demo model, unless a directory of that name exists.
     """
     if given is None:
-        if not _has_checkpoint(DEFAULT_WEIGHTS) and _has_checkpoint(DEMO_WEIGHTS):
-            return DEMO_WEIGHTS, (f"{DEFAULT_WEIGHTS}/ holds no checkpoint; using the demo model ({_shown(DEMO_WEIGHTS)}; "
-                                  "`make weights` downloads GPT-2's)")
+        if not _has_checkpoint(DEFAULT_WEIGHTS) and (demo := demo_weights()) is not None:
+            return demo, (f"{DEFAULT_WEIGHTS}/ holds no checkpoint; using the demo model ({_shown(demo)}; "
+                          "`make weights` downloads GPT-2's)")
         return DEFAULT_WEIGHTS, ""
     if str(given) == DEMO_NAME and not given.exists():
-        if not _has_checkpoint(DEMO_WEIGHTS):
-            raise WeightsError(f"{DEMO_NAME}: the demo model is not built in {DEMO_WEIGHTS.parent}/ (run `make demo` "
-                               "from the project's directory)")
-        return DEMO_WEIGHTS, ""
+        if (demo := demo_weights()) is None:
+            raise WeightsError(f"{DEMO_NAME}: the demo model is not built (looked in "
+                               f"{' and '.join(f'{c}/' for c in demo_caches())}; `make demo` builds it in the project's "
+                               "checkout)")
+        return demo, ""
     return given, ""
+
+
+def demo_caches() -> list[Path]:
+    """Where the demo model is looked for, in order: the project checkout this package lives in (an editable
+    install's; `make demo` builds it there), then the user's cache, $XDG_CACHE_HOME or ~/.cache, under gpt2-engine/
+    (as huggingface_hub keeps ~/.cache/huggingface). Never the working directory: a command finds it from anywhere."""
+    checkout = Path(__file__).absolute().parents[2]  # gpt2_engine/formats/hf.py -> the checkout holding the package
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2-engine" / "demo"
+    return ([checkout / DEMO_CACHE] if (checkout / "pyproject.toml").is_file() else []) + [user]
+
+
+def demo_weights() -> Path | None:
+    """The demo model's directory (the `latest` link) in the first of demo_caches() that holds a build, or None."""
+    return next((c / DEMO_LATEST for c in demo_caches() if _has_checkpoint(c / DEMO_LATEST)), None)
 
 
 def weights_fingerprint(directory: Path) -> str:

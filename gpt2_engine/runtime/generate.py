@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..core.config import GPT2Config
+from ..core.errors import GenerationError
+from ..core.pages import available_memory
 from ..core.tokenizer import Tokenizer
 from ..core.weights import GPT2Weights
 from .drafters import Speculation
@@ -89,6 +91,9 @@ class Generation:
         if settings.constraint is not None and grammars is None:
             grammars = Grammars(tokenizer, config.vocab_size)
         self.batch: RequestSet = build_requests(prompts, settings, config, tokenizer.eot_id, grammars)
+        reqs = self.batch.requests
+        self.shape = min(len(reqs), slots or len(reqs)), max(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in reqs)
+        check_cache_fits(*self.shape, config, settings.num_samples, len(prompts))
         self.stats = GenerationStats(seed=self.batch.seed, truncated_tokens=self.batch.truncated_tokens,
                                      context_limited=self.batch.context_limited)
         self.completions: list[Completion] = []
@@ -123,9 +128,7 @@ class Generation:
 
     def _loop(self) -> EngineLoop:
         """An engine loop of its own for this run: a slot per sequence (or `slots`), caches as long as it needs."""
-        reqs = self.batch.requests
-        max_len = max(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in reqs)
-        spec, slots = self.speculation, min(len(reqs), self.slots or len(reqs))
+        (slots, max_len), spec = self.shape, self.speculation  # sequences at once, positions each
         return EngineLoop(Scheduler(self.config, self.tokenizer, slots=slots, max_len=max_len,
                                     speculation=None if spec is None else spec.policy),
                           self.runner(self.weights, self.config, slots=slots, max_len=max_len),
@@ -145,6 +148,20 @@ class Generation:
         for _ in self:
             pass
         return self.completions
+
+
+def check_cache_fits(slots: int, max_len: int, config: GPT2Config, num_samples: int, prompts: int) -> None:
+    """Raise GenerationError unless the KV cache of `slots` sequences of up to `max_len` positions, allocated whole
+    before the first token, fits in the memory this machine has available."""
+    per_sequence = 2 * config.n_layer * max_len * config.n_embd * 4  # keys and values, float32
+    available = available_memory()
+    if slots * per_sequence <= available:
+        return
+    asked = f"num_samples {num_samples}" + (f" x {prompts} prompts" if prompts > 1 else "")
+    raise GenerationError(f"{asked} needs a {slots * per_sequence / 1e9:.1f} GB KV cache ({slots:,} sequences of up "
+                          f"to {max_len:,} positions at once); this machine has {available / 1e9:.1f} GB available, "
+                          f"room for {available // per_sequence:,} sequences", param="num_samples",
+                          advice="ask for fewer samples or new tokens a call")
 
 
 def two_samples(weights: GPT2Weights, prompt: list[int], max_new_tokens: int, seed: int, *, config: GPT2Config,

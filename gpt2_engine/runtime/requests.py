@@ -25,6 +25,13 @@ from .sampling import SamplingParams
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
+# What one call may ask for, on the command line and in the Python API alike (the server's protocol.py holds an OpenAI
+# request to its own, tighter n <= 16). Each sample is a sequence whose results are kept to the end of the call, so
+# num_samples alone multiplies a call's memory (10,000 samples of 1,024 tokens keep ten million token ids, logprobs and
+# their text); top_logprobs is the server's limit.
+MAX_SAMPLES = 10_000
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -50,16 +57,18 @@ class GenerationSettings:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}",
                                   param="max_new_tokens")
-        if not isinstance(self.num_samples, int) or isinstance(self.num_samples, bool) or self.num_samples < 1:
-            raise GenerationError(f"num_samples must be an integer >= 1, got {self.num_samples!r}", param="num_samples")
+        n = self.num_samples
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+            raise GenerationError(f"num_samples must be an integer in [1, {MAX_SAMPLES}], got {n!r}", param="num_samples")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise GenerationError(f"stop strings must be non-empty strings, got {list(self.stop)!r}", param="stop")
         if self.truncate not in (None, "left"):
             raise GenerationError(f"truncate must be None or 'left', got {self.truncate!r}", param="truncate")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise GenerationError(f"seed must be an integer in [0, 2^63), got {self.seed!r}", param="seed")
-        if not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
-            raise GenerationError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}", param="logprobs")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+                                  param="logprobs")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise GenerationError(f"constraint must be a Constraint (Constraint.json_schema, .regex, .choice, "
                                   f".grammar), got {type(self.constraint).__name__}", param="constraint")

@@ -20,7 +20,8 @@ inference kernels and the backward widens one matrix at a time into a scratch bu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 
@@ -236,6 +237,27 @@ class Buffers:
                    recompute_out=new(B, T, C) if recompute else None)
 
 
+    @classmethod
+    def nbytes(cls, config: GPT2Config, batch: int, context: int, dropout: float = 0.0, **kwargs) -> int:
+        """The bytes allocate(config, batch, context, dropout, **kwargs) would take: its tensors made on the meta
+        device (shapes only, nothing allocated), each counted once."""
+        with torch.device("meta"):
+            buffers = cls.allocate(config, batch, context, dropout, **kwargs)
+        return sum(t.nbytes for t in {id(t): t for t in _tensors(buffers)}.values())
+
+
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a tree of dataclasses, tuples and dicts (Buffers' shape)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list, dict)):
+        for item in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(item)
+    elif is_dataclass(obj):
+        for f in fields(obj):
+            yield from _tensors(getattr(obj, f.name))
+
+
 def block_forward(x_out: torch.Tensor, a: LayerActivations, blk: Block, config: GPT2Config, buf: Buffers,
                   train: bool, generator: torch.Generator | None) -> None:
     """a.x [B, T, C] -> x_out [B, T, C], keeping the block's activations in `a`."""
@@ -329,22 +351,48 @@ def forward_loss(w: GPT2Weights, config: GPT2Config, buf: Buffers, ids: torch.Te
     grad_scale * dL/dp for every parameter p into `grads` (zero them first; accumulation is just not zeroing);
     None in `grads` marks a frozen tensor (LoRA: adapter_gradients). Without, an evaluation: no dropout, no backward.
     """
-    B, T = ids.shape
-    if (B, T) != (buf.batch, buf.context) or targets.shape != ids.shape:
+    train = grads is not None
+    _check_step(buf, ids, targets, train, generator)
+    n, C = ids.numel(), config.n_embd
+    _embed_forward(w, buf, ids, train, generator)
+    states = _blocks_forward(w, config, buf, train, generator)
+    layer_norm_forward(buf.x_final.view(n, C), w.ln_f, config.layer_norm_epsilon, buf.lnf, buf.lnf_mean, buf.lnf_rstd)
+    flat_targets = targets.reshape(-1)
+    if not train:
+        return head_cross_entropy(buf.lnf, w.head, flat_targets, buf.logits, grad_scale, None, None, buf.dequant)
+    loss = head_cross_entropy(buf.lnf, w.head, flat_targets, buf.logits, grad_scale, grads.wte, buf.d_ln, buf.dequant)
+    _backward(w, config, buf, ids, grads, generator, states)
+    return loss
+
+
+def _check_step(buf: Buffers, ids: torch.Tensor, targets: torch.Tensor, train: bool,
+                generator: torch.Generator | None) -> None:
+    """Raise ValueError unless ids and targets are the buffers' [B, T] and a training step with dropout has a
+    generator to draw its masks from."""
+    if tuple(ids.shape) != (buf.batch, buf.context) or targets.shape != ids.shape:
         raise ValueError(f"batch shape {list(ids.shape)} / targets {list(targets.shape)} do not match the buffers' "
                          f"[{buf.batch}, {buf.context}]")
-    train = grads is not None
     if train and buf.dropout > 0 and generator is None:
         raise ValueError("dropout needs a torch.Generator to draw its masks from")
-    n, C = B * T, config.n_embd
+
+
+def _embed_forward(w: GPT2Weights, buf: Buffers, ids: torch.Tensor, train: bool,
+                   generator: torch.Generator | None) -> None:
+    """ids [B, T] -> the first block's input buf.layers[0].x [B, T, C], embedding dropout applied in training."""
     x0 = buf.layers[0].x
     if w.wte_pages is None:
         embedding_forward(ids, w.wte, w.wpe, x0)
     else:  # a quantized base reads wte from the file: model.embed drops the pages each lookup maps
-        torch.add(embed(w, ids), w.wpe[:T], out=x0)
+        torch.add(embed(w, ids), w.wpe[: ids.shape[1]], out=x0)
     if train and buf.embed_keep is not None:
         draw_keep(buf.embed_keep, buf.dropout, generator)
         x0.mul_(buf.embed_keep)
+
+
+def _blocks_forward(w: GPT2Weights, config: GPT2Config, buf: Buffers, train: bool,
+                    generator: torch.Generator | None) -> list[torch.Tensor]:
+    """buf.layers[0].x [B, T, C] -> buf.x_final [B, T, C] through every block, keeping their activations; returns
+    the generator's state before each block where a recomputing backward will draw its masks again."""
     outs = [a.x for a in buf.layers[1:]] + [buf.x_final]
     # with recompute, each block's backward first runs its forward again, drawing the same dropout masks from the
     # generator state it had the first time; the generator ends where the forward left it, so the run's masks are
@@ -354,20 +402,22 @@ def forward_loss(w: GPT2Weights, config: GPT2Config, buf: Buffers, ids: torch.Te
         if train and buf.recompute and generator is not None:
             states.append(generator.get_state())
         block_forward(x_out, a, blk, config, buf, train, generator)
-    layer_norm_forward(buf.x_final.view(n, C), w.ln_f, config.layer_norm_epsilon, buf.lnf, buf.lnf_mean, buf.lnf_rstd)
-    flat_targets = targets.reshape(-1)
-    if not train:
-        return head_cross_entropy(buf.lnf, w.head, flat_targets, buf.logits, grad_scale, None, None, buf.dequant)
-    loss = head_cross_entropy(buf.lnf, w.head, flat_targets, buf.logits, grad_scale, grads.wte, buf.d_ln, buf.dequant)
+    return states
 
-    # backward: ln_f, the blocks last to first, the embeddings
+
+def _backward(w: GPT2Weights, config: GPT2Config, buf: Buffers, ids: torch.Tensor, grads: GPT2Weights,
+              generator: torch.Generator | None, states: list[torch.Tensor]) -> None:
+    """From the head's gradient at ln_f's output (buf.d_ln [N, C]): ln_f, the blocks last to first (each run forward
+    again first with recompute, but the last, whose activations are still there), the embeddings."""
+    B, T = ids.shape
+    n, C = B * T, config.n_embd
     buf.d_res.zero_()
     layer_norm_backward(buf.d_ln, buf.x_final.view(n, C), buf.lnf_mean, buf.lnf_rstd, w.ln_f, grads.ln_f, buf.d_res,
                         buf.xhat)
     after = generator.get_state() if states else None
     for i in reversed(range(config.n_layer)):
         a, blk = buf.layers[i], w.blocks[i]
-        if buf.recompute and i < config.n_layer - 1:  # the last block's activations are still there
+        if buf.recompute and i < config.n_layer - 1:
             if states:
                 generator.set_state(states[i])
             block_forward(buf.recompute_out, a, blk, config, buf, True, generator)
@@ -377,7 +427,6 @@ def forward_loss(w: GPT2Weights, config: GPT2Config, buf: Buffers, ids: torch.Te
     if grads.wte is not None:
         d_x0 = buf.d_res if buf.embed_keep is None else buf.d_res.mul_(buf.embed_keep.view(n, C))
         embedding_backward(d_x0.view(B, T, C), ids, grads.wte, grads.wpe)
-    return loss
 
 
 def zero_(w: GPT2Weights) -> None:

@@ -27,7 +27,8 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -40,7 +41,8 @@ from ..core.lora import LoraAdapter, LoraError, LoraSettings, new_adapter, train
 from ..formats.shards import TokenStream
 from ..core.tokenizer import Tokenizer
 from ..formats.hf import SAFETENSORS, save_checkpoint
-from ..core.weights import GPT2Weights, QuantizedMatrix, named_tensors
+from ..core.pages import available_memory
+from ..core.weights import GPT2Weights, QuantizedMatrix, expected_shapes, named_tensors
 from .optim import AdamW, AdamWSettings, clip_factor, learning_rate
 from .step import Buffers, adapter_gradients, decayed, forward_loss, zeros_like
 
@@ -108,6 +110,26 @@ class TrainSettings:
         check("sample_every", self.sample_every >= 0, "an integer >= 0")
         if self.steps is not None and self.epochs is not None:
             raise TrainError("give steps or epochs, not both")
+
+
+@dataclass(frozen=True)
+class Base:
+    """What a run's starting weights are, as its checkpoints record them, and whether it trains them or an adapter."""
+
+    key: str = ""  # the resume check's name for them: their fingerprint (and quantization), or --init's config and seed
+    lora: LoraSettings | None = None  # train a new LoRA adapter on the weights, frozen, instead of the weights
+    name: str = ""  # with lora: the base's path and fingerprint, which the adapter's files record
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a run's checkpoints go (None: nowhere) and what it does with a run already there."""
+
+    out: Path | None = None
+    resume: bool = False  # continue the run saved in out/last exactly
+    overwrite: bool = False  # replace a model already in out
+    bpe_source: Path | None = None  # where the BPE files written beside each checkpoint come from (None: the tokenizer's)
 
 
 # --- events -------------------------------------------------------------------------------------------------------
@@ -236,6 +258,92 @@ def eval_batches(stream: torch.Tensor | TokenStream, context: int, batch: int, p
         yield ids, targets
 
 
+def run_windows(first: int, count: int, n: int, seed: int, orders: dict[int, torch.Tensor]) -> list[int]:
+    """Which of the n training windows the run's windows first .. first + count - 1 are (see the module docstring);
+    `orders` holds the order of the epoch being read, replaced when the next one starts."""
+    windows = []
+    for k in range(first, first + count):
+        epoch = k // n
+        if epoch not in orders:
+            orders.clear()
+            orders[epoch] = window_order(n, seed, epoch)
+        windows.append(int(orders[epoch][k % n]))
+    return windows
+
+
+def training_streams(texts: list[str] | TokenStream, val_texts: list[str] | TokenStream | None, tokenizer: Tokenizer,
+                     val_fraction: float) -> tuple[torch.Tensor | TokenStream, torch.Tensor | TokenStream]:
+    """(training, validation) token streams: token shards as they are, texts tokenized (each document followed by
+    <|endoftext|>); without validation texts, `val_fraction` of the training data held out."""
+    if isinstance(texts, TokenStream):  # token shards (formats/shards.py), read as they are: nothing is added
+        if val_texts is None:
+            texts, val_texts = texts.split(val_fraction)
+        train: torch.Tensor | TokenStream = texts
+    else:
+        if not any(t.strip() for t in texts):
+            raise TrainError("no training text: every document is empty")
+        if val_texts is None:
+            texts, val_texts = split_validation(texts, val_fraction)
+        train = token_stream(texts, tokenizer)
+    if isinstance(val_texts, TokenStream):
+        return train, val_texts
+    return train, token_stream(val_texts, tokenizer) if val_texts else torch.zeros(0, dtype=torch.long)
+
+
+# --- memory -------------------------------------------------------------------------------------------------------
+
+def with_context(settings: TrainSettings, config: GPT2Config) -> TrainSettings:
+    """The settings with their window length resolved (None: min(512, n_positions)), and their lengths checked
+    against the model's context (a sample too long for it would fail at the first sample, after training)."""
+    context = settings.context or min(512, config.n_positions)
+    if context > config.n_positions:
+        raise TrainError(f"context: {context} tokens exceed the model's n_positions {config.n_positions}")
+    if settings.sample_every and settings.sample_tokens > config.n_positions:
+        raise TrainError(f"sample_tokens: {settings.sample_tokens} tokens exceed the model's n_positions "
+                         f"{config.n_positions}")
+    return replace(settings, context=context)
+
+
+def step_bytes(config: GPT2Config, settings: TrainSettings, batch: int, lora: LoraSettings | None,
+               quantized: bool) -> int:
+    """The memory a run adds to its weights: a step's buffers for `batch` windows, and (full fine-tuning) the
+    gradients and AdamW's two moments, float32 each (an adapter's are a rounding error beside its buffers)."""
+    buffers = Buffers.nbytes(config, batch, settings.context, settings.dropout, lora=lora, quantized=quantized,
+                             recompute=settings.recompute)
+    parameters = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    return buffers + (0 if lora else 3 * 4 * parameters)
+
+
+def check_memory(config: GPT2Config, settings: TrainSettings, lora: LoraSettings | None, quantized: bool) -> None:
+    """Refuse, before anything is allocated, a micro-batch that would not fit in the memory this machine has
+    available; the error names the batch, what it needs and the largest one that fits."""
+    available = available_memory()
+    need = step_bytes(config, settings, settings.batch_size, lora, quantized)
+    if need <= available:
+        return
+    lo, hi = 0, settings.batch_size  # the largest batch that fits is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if step_bytes(config, settings, mid, lora, quantized) <= available else (lo, mid)
+    room = f"at most --batch-size {lo} fits" if lo else "not even --batch-size 1 fits (lower --context)"
+    raise TrainError(f"--batch-size {settings.batch_size} x --context {settings.context} needs ~{need / 1e9:,.1f} GB "
+                     f"for a step's activations{'' if lora else ', gradients and optimizer state'}; this machine has "
+                     f"{available / 1e9:.1f} GB available: {room} (--accumulate makes larger updates of smaller "
+                     "micro-batches; --recompute keeps fewer activations)")
+
+
+@contextmanager
+def out_of_memory_as(what: str) -> Iterator[None]:
+    """torch's allocation failure inside the block as a one-line TrainError: `what` ran out of memory."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("not enough memory", "out of memory")):
+            raise
+        raise TrainError(f"{what}: out of memory ({' '.join(str(e).split())[:160]}); lower --batch-size or "
+                         "--context, or add --recompute") from None
+
+
 # --- checkpoints --------------------------------------------------------------------------------------------------
 
 def recover_last(out: Path) -> None:
@@ -259,62 +367,28 @@ class Trainer:
     optimizer and the buffers, set up once."""
 
     def __init__(self, weights: GPT2Weights, config: GPT2Config, tokenizer: Tokenizer, texts: list[str] | TokenStream,
-                 settings: TrainSettings, *, val_texts: list[str] | TokenStream | None = None, out: Path | None = None,
-                 bpe_source: Path | None = None, base: str = "", resume: bool = False,
-                 overwrite: bool = False, lora: LoraSettings | None = None, base_name: str = "", base_fingerprint: str = "",
-                 sampler: Sampler | None = None) -> None:
+                 settings: TrainSettings, *, val_texts: list[str] | TokenStream | None = None, base: Base = Base(),
+                 output: Output = Output(), sampler: Sampler | None = None) -> None:
         """`sampler`: what draws the samples of `sample_every` (required with it)."""
         if settings.sample_every and sampler is None:
             raise TrainError("sample_every needs a sampler to draw the samples with")
-        self.sampler = sampler
-        context = settings.context or min(512, config.n_positions)
-        if context > config.n_positions:
-            raise TrainError(f"context: {context} tokens exceed the model's n_positions {config.n_positions}")
-        self.settings = settings = replace(settings, context=context)
-        self.config, self.tokenizer, self.out, self.base = config, tokenizer, out, base
-        self.bpe_source = bpe_source or tokenizer.source
-        if isinstance(texts, TokenStream):  # token shards (formats/shards.py), read as they are: nothing is added
-            if val_texts is None:
-                texts, val_texts = texts.split(settings.val_fraction)
-            self.train: torch.Tensor | TokenStream = texts
-        else:
-            if not any(t.strip() for t in texts):
-                raise TrainError("no training text: every document is empty")
-            if val_texts is None:
-                texts, val_texts = split_validation(texts, settings.val_fraction)
-            self.train = token_stream(texts, tokenizer)
-        if isinstance(val_texts, TokenStream):
-            self.val: torch.Tensor | TokenStream = val_texts
-        else:
-            self.val = token_stream(val_texts, tokenizer) if val_texts else torch.zeros(0, dtype=torch.long)
-        self.windows = (len(self.train) - 1) // context
+        self.settings = settings = with_context(settings, config)
+        self.config, self.tokenizer, self.sampler = config, tokenizer, sampler
+        self.out, self.base, self.bpe_source = output.out, base.key, output.bpe_source or tokenizer.source
+        self.lora, self.base_name, self.base_fingerprint = base.lora, base.name, base.fingerprint
+        quantized = isinstance(weights.head, QuantizedMatrix)
+        check_memory(config, settings, base.lora, quantized)
+        self.train, self.val = training_streams(texts, val_texts, tokenizer, settings.val_fraction)
+        self.windows = (len(self.train) - 1) // settings.context
         if self.windows < 1:
             raise TrainError(f"the training text is {len(self.train)} tokens, shorter than one window of "
-                             f"{context + 1}; lower --context or add text")
-        per_step = settings.batch_size * settings.accumulate
-        self.total = settings.steps or max(1, math.ceil((settings.epochs or 1.0) * self.windows / per_step))
-        self.warmup = settings.warmup if settings.warmup is not None else min(100, self.total // 20)
-        self.min_lr = settings.min_lr if settings.min_lr is not None else settings.lr / 10
-        self.eval_every = settings.eval_every or max(1, self.total // 10)
-        self.save_every = settings.save_every or self.eval_every
-
-        self.lora, self.base_name, self.base_fingerprint = lora, base_name, base_fingerprint
-        if lora is None:
-            self.params = named_tensors(weights)  # owned float32 tensors, updated in place
-            self.weights = weights
-            self.grads_w = zeros_like(weights, config)
-            self.grads = named_tensors(self.grads_w)
-            decay = {n for n in self.params if decayed(n, settings.decay_embeddings)}
-        else:  # the base frozen as it is; the adapter's A and B (views of what the forward reads) are the parameters
-            adapter = new_adapter(config, lora, torch.Generator().manual_seed(settings.seed), base_name)
-            self.weights, self.params = trainable(weights, adapter)
-            self.grads_w, self.grads = adapter_gradients(self.weights, config, lora)
-            decay = set(self.params)  # A and B are matrices
-        self.optimizer = AdamW(self.params, decay, AdamWSettings(settings.beta1, settings.beta2, 1e-8,
-                                                                 settings.weight_decay))
-        self.buffers = Buffers.allocate(config, settings.batch_size, context, settings.dropout, lora=lora,
-                                        quantized=isinstance(weights.head, QuantizedMatrix),
-                                        recompute=settings.recompute)  # evaluation uses them too
+                             f"{settings.context + 1}; lower --context or add text")
+        self._schedule()
+        self._parameters(weights)
+        with out_of_memory_as("allocating the training step's buffers"):
+            self.buffers = Buffers.allocate(config, settings.batch_size, settings.context, settings.dropout,
+                                            lora=base.lora, quantized=quantized,
+                                            recompute=settings.recompute)  # evaluation uses them too
         self.generator = torch.Generator().manual_seed(settings.seed)  # dropout masks
         self.step = 0
         self.tokens = 0
@@ -322,72 +396,115 @@ class Trainer:
         self.best: tuple[float, int] | None = None  # (val loss, step)
         self.evals_since_best = 0
         self.final_loss = math.nan  # the last update's loss
-        if out is not None:
-            self._prepare_out(resume, overwrite)
-        elif resume:
+        if output.out is not None:
+            self._prepare_out(output.resume, output.overwrite)
+        elif output.resume:
             raise TrainError("resume needs an output directory to resume from")
+
+    def _schedule(self) -> None:
+        """The run's length in updates and its learning-rate, evaluation and save schedule (the settings' defaults
+        resolved against the data)."""
+        s = self.settings
+        per_step = s.batch_size * s.accumulate
+        self.total = s.steps or max(1, math.ceil((s.epochs or 1.0) * self.windows / per_step))
+        self.warmup = s.warmup if s.warmup is not None else min(100, self.total // 20)
+        self.min_lr = s.min_lr if s.min_lr is not None else s.lr / 10
+        self.eval_every = s.eval_every or max(1, self.total // 10)
+        self.save_every = s.save_every or self.eval_every
+
+    def _parameters(self, weights: GPT2Weights) -> None:
+        """The trained parameters, their gradients and the optimizer: the owned float32 weights, or (LoRA) a new
+        adapter's A and B (views of what the forward reads) on the frozen base, as it is."""
+        s, config = self.settings, self.config
+        if self.lora is None:
+            self.params = named_tensors(weights)  # owned float32 tensors, updated in place
+            self.weights = weights
+            self.grads_w = zeros_like(weights, config)
+            self.grads = named_tensors(self.grads_w)
+            decay = {n for n in self.params if decayed(n, s.decay_embeddings)}
+        else:
+            adapter = new_adapter(config, self.lora, torch.Generator().manual_seed(s.seed), self.base_name)
+            self.weights, self.params = trainable(weights, adapter)
+            self.grads_w, self.grads = adapter_gradients(self.weights, config, self.lora)
+            decay = set(self.params)  # A and B are matrices
+        self.optimizer = AdamW(self.params, decay, AdamWSettings(s.beta1, s.beta2, 1e-8, s.weight_decay))
 
     # -- the run ------------------------------------------------------------------------------------------------
 
     def run(self) -> Iterator[Event]:
         """Train to the end (or early stopping), yielding events; a non-finite loss raises TrainError."""
+        yield self._started()
+        if self.step == 0 and len(self.val) > 1:
+            yield self._evaluate()
+        orders: dict[int, torch.Tensor] = {}  # the current epoch's window order
+        with torch.no_grad():
+            while self.step < self.total:
+                yield self._update(orders)
+                if (yield from self._after_update()):
+                    break
+
+    def _started(self) -> Started:
         s = self.settings
-        T = s.context
         warning = None
         if 1 < len(self.val) < MIN_VAL_TOKENS:
             warning = (f"only {len(self.val):,} validation tokens: the best checkpoint would be chosen on noise; give "
                        f"--val FILE or a larger --val-fraction (at least {MIN_VAL_TOKENS:,} tokens)")
-        yield Started(self.total, self.step, len(self.train), len(self.val), self.windows,
-                      s.batch_size * s.accumulate * T, sum(p.numel() for p in self.params.values()), warning)
-        if self.step == 0 and len(self.val) > 1:
-            yield self._evaluate()
-        orders: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            while self.step < self.total:
-                t0 = time.perf_counter()
-                for g in self.grads.values():
-                    g.zero_()
-                scale = 1.0 / (s.batch_size * s.accumulate * T)
-                loss_sum = 0.0
-                for micro in range(s.accumulate):
-                    first = (self.step * s.accumulate + micro) * s.batch_size
-                    windows = []
-                    for k in range(first, first + s.batch_size):
-                        epoch = k // self.windows
-                        if epoch not in orders:
-                            orders = {epoch: window_order(self.windows, s.seed, epoch)}
-                        windows.append(int(orders[epoch][k % self.windows]))
-                    ids, targets = batch_windows(self.train, T, windows)
-                    loss_sum += forward_loss(self.weights, self.config, self.buffers, ids, targets, grads=self.grads_w,
-                                             grad_scale=scale, generator=self.generator)
-                loss = loss_sum * scale
-                if not math.isfinite(loss):
-                    raise self._diverged(f"the loss became {loss} at step {self.step + 1}")
-                norm, factor = clip_factor(self.grads, s.clip)
-                lr = learning_rate(self.step, self.total, s.lr, self.min_lr, self.warmup)
-                self.optimizer.step(self.grads, lr, factor)
-                self.step += 1
-                self.tokens += s.batch_size * s.accumulate * T
-                seconds = time.perf_counter() - t0
-                self.elapsed += seconds
-                self.final_loss = loss
-                yield Step(self.step, loss, lr, norm, self.tokens, s.batch_size * s.accumulate * T / seconds,
-                           self.elapsed)
-                end = self.step == self.total
-                stop = None
-                if len(self.val) > 1 and (self.step % self.eval_every == 0 or end):
-                    ev = self._evaluate()
-                    yield ev
-                    if not ev.best and s.early_stopping and self.evals_since_best >= s.early_stopping:
-                        stop = (f"early stopping: {self.evals_since_best} evaluations without a new best "
-                                f"(best {self.best[0]:.4f} at step {self.best[1]})")
-                if s.sample_every and (self.step % s.sample_every == 0 or end):
-                    yield self._sample()
-                if self.out is not None and (self.step % self.save_every == 0 or end or stop):
-                    yield self._save_last()
-                if stop:
-                    yield Stopped(self.step, stop)
-                    break
+        return Started(self.total, self.step, len(self.train), len(self.val), self.windows,
+                       s.batch_size * s.accumulate * s.context, sum(p.numel() for p in self.params.values()), warning)
+
+    def _update(self, orders: dict[int, torch.Tensor]) -> Step:
+        """One update: each micro-batch's forward and backward into the gradients, the clip, AdamW's step."""
+        s, T = self.settings, self.settings.context
+        t0 = time.perf_counter()
+        for g in self.grads.values():
+            g.zero_()
+        scale = 1.0 / (s.batch_size * s.accumulate * T)
+        loss_sum = 0.0
+        with out_of_memory_as(f"update {self.step + 1}"):
+            for micro in range(s.accumulate):
+                first = (self.step * s.accumulate + micro) * s.batch_size
+                ids, targets = batch_windows(self.train, T, run_windows(first, s.batch_size, self.windows, s.seed, orders))
+                loss_sum += forward_loss(self.weights, self.config, self.buffers, ids, targets, grads=self.grads_w,
+                                         grad_scale=scale, generator=self.generator)
+        loss = loss_sum * scale
+        if not math.isfinite(loss):
+            raise self._diverged(f"the loss became {loss} at step {self.step + 1}")
+        norm, factor = clip_factor(self.grads, s.clip)
+        lr = learning_rate(self.step, self.total, s.lr, self.min_lr, self.warmup)
+        self.optimizer.step(self.grads, lr, factor)
+        self.step += 1
+        self.tokens += s.batch_size * s.accumulate * T
+        seconds = time.perf_counter() - t0
+        self.elapsed += seconds
+        self.final_loss = loss
+        return Step(self.step, loss, lr, norm, self.tokens, s.batch_size * s.accumulate * T / seconds, self.elapsed)
+
+    def _after_update(self) -> Generator[Event, None, bool]:
+        """The evaluation, sample and save due after this update, as events; True when early stopping ends the run."""
+        s, stop = self.settings, None
+        if len(self.val) > 1 and self._due(self.eval_every):
+            ev = self._evaluate()
+            yield ev
+            stop = self._early_stop(ev)
+        if s.sample_every and self._due(s.sample_every):
+            yield self._sample()
+        if self.out is not None and (self._due(self.save_every) or stop):
+            yield self._save_last()
+        if stop:
+            yield Stopped(self.step, stop)
+        return bool(stop)
+
+    def _due(self, every: int) -> bool:
+        """Whether what is done every `every` updates is due now (everything is, after the last)."""
+        return self.step % every == 0 or self.step == self.total
+
+    def _early_stop(self, ev: Eval) -> str | None:
+        """Why the run stops after this evaluation (early stopping's patience ran out), or None."""
+        patience = self.settings.early_stopping
+        if ev.best or not patience or self.evals_since_best < patience:
+            return None
+        return (f"early stopping: {self.evals_since_best} evaluations without a new best "
+                f"(best {self.best[0]:.4f} at step {self.best[1]})")
 
     def result(self, history: list[dict]) -> TrainResult:
         """The run's outcome (after run() is drained); `history` is its events as records, if the caller kept them."""
@@ -407,7 +524,8 @@ class Trainer:
         return total / count
 
     def _evaluate(self) -> Eval:
-        loss = self.validation_loss()
+        with out_of_memory_as(f"the evaluation at step {self.step}"):
+            loss = self.validation_loss()
         if not math.isfinite(loss):  # never a best checkpoint, and no last/ saved after it
             raise self._diverged(f"the validation loss became {loss} at step {self.step}")
         best = self.best is None or loss < self.best[0]
