@@ -320,9 +320,9 @@ def test_the_int4_drafter_is_steered_too(trained_model, trained_dir) -> None:
     (what keeps it agreeing with a steered target), not the unsteered one."""
     from gpt2_engine.runtime.plan import DraftAsk
 
-    s = Steering("blocks.1.hook_resid_pre", direction(trained_model, " file"), 4.0)
+    s = Steering("blocks.1.hook_resid_pre", direction(trained_model, " file"), 200.0)  # changes the text by token 3
     ids = trained_model.tokenizer.encode(PROMPTS[0])
-    n = 24
+    n = 8
     drafter = trained_model.speculation("int4").drafter(1, len(ids) + n)
     greedy = SamplingParams(temperature=0)
 

@@ -12,8 +12,10 @@ than the whole context, is an error.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
@@ -31,6 +33,23 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 # their text); top_logprobs is the server's limit.
 MAX_SAMPLES = 10_000
 MAX_TOP_LOGPROBS = 20
+
+
+def is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# GenerationSettings' fields: (name, whether a value is allowed, what the error says it must be, the OpenAI param)
+SETTINGS_CHECKS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
+    ("max_new_tokens", lambda v: is_int(v) and v >= 0, "an integer >= 0", "max_new_tokens"),
+    ("num_samples", lambda v: is_int(v) and 1 <= v <= MAX_SAMPLES, f"an integer in [1, {MAX_SAMPLES}]", "num_samples"),
+    ("truncate", lambda v: v in (None, "left"), "None or 'left'", "truncate"),
+    ("seed", lambda v: v is None or (isinstance(v, int) and 0 <= v < 2**63), "an integer in [0, 2^63)", "seed"),
+    ("top_logprobs", lambda v: isinstance(v, int) and 0 <= v <= MAX_TOP_LOGPROBS,
+     f"an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs"),
+    ("constraint", lambda v: v is None or isinstance(v, Constraint),
+     "a Constraint (Constraint.json_schema, .regex, .choice, .grammar)", "constraint"),
+)
 
 
 @dataclass(frozen=True)
@@ -51,27 +70,16 @@ class GenerationSettings:
     steering: tuple[Steering, ...] = ()  # directions added or SAE features clamped while generating (Steering)
 
     def __post_init__(self) -> None:
-        if isinstance(self.steering, Steering) or isinstance(self.steering, list):
+        if isinstance(self.steering, (Steering, list)):
             object.__setattr__(self, "steering", (self.steering,) if isinstance(self.steering, Steering)
                                else tuple(self.steering))
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
-            raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}",
-                                  param="max_new_tokens")
-        n = self.num_samples
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
-            raise GenerationError(f"num_samples must be an integer in [1, {MAX_SAMPLES}], got {n!r}", param="num_samples")
+        for name, allowed, must, param in SETTINGS_CHECKS:
+            value = getattr(self, name)
+            if not allowed(value):
+                shown = type(value).__name__ if name == "constraint" else repr(value)
+                raise GenerationError(f"{name} must be {must}, got {shown}", param=param)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise GenerationError(f"stop strings must be non-empty strings, got {list(self.stop)!r}", param="stop")
-        if self.truncate not in (None, "left"):
-            raise GenerationError(f"truncate must be None or 'left', got {self.truncate!r}", param="truncate")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise GenerationError(f"seed must be an integer in [0, 2^63), got {self.seed!r}", param="seed")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise GenerationError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
-                                  param="logprobs")
-        if self.constraint is not None and not isinstance(self.constraint, Constraint):
-            raise GenerationError(f"constraint must be a Constraint (Constraint.json_schema, .regex, .choice, "
-                                  f".grammar), got {type(self.constraint).__name__}", param="constraint")
         if self.constraint is not None and self.ignore_eos:
             raise GenerationError("ignore_eos cannot be combined with a constraint: the grammar decides where the text "
                                   "ends", param="ignore_eos")
@@ -100,13 +108,18 @@ def encode_prompts(prompt: Prompt, tokenizer: Tokenizer, *, allow_special: bool 
         return [tokenizer.encode(p, allow_special=allow_special) for p in prompt]
     lists = [prompt] if all(isinstance(t, int) for t in prompt) else prompt
     for ids in lists:
-        if not isinstance(ids, Seq) or isinstance(ids, str) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise GenerationError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                                  "such lists", param="prompt")
-        if not ids:
-            raise GenerationError("a token-id prompt must not be empty", param="prompt")
+        check_token_ids(ids)
     return [list(ids) for ids in lists]
+
+
+def check_token_ids(ids: object) -> None:
+    """Raise GenerationError unless `ids` is a non-empty list of token ids (ints, not bools)."""
+    if not isinstance(ids, Seq) or isinstance(ids, str) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise GenerationError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                              "such lists", param="prompt")
+    if not ids:
+        raise GenerationError("a token-id prompt must not be empty", param="prompt")
 
 
 def prompt_or_endoftext(ids: list[int], eot_id: int) -> list[int]:
