@@ -327,7 +327,7 @@ def test_the_int4_drafter_is_steered_too(trained_model, trained_dir) -> None:
     greedy = SamplingParams(temperature=0)
 
     def drafts(steering: tuple) -> list[int]:
-        ask = DraftAsk(0, ids, n, greedy, torch.Generator(), (), steering, len(ids))
+        ask = DraftAsk(0, ids, n, greedy, torch.Generator(), (trained_model.tokenizer.eot_id,), steering, len(ids))
         return drafter.propose([ask])[0].tokens
 
     int4 = GPT2.from_pretrained(trained_dir, quantize="int4")
