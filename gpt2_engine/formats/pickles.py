@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,25 @@ def refusal(e: BaseException) -> str:
     return f"not a readable pickle ({type(e).__name__}: {text[:160]})"
 
 
+def check_stored(path: Path) -> None:
+    """torch.save stores its zip archive's entries uncompressed (they can be memory-mapped); a compressed entry, which
+    torch.load would inflate, can hold a thousand times its size (a 16 KB file, 16 MB of tensor): refused."""
+    if not zipfile.is_zipfile(path):
+        return  # a legacy pickle, whose storages are read from the file as they are
+    with zipfile.ZipFile(path) as archive:
+        for entry in archive.infolist():
+            if entry.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"its zip entry {entry.filename} is compressed ({entry.compress_size:,} bytes for "
+                                 f"{entry.file_size:,}); torch.save stores its entries as they are")
+
+
 def load_pickle(path: Path, mmap: bool = False) -> Any:
     """torch.load(path, weights_only=True) on the CPU, memory-mapped where asked and the file's format allows (files
     written before torch's zip format cannot be); ValueError in one line for a file it will not or cannot read."""
+    try:
+        check_stored(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"not a readable zip archive ({e})") from None
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
