@@ -6,6 +6,8 @@ Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or d
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from .commands.score import add_score
 from .commands.serve import add_serve
 from .commands.tokenize import add_tokenize
 from .core.errors import GPT2EngineError
+from .formats.files import error_number
 from .formats.peft import recorded_base
 from .formats.hf import weights_directory
 
@@ -37,6 +40,30 @@ def version() -> str:
         from . import __version__
 
         return __version__
+
+
+# OS errors that are the user's machine or paths, not the engine's bugs: with or without the path they concern
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
+ABOUT_A_PATH = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.ENXIO,
+                errno.EINVAL, errno.ENOTEMPTY, errno.EXDEV, errno.EBUSY, errno.ETXTBSY)
+OUTPUT_ARGUMENTS = ("out", "dst", "output", "per_token")  # where a command that names no file was writing
+
+
+def system_error(e: BaseException, args: argparse.Namespace) -> str | None:
+    """One line for an error the operating system raised about the user's files (a full disk, a read-only folder,
+    a missing path); None for anything else, which is a bug to report."""
+    number = error_number(e)
+    if number is None:
+        return None
+    name = getattr(e, "filename", None)
+    if number in NO_SPACE:  # a write() that failed names no file: the command's output does
+        outputs = [str(v) for a in OUTPUT_ARGUMENTS if (v := getattr(args, a, None)) is not None and str(v) != "-"]
+        name = name or (outputs[0] if outputs else None)
+        return f"no space left writing {name}" if name else "no space left on the device"
+    if name is not None and number in REFUSED + ABOUT_A_PATH:
+        return f"{name}: {os.strerror(number)}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception as e:  # noqa: BLE001 - a CLI never shows a raw traceback
+        if (line := system_error(e, args)) is not None:
+            print(f"gpt2 {args.command}: error: {line}", file=sys.stderr)
+            return 2
         print(f"gpt2 {args.command}: internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} "
               "(please report it)", file=sys.stderr)
         return 1

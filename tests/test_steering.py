@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
+import re
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,7 @@ from conftest import cli, gpt2_serve
 
 from gpt2_engine import GPT2, SAE, Steering, SteeringError
 from gpt2_engine.interp.sae import presentation
+from gpt2_engine.interp.spec import MAX_EDIT, hook_shape
 from gpt2_engine.interp.steering import apply
 from gpt2_engine.runtime.loop import EngineLoop
 from gpt2_engine.runtime.prefix import PrefixCache
@@ -401,6 +404,30 @@ def test_steering_errors_are_one_line(trained_model, tmp_path: Path) -> None:
     assert torch.equal(Steering.load(tmp_path / "v.npy", "hook_embed").vector, torch.ones(C))
 
 
+def test_an_edit_float32_cannot_carry_is_refused_and_the_largest_allowed_keeps_the_logits_finite(trained_model,
+                                                                                                  saes) -> None:
+    """coef 1e308 once made NaN logits (the server's 500, where inf got a 400): an edit past MAX_EDIT is refused when
+    it is made, and one of MAX_EDIT in every value, at each kind of hook (a residual, the MLP's widest activations,
+    a head's values), still gives finite log-probabilities."""
+    config = trained_model.config
+    ids = torch.tensor([[trained_model.tokenizer.eot_id, *trained_model.tokenizer.encode(PROMPTS[0])]])
+    for hook in ("blocks.0.hook_resid_pre", "blocks.1.mlp.hook_pre", "blocks.1.mlp.hook_post", "blocks.2.attn.hook_v",
+                 "blocks.3.hook_resid_post"):
+        ones = torch.ones(math.prod(hook_shape(hook, config)))
+        logprobs = trained_model.token_logprobs(ids, steering=[Steering(hook, ones, MAX_EDIT)])
+        assert bool(torch.isfinite(logprobs).all()), hook
+        for coef in (-1.01 * MAX_EDIT, 1e308):
+            with pytest.raises(SteeringError, match=re.escape(f"adds values up to {abs(coef):.3g}; at most 1e+12 keeps")):
+                Steering(hook, ones, coef)
+        with pytest.raises(SteeringError, match=r"value 1e\+308 adds values up to 1e\+308"):
+            Steering.project(hook, ones, 1e308)
+    sae = SAE.load(saes[0] / "topk-mlp")
+    with pytest.raises(SteeringError, match=r"clamp 1e\+308 adds values up to"):
+        Steering.clamp(sae, 0, 1e308)
+    with pytest.raises(SteeringError, match=r"coef 1e\+308 adds values up to"):
+        Steering.from_sae(sae, 0, 1e308)
+
+
 def first_json(out: str) -> dict:
     """The first JSON line of what a command printed."""
     return json.loads(out.splitlines()[0])
@@ -486,7 +513,8 @@ def test_gpt2_serve_steers_each_request_and_mixed_requests_equal_their_alone_out
         for steering, fragment in [([{"sae": "nope", "feature": 1, "coef": 1}], "no SAE named 'nope'"),
                                    ([{"sae": "mlp", "feature": sae.d_sae, "coef": 1}], "features are 0.."),
                                    ([{"vector": "file", "coef": 1}], "needs hook=HOOK"),
-                                   ([{"vector": "file", "hook": "blocks.1.mlp.hook_pre"}], "wide")]:
+                                   ([{"vector": "file", "hook": "blocks.1.mlp.hook_pre"}], "wide"),
+                                   ([{"vector": "file", "hook": c["resid_pre"].hook, "coef": 1e308}], "at most 1e+12")]:
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 2, "steering": steering},
                            timeout=30)
             assert r.status_code == 400, r.text

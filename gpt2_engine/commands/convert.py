@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..formats.checkpoints import checkpoint_kind, read_checkpoint
+from ..formats.files import what_is, written_into
 from ..formats.gguf import write_gguf
 from ..formats.llmc import write_llmc
 from ..core.config import GPT2Config
@@ -43,8 +44,10 @@ def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:
         raise UsageError(f"{dst}: is the source itself; write the converted checkpoint somewhere else")
     if to in ("llmc", "gguf") and dst.is_dir():
         raise UsageError(f"{dst}: a directory; a{'n llm.c model' if to == 'llmc' else ' GGUF'} is one file")
-    if to == "hf" and dst.is_file():
-        raise UsageError(f"{dst}: a file; a Hugging Face checkpoint is a directory")
+    if to in ("llmc", "gguf"):
+        written_into(dst)  # a socket or a block device is refused before the checkpoint is read
+    if to == "hf" and dst.exists() and not dst.is_dir():
+        raise UsageError(f"{dst}: {'a file' if dst.is_file() else what_is(dst)}; a Hugging Face checkpoint is a directory")
     kind, config, weights = read_any(src)
     bpe = load_tokenizer(src if kind == "hf" else None).source
     if to == "hf":

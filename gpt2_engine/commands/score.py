@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..formats.files import temporary
+from ..formats.files import OutputFile
 from ..documents import InputError, expand_paths, read_documents
 from ..options import ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, steering_from_args
 from ..formats.shards import documents, read_shard, shard_files
@@ -69,25 +68,20 @@ def print_table(scores: list[Score], total: Score, documents: int, seconds: floa
 
 class AtomicWriter:
     """A text file written beside its destination and renamed over it when complete: an interrupted run leaves the
-    destination as it was (or absent), never half-written."""
+    destination as it was (or absent), never half-written. A device, FIFO or /dev/stdout is written into instead
+    (formats/files.py's OutputFile, whose errors name the destination)."""
 
     def __init__(self, dest: Path) -> None:
-        try:
-            fd, self.tmp = temporary(dest)
-        except OSError as e:
-            raise InputError(f"{dest}: cannot write ({e.strerror or e})") from None
-        self.dest, self.file = dest, os.fdopen(fd, "w", encoding="utf-8")
+        self.dest, self.file = dest, OutputFile(dest)
 
     def write_json(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     def commit(self) -> None:
-        self.file.close()
-        os.replace(self.tmp, self.dest)
+        self.file.commit()
 
     def discard(self) -> None:
-        self.file.close()
-        Path(self.tmp).unlink(missing_ok=True)
+        self.file.discard()
 
 
 class StdoutWriter:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..formats.files import atomic_write
+from ..formats.files import atomic_write, output_directory
 from ..formats.shards import write_shard
 from ..core.tokenizer import load_tokenizer
 from ..documents import expand_paths, iter_documents
@@ -38,7 +38,7 @@ def tokenize_corpus(paths: list[str], out: Path, shard_tokens: int, prefix: str 
                     progress: bool = True) -> dict:
     """Write the documents of `paths` as shards of at most `shard_tokens` tokens into `out` (see the module
     docstring); returns the final state: documents, shards, tokens."""
-    out.mkdir(parents=True, exist_ok=True)
+    output_directory(out)
     settings = {"inputs": paths, "shard_tokens": shard_tokens, "prefix": prefix}
     state = {"settings": settings, "documents": 0, "shards": 0, "tokens": 0, "done": False}
     if (out / STATE).is_file():
@@ -63,20 +63,20 @@ def tokenize_corpus(paths: list[str], out: Path, shard_tokens: int, prefix: str 
         save(out, state)
         pending, count = [], 0
 
-    while batch := list(islice(docs, BATCH)):
-        for ids in tokenizer.encode_batch([text for _, text in batch], workers):
-            doc = np.asarray([eot, *ids], dtype=np.uint16)
-            if count and count + doc.size > shard_tokens:
-                flush()
-            pending.append(doc)
-            count += doc.size
-            consumed += 1
-            bar.update(doc.size)
-    if pending:
-        flush()
-    state["done"] = True
-    save(out, state)
-    bar.close()
+    with bar:  # closed before an error's line, not after it (a full disk)
+        while batch := list(islice(docs, BATCH)):
+            for ids in tokenizer.encode_batch([text for _, text in batch], workers):
+                doc = np.asarray([eot, *ids], dtype=np.uint16)
+                if count and count + doc.size > shard_tokens:
+                    flush()
+                pending.append(doc)
+                count += doc.size
+                consumed += 1
+                bar.update(doc.size)
+        if pending:
+            flush()
+        state["done"] = True
+        save(out, state)
     return state
 
 

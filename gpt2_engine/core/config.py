@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import resource
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from .errors import WeightsError
 
@@ -13,6 +17,12 @@ from .errors import WeightsError
 # count, so a sequence's logits never depend on what shares its pass. The scheduler plans passes within it.
 DECODE_ROWS = 32
 GPT2_VOCAB = 50257  # GPT-2's BPE: 50,000 merges, 256 byte tokens and <|endoftext|>
+
+# The largest value each dimension may take: far above any GPT-2 (xl: 1,600 channels, 48 layers, 1,024 positions),
+# low enough that a corrupt or hostile file's numbers are refused before anything of their size is allocated.
+LIMITS = {"vocab_size": 1 << 20, "n_positions": 1 << 20, "n_embd": 1 << 16, "n_layer": 1 << 12, "n_head": 1 << 12,
+          "n_inner": 1 << 18}
+MAX_PARAMETERS = 1 << 36  # 68.7 billion, 44 times GPT-2 xl's 1.56 billion (275 GB in float32)
 
 @dataclass(frozen=True)
 class GPT2Config:
@@ -30,17 +40,32 @@ class GPT2Config:
     activation_function: str = "gelu_new"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+        for name, limit in LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"config: {name} must be a positive integer, got {value!r}")
+            if name == "n_inner" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+                raise ValueError(f"config: {name} must be a positive integer up to {limit:,}"
+                                 f"{' or null' if name == 'n_inner' else ''}, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
-            raise ValueError(f"config: n_inner must be a positive integer or null, got {self.n_inner!r}")
+        eps = self.layer_norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"config: layer_norm_epsilon must be a finite positive number, got {eps!r}")
         if self.activation_function not in ACTIVATIONS:
             raise ValueError(f"config: activation_function {self.activation_function!r} is not supported (expected "
                              f"{' or '.join(map(repr, ACTIVATIONS))})")
+        if self.parameters > MAX_PARAMETERS:
+            raise ValueError(f"config: {self.parameters:,} parameters (n_layer {self.n_layer}, n_embd {self.n_embd}, "
+                             f"vocab_size {self.vocab_size}, n_positions {self.n_positions}), more than the "
+                             f"{MAX_PARAMETERS:,} the engine accepts")
+
+    @property
+    def parameters(self) -> int:
+        """How many parameters the official layout holds (124,439,808 for GPT-2 small; the tied head counted once)."""
+        C, F = self.n_embd, self.mlp_width
+        block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * F + F) + (F * C + C)  # ln_1, attn, ln_2, mlp
+        return (self.vocab_size + self.n_positions) * C + self.n_layer * block + 2 * C
 
     @property
     def exact_gelu(self) -> bool:
@@ -72,10 +97,10 @@ class GPT2Config:
         """Read a Hugging Face GPT-2 `config.json`, rejecting options this engine does not implement."""
         path = Path(path)
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            raw = read_json(path)
         except FileNotFoundError:
             raise WeightsError(f"{path}: config.json not found (expected the checkpoint's Hugging Face config)") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:
             raise WeightsError(f"{path}: not a readable JSON config ({e})") from None
         if not isinstance(raw, dict):
             raise WeightsError(f"{path}: expected a JSON object, found {type(raw).__name__}")
@@ -91,6 +116,38 @@ class GPT2Config:
             return cls(**{k: v for k, v in raw.items() if k in known})
         except (TypeError, ValueError) as e:
             raise WeightsError(f"{path}: {e}") from None
+
+
+def read_json(path: Path) -> Any:
+    """The value of a JSON file; OSError as reading it raises, ValueError in one line where it is not UTF-8 JSON or
+    nests deeper than Python's parser recurses (a config nested 100,000 deep)."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("its values nest too deeply") from None
+
+
+def memory_limit() -> int:
+    """The bytes this process may hold: the machine's memory, or the address-space limit set on it where lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return total if soft == resource.RLIM_INFINITY else min(total, soft)
+
+
+def check_size(config: GPT2Config, path: Path, copied: int = 4) -> None:
+    """Refuse, before anything of their size is allocated, the dimensions a file at `path` cannot hold (every format
+    stores at least one byte per parameter) and those whose weights cannot fit in memory when the reader holds
+    `copied` bytes of each parameter (float32 copies: 4; used in place from the mapped file: 0)."""
+    n, size = config.parameters, path.stat().st_size
+    dims = f"n_layer {config.n_layer}, n_embd {config.n_embd}, vocab_size {config.vocab_size}, n_positions {config.n_positions}"
+    if n > size:
+        raise WeightsError(f"{path}: its config ({dims}) means {n:,} parameters, and the file holds {size:,} bytes "
+                           f"(at least one byte per parameter)")
+    need, limit = copied * n, memory_limit()
+    if need > limit:
+        raise WeightsError(f"{path}: its {n:,} parameters ({dims}) need {need / 2**30:.1f} GiB as float32, more than "
+                           f"the {limit / 2**30:.1f} GiB of memory this process may use")
 
 
 ACTIVATIONS = ("gelu_new", "gelu")  # tanh-approximated (GPT-2's), exact erf (nanoGPT's)

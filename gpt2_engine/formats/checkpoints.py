@@ -34,21 +34,26 @@ import torch
 
 from ..core.config import GPT2Config
 from ..core.errors import WeightsError
+from .files import what_is
 from .gguf import read_gguf
 from .hf import CONFIG, PYTORCH_BIN, SAFETENSORS, find_weights_file
 from .llmc import LLMC_MAGIC, llmc_config, read_llmc, read_llmc_header
 from .nanogpt import read_nanogpt
 
+READ = "a Hugging Face directory, nanoGPT's ckpt.pt, llm.c's model .bin or a GGUF"
+
+
 def checkpoint_kind(path: Path) -> str:
     """'hf' (a directory), 'nanogpt' (a torch checkpoint file), 'llmc' (llm.c's model file) or 'gguf', by content."""
     if not path.exists():
-        raise WeightsError(f"{path}: no such checkpoint (expected a Hugging Face directory, a nanoGPT ckpt.pt or an "
-                           f"llm.c model .bin)")
+        raise WeightsError(f"{path}: no such checkpoint (expected {READ})")
     if path.is_dir():
         return "hf"
     if path.name in (SAFETENSORS, PYTORCH_BIN) or path.suffix == ".safetensors":  # a Hugging Face folder's file
         raise WeightsError(f"{path}: a weights file; expected a directory holding config.json and it (pass "
                            f"{path.parent})")
+    if not path.is_file():
+        raise WeightsError(f"{path}: {what_is(path)}, not a checkpoint (expected {READ})")
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:4] == b"GGUF":
@@ -57,8 +62,8 @@ def checkpoint_kind(path: Path) -> str:
         return "llmc"
     if head[:2] == b"PK" or head[:1] == b"\x80":  # torch.save's zip archive, or a legacy pickle
         return "nanogpt"
-    raise WeightsError(f"{path}: not a checkpoint the engine reads (expected a Hugging Face directory, nanoGPT's "
-                       f"ckpt.pt or llm.c's model .bin)")
+    what = f"a {path.suffix} file without its format's magic bytes; " if path.suffix in (".gguf", ".bin", ".pt") else ""
+    raise WeightsError(f"{path}: not a checkpoint the engine reads ({what}expected {READ})")
 
 
 def checkpoint_config(path: Path) -> GPT2Config:

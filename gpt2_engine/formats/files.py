@@ -1,13 +1,44 @@
-"""Files written whole or not at all: each is written beside its destination under a temporary name, flushed to disk,
-and renamed over it, so that a reader (or a run killed midway) never sees half a file. The file gets the mode a
-plain open() would give it, 0666 less the user's umask, not the 0600 of a temporary file."""
+"""Files written whole or not at all, where a destination can be replaced, and written into where it cannot.
+
+- A new path or a regular file: written beside it under a temporary name, flushed to disk and renamed over it, so
+  that a reader (or a run killed midway) never sees half a file. The file gets the mode a plain open() would give it,
+  0666 less the user's umask, not the 0600 of a temporary file. A symbolic link there is replaced by the file, so
+  nothing outside the destination's folder is touched.
+- A character device (/dev/null), a FIFO or pipe, or a file reached through a descriptor's link (/dev/stdout,
+  /dev/fd/N, a shell's `>(...)`): written into, as `cp` writes, and never replaced (a rename would leave a regular
+  file where /dev/null was, or drop what the shell redirects into).
+- A directory, a socket or a block device: refused, in one line naming what is there.
+
+A failed write leaves a replaced destination as it was and no temporary file, and is an OutputError naming the
+destination ("no space left writing PATH" for a full disk).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
+
+from ..core.errors import GPT2EngineError
+
+
+class OutputError(GPT2EngineError):
+    """A destination that cannot be written: what is there, a full disk, a read-only or missing folder."""
+
+
+KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
+WRITTEN_INTO = ("a character device", "a FIFO")  # as cp writes them; a block device is a disk, never a model's file
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def umask() -> int:
@@ -23,6 +54,79 @@ def umask() -> int:
     return mask
 
 
+def what_is(path: Path) -> str | None:
+    """What is at `path`, links followed ('a regular file', 'a character device', ...); None where nothing is."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return KINDS.get(stat.S_IFMT(mode), "a special file")
+
+
+def through_descriptor(path: Path) -> bool:
+    """Whether `path` reaches its file through a process's descriptor links (/dev/stdout -> /proc/self/fd/1,
+    /dev/fd/N): writing there means writing into what the descriptor is open on."""
+    for _ in range(40):  # the kernel's own limit on links followed
+        parent = Path(os.path.realpath(path.parent)).parts
+        if len(parent) == 4 and parent[1] == "proc" and parent[3] == "fd":
+            return True
+        if not path.is_symlink():
+            return False
+        path = path.parent / os.readlink(path)
+    return False
+
+
+def written_into(dest: Path) -> bool:
+    """Whether `dest` is written into rather than replaced (see the module docstring); OutputError where it can be
+    neither."""
+    kind = what_is(dest)
+    if kind in WRITTEN_INTO:
+        return True
+    if kind == "a regular file":
+        return through_descriptor(dest)
+    if kind is not None:
+        raise OutputError(f"{dest}: {kind}; expected a file to write (or a character device or FIFO to write into)")
+    return False
+
+
+def error_number(e: BaseException) -> int | None:
+    """The OS error behind `e`: an OSError's errno, or the one safetensors' writer quotes ("... (os error 28)")."""
+    if isinstance(e, OSError):
+        return e.errno
+    found = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return int(found.group(1)) if found else None
+
+
+def output_error(dest: Path, e: BaseException) -> OutputError:
+    """`e`, raised while writing `dest`, as one line naming it."""
+    number = error_number(e)
+    if number in NO_SPACE:
+        return OutputError(f"no space left writing {dest}")
+    reason = os.strerror(number) if number else " ".join(str(e).split())[:200]
+    return OutputError(f"cannot write {dest}: {reason}")
+
+
+def about_output(e: BaseException, *paths: Path) -> bool:
+    """Whether `e` is the OS refusing to write one of `paths` (not a bug, nor a source that could not be read)."""
+    if error_number(e) is None:
+        return False
+    name = getattr(e, "filename", None)
+    return name is None or str(name) in {str(p) for p in paths}
+
+
+def output_directory(path: Path) -> Path:
+    """`path` as a folder to write files into, made with its parents where missing; OutputError where something
+    else is there or it cannot be made."""
+    kind = what_is(path)
+    if kind not in (None, "a directory"):
+        raise OutputError(f"{path}: {kind}; expected a directory to write into")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise output_error(path, e) from None
+    return path
+
+
 def temporary(dest: Path) -> tuple[int, Path]:
     """An open descriptor and the path of a new file beside `dest`, with a plain file's mode; OSError as mkstemp's."""
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
@@ -31,14 +135,73 @@ def temporary(dest: Path) -> tuple[int, Path]:
 
 
 def atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
-    """`write(path)` fills a temporary file beside `dest`, which is then synced and renamed over `dest`."""
-    fd, tmp = temporary(dest)
-    os.close(fd)
+    """`write(path)` fills a temporary file beside `dest`, which is then synced and renamed over `dest`; a device,
+    FIFO or descriptor is written into instead (`write(dest)`). OutputError where `dest` cannot be written."""
     try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~umask())  # again: a writer may have replaced the file (safetensors makes it 0600)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        into = written_into(dest)
+        if not into:
+            fd, tmp = temporary(dest)
+            os.close(fd)
+    except OSError as e:
+        raise output_error(dest, e) from None
+    target = dest if into else tmp
+    try:
+        write(target)
+        if not into:
+            os.chmod(tmp, 0o666 & ~umask())  # again: a writer may have replaced the file (safetensors makes it 0600)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+    except Exception as e:
+        if about_output(e, target, dest):
+            raise output_error(dest, e) from None
+        raise
     finally:
-        tmp.unlink(missing_ok=True)
+        if not into:
+            tmp.unlink(missing_ok=True)
+
+
+class OutputFile:
+    """A file at `dest` written as atomic_write writes one, for a writer that writes as it goes: beside `dest` and
+    renamed over it by commit(), or into a device, FIFO or descriptor. discard() leaves a replaced destination as
+    it was. Every OS error is an OutputError naming `dest`."""
+
+    def __init__(self, dest: Path, mode: str = "w") -> None:
+        self.dest, self.tmp = dest, None
+        encoding = None if "b" in mode else "utf-8"
+        try:
+            if written_into(dest):
+                self.file: IO[Any] = open(dest, mode, encoding=encoding)  # noqa: SIM115 - open until commit()
+            else:
+                fd, self.tmp = temporary(dest)
+                self.file = os.fdopen(fd, mode, encoding=encoding)
+        except OSError as e:
+            raise output_error(dest, e) from None
+
+    def write(self, data: Any) -> None:
+        try:
+            self.file.write(data)
+        except OSError as e:
+            raise output_error(self.dest, e) from None
+
+    def commit(self) -> None:
+        """Flush what was written and, for a replaced destination, sync it and rename it over `dest`."""
+        try:
+            self.file.flush()
+            if self.tmp is not None:
+                os.fsync(self.file.fileno())
+            self.file.close()
+            if self.tmp is not None:
+                os.replace(self.tmp, self.dest)
+        except OSError as e:
+            self.discard()
+            raise output_error(self.dest, e) from None
+
+    def discard(self) -> None:
+        """Close without committing; a temporary file is removed."""
+        try:
+            self.file.close()
+        except OSError:
+            pass  # what could not be flushed is what is being thrown away
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+import os
+import struct
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -9,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.config import GPT2_VOCAB, GPT2Config
+from ..core.config import GPT2_VOCAB, GPT2Config, check_size
 from ..core.errors import WeightsError
 from ..core.tokenizer import load_tokenizer
 from ..core.weights import MATRICES, expected_shapes
@@ -117,66 +121,255 @@ def write_gguf(path: Path, config: GPT2Config, tensors: dict[str, torch.Tensor],
     atomic_write(path, write)
 
 
-def read_gguf(path: Path) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
-    """A GPT-2 GGUF file (f32, f16 or q8_0 tensors, dequantized to float32) by the official names, strictly
-    accounted: every tensor used once, `output.weight` checked equal to token_embd (GPT-2 ties them)."""
-    gguf = gguf_module()
+# The bounded walk (check_gguf) and the metadata the reader takes.
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+GGUF_STRING, GGUF_ARRAY, GGUF_UINT32 = 8, 9, 4
+GGUF_INTEGERS, GGUF_FLOATS = (0, 1, 2, 3, 4, 5, 10, 11), (6, 12)
+GGUF_VERSIONS = (2, 3)  # gguf-py's and llama.cpp's (version 1 is no longer read by either)
+GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
+GGUF_MAX_VALUES = 1 << 20  # array values in a file's metadata; a GPT-2's hold 150,514 (tokens, their types, merges)
+GGUF_MAX_TENSORS = 1 << 16  # GPT-2 xl has 582
+GGUF_DEFAULT_ALIGNMENT = 32
+
+# key -> (what it means to the engine, the GGUF value types it may have; an array's are its element types)
+GGUF_FIELDS = {"general.architecture": ("the architecture", (GGUF_STRING,)),
+               "tokenizer.ggml.model": ("the tokenizer", (GGUF_STRING,)),
+               "tokenizer.ggml.tokens": ("the vocabulary", (GGUF_ARRAY, GGUF_STRING)),
+               "gpt2.context_length": ("n_positions", GGUF_INTEGERS),
+               "gpt2.embedding_length": ("n_embd", GGUF_INTEGERS),
+               "gpt2.block_count": ("n_layer", GGUF_INTEGERS),
+               "gpt2.attention.head_count": ("n_head", GGUF_INTEGERS),
+               "gpt2.feed_forward_length": ("n_inner", GGUF_INTEGERS),
+               "gpt2.attention.layer_norm_epsilon": ("layer_norm_epsilon", GGUF_FLOATS)}
+
+
+class GGUFWalk:
+    """A bounded walk over a GGUF file's header, metadata and tensor infos, each count and length checked against the
+    bytes left before it is trusted. gguf-py's GGUFReader trusts them: it makes a numpy view per array value and loops
+    over the declared count, so a 133-byte file declaring 2^40 values takes memory until the machine runs out."""
+
+    def __init__(self, path: Path, data: memoryview) -> None:
+        self.path, self.data, self.pos, self.order = path, data, 0, "<"
+        self.values = 0  # array values so far
+        self.alignment = GGUF_DEFAULT_ALIGNMENT
+
+    def fail(self, what: str) -> WeightsError:
+        return WeightsError(f"{self.path}: not a GGUF the engine reads: {what}")
+
+    def take(self, n: int, what: str) -> int:
+        """The offset of the next `n` bytes, which must lie in the file."""
+        left = len(self.data) - self.pos
+        if n > left:
+            raise self.fail(f"{what} at byte {self.pos:,} needs {n:,} bytes, and {left:,} are left")
+        self.pos += n
+        return self.pos - n
+
+    def number(self, fmt: str, what: str) -> int:
+        return struct.unpack_from(self.order + fmt, self.data, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.number("Q", f"the length of {what}")
+        start = self.take(n, what)
+        try:
+            return bytes(self.data[start : self.pos]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} at byte {start:,} is not UTF-8") from None
+
+    def count(self, n: int, least: int, what: str) -> None:
+        """`n` items of at least `least` bytes each must fit in what is left of the file."""
+        left = len(self.data) - self.pos
+        if n * least > left:
+            raise self.fail(f"{what} declares {n:,} of at least {least} bytes each, and {left:,} bytes are left")
+
+    def header(self) -> tuple[int, int]:
+        """(tensor count, key-value count), after the magic and a version gguf-py reads."""
+        start = self.take(4, "the magic")
+        if bytes(self.data[start : start + 4]) != b"GGUF":
+            raise self.fail("no GGUF magic")
+        version = self.number("I", "the version")
+        if version & 0xFFFF == 0:  # written on a big-endian machine, as gguf-py and llama.cpp detect it
+            self.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version not in GGUF_VERSIONS:
+            raise self.fail(f"version {version} (gguf-py reads {' and '.join(map(str, GGUF_VERSIONS))})")
+        tensors, kvs = self.number("Q", "the tensor count"), self.number("Q", "the key-value count")
+        if tensors > GGUF_MAX_TENSORS:
+            raise self.fail(f"{tensors:,} tensors (a GPT-2 has at most {GGUF_MAX_TENSORS:,})")
+        self.count(kvs, 13, "the key-value count")  # a key's length, a type and one byte
+        return tensors, kvs
+
+    def value(self, kind: int, key: str) -> None:
+        """Step over one value of GGUF type `kind` (the key's, or its array's)."""
+        if kind == GGUF_STRING:  # stepped over: the reader decodes the strings the engine reads
+            self.take(self.number("Q", f"the length of a string of {key}"), f"a string of {key}")
+        elif kind in GGUF_SCALAR_BYTES:
+            self.take(GGUF_SCALAR_BYTES[kind], f"the value of {key}")
+        elif kind == GGUF_ARRAY:
+            raise self.fail(f"{key} is an array of arrays (llama.cpp's reader refuses them too)")
+        else:
+            raise self.fail(f"{key} has GGUF value type {kind}, which is none of GGUF's (0 to 12)")
+
+    def array(self, key: str) -> None:
+        kind, n = self.number("I", f"the type of {key}'s values"), self.number("Q", f"the length of {key}")
+        self.count(n, 8 if kind == GGUF_STRING else GGUF_SCALAR_BYTES.get(kind, 1), f"the array {key}")
+        self.values += n
+        if self.values > GGUF_MAX_VALUES:
+            raise self.fail(f"{self.values:,} array values in its metadata at {key} (a GPT-2's metadata holds "
+                            f"150,514; the engine reads at most {GGUF_MAX_VALUES:,})")
+        if kind in GGUF_SCALAR_BYTES:  # a block of fixed-size values: stepped over at once
+            self.take(n * GGUF_SCALAR_BYTES[kind], f"the values of {key}")
+            return
+        for _ in range(n):
+            self.value(kind, key)
+
+    def key_value(self) -> None:
+        key = self.string("a key")
+        kind = self.number("I", f"the type of {key}")
+        if kind == GGUF_ARRAY:
+            self.array(key)
+        elif key == "general.alignment" and kind == GGUF_UINT32:
+            self.alignment = self.number("I", key)
+        else:
+            self.value(kind, key)
+
+    def tensor_info(self, sizes: dict) -> tuple[str, int, int]:
+        """(name, data offset, data bytes) of the next tensor info."""
+        name = self.string("a tensor name")
+        n_dims = self.number("I", f"the dimension count of {name}")
+        if not 1 <= n_dims <= GGUF_MAX_DIMS:
+            raise self.fail(f"tensor {name} has {n_dims} dimensions (expected 1 to {GGUF_MAX_DIMS})")
+        dims = [self.number("Q", f"the shape of {name}") for _ in range(n_dims)]
+        kind = self.number("I", f"the type of {name}")
+        if kind not in sizes:
+            raise self.fail(f"tensor {name} has ggml type {kind}, which gguf-py does not know")
+        block, size = sizes[kind]
+        if dims[0] % block:
+            raise self.fail(f"tensor {name}'s rows of {dims[0]} values are not whole blocks of {block}")
+        return name, self.number("Q", f"the data offset of {name}"), math.prod(dims) // block * size
+
+    def walk(self, sizes: dict) -> None:
+        """Check the whole layout: every count, length and tensor's data within the file."""
+        tensors, kvs = self.header()
+        for _ in range(kvs):
+            self.key_value()
+        self.count(tensors, 32, "the tensor count")  # a name's length, a dimension count, one dimension, a type, an offset
+        infos = [self.tensor_info(sizes) for _ in range(tensors)]
+        if self.alignment == 0 or self.alignment & (self.alignment - 1):
+            raise self.fail(f"general.alignment {self.alignment} is not a power of two")
+        start = -(-self.pos // self.alignment) * self.alignment
+        for name, offset, n in infos:
+            if start + offset + n > len(self.data):
+                raise self.fail(f"tensor {name}'s {n:,} bytes at byte {start + offset:,} run past the end of the "
+                                f"file ({len(self.data):,} bytes)")
+
+
+def check_gguf(path: Path, sizes: dict) -> None:
+    """Refuse, before gguf-py reads it, a GGUF whose counts or lengths do not fit in the file (see GGUFWalk);
+    `sizes`: gguf-py's GGML_QUANT_SIZES, ggml type -> (block values, block bytes)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise WeightsError(f"{path}: not a GGUF the engine reads: an empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            data = memoryview(m)
+            try:
+                GGUFWalk(path, data).walk(sizes)
+            finally:
+                data.release()
+
+
+def gguf_reader(gguf: Any, path: Path) -> Any:
+    """gguf-py's GGUFReader on a file whose layout check_gguf has checked."""
+    check_gguf(path, {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()})
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - what the walk does not check (a duplicated key or tensor name)
         raise WeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
 
-    def field(key: str) -> Any:
+
+def gguf_fields(reader: Any, path: Path) -> dict[str, Any]:
+    """The metadata the engine reads (GGUF_FIELDS), each present and of its type."""
+    out = {}
+    for key, (meaning, kinds) in GGUF_FIELDS.items():
         f = reader.get_field(key)
         if f is None:
             raise WeightsError(f"{path}: no {key} (expected a GPT-2 GGUF as llama.cpp's converter writes one)")
-        return f.contents()
+        found = [int(t) for t in f.types]  # [ARRAY, element type] for an array
+        if not (found == list(kinds) if kinds[0] == GGUF_ARRAY else len(found) == 1 and found[0] in kinds):
+            raise WeightsError(f"{path}: {key} ({meaning}) has GGUF value type {found}, expected "
+                               f"{'an array of strings' if kinds[0] == GGUF_ARRAY else 'one of ' + str(list(kinds))}")
+        try:
+            out[key] = f.contents()
+        except UnicodeDecodeError:
+            raise WeightsError(f"{path}: {key} ({meaning}) is not UTF-8") from None
+    return out
 
-    arch = field("general.architecture")
-    if arch != "gpt2":
-        raise WeightsError(f"{path}: a GGUF of architecture {arch!r}; the engine runs 'gpt2'")
-    if field("tokenizer.ggml.model") != "gpt2":
-        raise WeightsError(f"{path}: tokenizer.ggml.model is {field('tokenizer.ggml.model')!r}, expected GPT-2's 'gpt2' BPE")
-    found = {t.name: t for t in reader.tensors}
-    vocab = int(found["token_embd.weight"].shape[-1]) if "token_embd.weight" in found else 0
+
+def gguf_config(meta: dict[str, Any], vocab: int, path: Path) -> GPT2Config:
+    """The GPT2Config the metadata says; GPT-2's own MLP width reads back as n_inner None."""
     try:
-        config = GPT2Config(vocab_size=vocab or GPT2_VOCAB, n_positions=int(field("gpt2.context_length")),
-                            n_embd=int(field("gpt2.embedding_length")), n_layer=int(field("gpt2.block_count")),
-                            n_head=int(field("gpt2.attention.head_count")),
-                            n_inner=int(field("gpt2.feed_forward_length")),
+        config = GPT2Config(vocab_size=vocab, n_positions=meta["gpt2.context_length"],
+                            n_embd=meta["gpt2.embedding_length"], n_layer=meta["gpt2.block_count"],
+                            n_head=meta["gpt2.attention.head_count"], n_inner=meta["gpt2.feed_forward_length"],
                             # stored as float32: 1e-5 reads back as 9.99999975e-06, so the 7 digits a float32 holds
-                            layer_norm_epsilon=float(f"{float(field('gpt2.attention.layer_norm_epsilon')):.7g}"))
+                            layer_norm_epsilon=float(f"{meta['gpt2.attention.layer_norm_epsilon']:.7g}"))
     except ValueError as e:
         raise WeightsError(f"{path}: {e}") from None
-    if config.n_inner == 4 * config.n_embd:
-        config = replace(config, n_inner=None)  # GPT-2's own width, as an official config.json leaves it
-    if len(field("tokenizer.ggml.tokens")) != config.vocab_size or config.vocab_size != GPT2_VOCAB:
+    return replace(config, n_inner=None) if config.n_inner == 4 * config.n_embd else config
+
+
+def check_gguf_identity(meta: dict[str, Any], config: GPT2Config, path: Path) -> None:
+    """GPT-2's architecture, tokenizer and vocabulary, or an error naming what the file holds instead."""
+    if meta["general.architecture"] != "gpt2":
+        raise WeightsError(f"{path}: a GGUF of architecture {meta['general.architecture']!r}; the engine runs 'gpt2'")
+    if meta["tokenizer.ggml.model"] != "gpt2":
+        raise WeightsError(f"{path}: tokenizer.ggml.model is {meta['tokenizer.ggml.model']!r}, expected GPT-2's "
+                           f"'gpt2' BPE")
+    if len(meta["tokenizer.ggml.tokens"]) != config.vocab_size or config.vocab_size != GPT2_VOCAB:
         raise WeightsError(f"{path}: a vocabulary of {config.vocab_size} tokens; the engine runs GPT-2's 50257")
-    if list(field("tokenizer.ggml.tokens")) != bpe_tables(load_tokenizer(None).source)[0]:
+    if meta["tokenizer.ggml.tokens"] != bpe_tables(load_tokenizer(None).source)[0]:
         raise WeightsError(f"{path}: its tokens are not GPT-2's BPE vocabulary; the engine runs GPT-2's tokenizer")
-    supported = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0}
+
+
+def gguf_tensor(gguf: Any, t: Any, shape: tuple[int, ...], matrix: bool, path: Path) -> torch.Tensor:
+    """One tensor of the file in the official layout (float32), its type and shape checked before it is read."""
+    supported = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0)
+    if t.tensor_type not in supported:
+        raise WeightsError(f"{path}: {t.name} is {t.tensor_type.name}; the engine reads F32, F16 and Q8_0 GGUFs")
+    stored = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
+    if (stored[::-1] if matrix else stored) != shape:
+        found = list(stored[::-1] if matrix else stored)
+        raise WeightsError(f"{path}: {t.name} has shape {found}, expected {list(shape)} in the official layout")
+    data = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(stored)
+    return (data.t() if matrix else data).contiguous()
+
+
+def gguf_tensors(gguf: Any, reader: Any, config: GPT2Config, path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor by its official name, strictly accounted: each used once, `output.weight` checked equal to
+    token_embd (GPT-2 ties them), nothing left over."""
+    found = {t.name: t for t in reader.tensors}
     expected = expected_shapes(config)
     out: dict[str, torch.Tensor] = {}
-
-    def take(target: str) -> torch.Tensor:
-        t = found.pop(target, None)
-        if t is None:
-            raise WeightsError(f"{path}: missing tensor {target}")
-        if t.tensor_type not in supported:
-            raise WeightsError(f"{path}: {target} is {t.tensor_type.name}; the engine reads F32, F16 and Q8_0 GGUFs")
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(t.shape)))
-
     for name, target in gguf_names(config).items():
-        t = take(target)
-        t = t.t() if any(name.endswith(m) for m in MATRICES) else t
-        if tuple(t.shape) != expected[name]:
-            raise WeightsError(f"{path}: {target} has shape {list(t.shape)}, expected {list(expected[name])} in the "
-                               f"official layout")
-        out[name] = t.contiguous()
-    if "output.weight" in found and not torch.equal(take("output.weight"), out["wte.weight"]):
-        raise WeightsError(f"{path}: output.weight differs from token_embd.weight; GPT-2 ties them")
+        if target not in found:
+            raise WeightsError(f"{path}: missing tensor {target}")
+        matrix = any(name.endswith(m) for m in MATRICES)
+        out[name] = gguf_tensor(gguf, found.pop(target), expected[name], matrix, path)
+    if "output.weight" in found:
+        head = gguf_tensor(gguf, found.pop("output.weight"), expected["wte.weight"], False, path)
+        if not torch.equal(head, out["wte.weight"]):
+            raise WeightsError(f"{path}: output.weight differs from token_embd.weight; GPT-2 ties them")
     if found:
-        raise WeightsError(f"{path}: unexpected tensor {sorted(found)[0]} (not part of GPT-2 with n_layer={config.n_layer})")
-    return config, out
+        raise WeightsError(f"{path}: unexpected tensor {min(found)} (not part of GPT-2 with n_layer={config.n_layer})")
+    return out
 
+
+def read_gguf(path: Path) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
+    """A GPT-2 GGUF file (f32, f16 or q8_0 tensors, dequantized to float32) by the official names: its layout checked
+    against its size before gguf-py reads it, its config's size against the file and memory before a tensor is."""
+    gguf = gguf_module()
+    reader = gguf_reader(gguf, path)
+    meta = gguf_fields(reader, path)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    config = gguf_config(meta, int(embd.shape[-1]) if embd is not None else GPT2_VOCAB, path)
+    check_gguf_identity(meta, config, path)
+    check_size(config, path)
+    return config, gguf_tensors(gguf, reader, config, path)

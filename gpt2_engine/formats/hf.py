@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import os
 import re
-import zipfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ..core.config import GPT2Config
+from ..core.config import GPT2Config, check_size
 from ..core.errors import WeightsError
 from ..core.pages import FilePages, file_mapping, file_pages, release_pages
 from ..core.weights import (Allocator, Block, GPT2Weights, LayerNorm, Linear, PanelMatrix, expected_shapes,
                             named_tensors)
-from .files import atomic_write
+from .files import atomic_write, output_directory
+from .pickles import load_pickle
 
 DEFAULT_WEIGHTS = Path("weights")  # the project's default checkpoint directory
 
@@ -139,23 +139,12 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
             raise WeightsError(f"{path}: not a readable safetensors file ({_one_line(e)})") from None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise WeightsError(f"{path}: not a readable PyTorch checkpoint ({_one_line(e)})") from None
-        state = _load_legacy_bin(path)  # files written before the zip format cannot be memory-mapped
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, TypeError) as e:
-        raise WeightsError(f"{path}: not a readable PyTorch checkpoint ({_one_line(e)})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        state = load_pickle(path, mmap=True)
+    except ValueError as e:
+        raise WeightsError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise WeightsError(f"{path}: expected a dict of tensors (a state_dict), found {type(state).__name__}")
     return state
-
-
-def _load_legacy_bin(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise WeightsError(f"{path}: not a readable PyTorch checkpoint ({_one_line(e)})") from None
 
 
 def _one_line(e: BaseException) -> str:
@@ -174,7 +163,9 @@ def load_weights(directory: str | Path, config: GPT2Config, dtype: torch.dtype =
     reads them). alloc: where the panels are written (pages.HugeArena.take; None: new tensors).
     """
     path = find_weights_file(Path(directory))
-    return weights_from_tensors(read_tensors(path), config, path, dtype, resident, panels, alloc)
+    raw = read_tensors(path)  # memory-mapped, or a legacy pickle of the file's size
+    check_size(config, path, copied=0)  # float32 is used in place; other dtypes are copied one tensor at a time
+    return weights_from_tensors(raw, config, path, dtype, resident, panels, alloc)
 
 
 def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path: Path,
@@ -182,7 +173,15 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
                          alloc: Allocator | None = None) -> GPT2Weights:
     """load_weights' checks and assembly, on tensors by official name (read from `path`, which errors name)."""
     expected = expected_shapes(config)
+    tensors, lm_head = official_tensors(raw, expected, config, path)
+    check_tensors(tensors, lm_head, expected, path, resident)
+    return Assembly(tensors, path, dtype, resident, panels, alloc).weights(config)
 
+
+def official_tensors(raw: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], config: GPT2Config,
+                     path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The name table's accounting: (the tensors by official name, the lm_head if the file has one); the causal
+    masks are ignored, and an unexpected or doubled name is an error."""
     tensors: dict[str, torch.Tensor] = {}
     lm_head: torch.Tensor | None = None
     unexpected: list[str] = []
@@ -192,83 +191,94 @@ def weights_from_tensors(raw: dict[str, torch.Tensor], config: GPT2Config, path:
             continue
         if name == "lm_head.weight":
             lm_head = tensor
-        elif name in expected:
-            if name in tensors:
-                raise WeightsError(f"{path}: tensor {name} appears twice (with and without the 'transformer.' prefix)")
-            tensors[name] = tensor
-        else:
+        elif name not in expected:
             unexpected.append(full_name)
+        elif name in tensors:
+            raise WeightsError(f"{path}: tensor {name} appears twice (with and without the 'transformer.' prefix)")
+        else:
+            tensors[name] = tensor
     if unexpected:
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
         raise WeightsError(f"{path}: unexpected tensor {unexpected[0]}{more} (not part of GPT-2 with n_layer={config.n_layer})")
+    return tensors, lm_head
 
+
+def check_tensors(tensors: dict[str, torch.Tensor], lm_head: torch.Tensor | None,
+                  expected: dict[str, tuple[int, ...]], path: Path, resident: bool) -> None:
+    """Every expected tensor present, of its shape, floating-point and finite; the lm_head equal to wte."""
+    release = None if resident else path
     for name, shape in expected.items():
         if name not in tensors:
             raise WeightsError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
-        _check_tensor(path, name, tensors[name], shape, None if resident else path)
-    if lm_head is not None:
-        _check_tensor(path, "lm_head.weight", lm_head, expected["wte.weight"], None if resident else path)
-        if not torch.equal(lm_head, tensors["wte.weight"]):
-            diff = (lm_head.float() - tensors["wte.weight"].float()).abs().max().item()
-            raise WeightsError(f"{path}: lm_head.weight differs from wte.weight (max |diff| {diff:.3g}); GPT-2 ties them")
-        if not resident:
-            release_pages(lm_head, path)
-            release_pages(tensors["wte.weight"], path)
+        _check_tensor(path, name, tensors[name], shape, release)
+    if lm_head is None:
+        return
+    _check_tensor(path, "lm_head.weight", lm_head, expected["wte.weight"], release)
+    if not torch.equal(lm_head, tensors["wte.weight"]):
+        diff = (lm_head.float() - tensors["wte.weight"].float()).abs().max().item()
+        raise WeightsError(f"{path}: lm_head.weight differs from wte.weight (max |diff| {diff:.3g}); GPT-2 ties them")
+    if not resident:
+        release_pages(lm_head, path)
+        release_pages(tensors["wte.weight"], path)
 
-    def t(name: str, target: torch.dtype = torch.float32) -> torch.Tensor:
-        tensor = tensors[name]
+
+class Assembly:
+    """Checked tensors by official name made into GPT2Weights. `dtype` applies to the matrices that matmuls read
+    (and wte); biases, layer norms and wpe stay float32 (mixed precision). See load_weights for the rest."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, resident: bool,
+                 panels: bool, alloc: Allocator | None) -> None:
+        self.tensors, self.path, self.dtype, self.resident, self.panels, self.alloc = (
+            tensors, path, dtype, resident, panels, alloc)
+        self.mappings: list[FilePages] = []  # the file's mappings found so far: one /proc/self/maps read for each
+
+    def t(self, name: str, target: torch.dtype = torch.float32) -> torch.Tensor:
+        tensor = self.tensors[name]
         if tensor.dtype == target:
             return tensor
         converted = tensor.to(target)
-        if not resident:  # the conversion read the file's pages back in; the copy is what is kept
-            release_pages(tensor, path)
+        if not self.resident:  # the conversion read the file's pages back in; the copy is what is kept
+            release_pages(tensor, self.path)
         return converted
 
-    mappings: list[FilePages] = []  # the file's mappings found so far: one /proc/self/maps read for each
-
-    def in_file(tensor: torch.Tensor) -> FilePages | None:
-        """The pages under `tensor` if it lies in a mapping of the file `path`."""
-        for mapping in mappings:
+    def in_file(self, tensor: torch.Tensor) -> FilePages | None:
+        """The pages under `tensor` if it lies in a mapping of the file."""
+        for mapping in self.mappings:
             if (pages := mapping.within(tensor)) is not None:
                 return pages
-        if (mapping := file_mapping(tensor, path)) is None:
+        if (mapping := file_mapping(tensor, self.path)) is None:
             return None
-        mappings.append(mapping)
+        self.mappings.append(mapping)
         return mapping.within(tensor)
 
-    # `dtype` applies to the matrices that matmuls read; biases, layer norms and wpe stay float32 (mixed precision).
-    def lin(prefix: str) -> Linear:
-        weight = tensors[prefix + ".weight"]
-        if panels and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
+    def lin(self, prefix: str) -> Linear:
+        weight, dtype = self.tensors[prefix + ".weight"], self.dtype
+        if self.panels and PanelMatrix.fits(weight.shape) and weight.is_contiguous():
             if dtype == torch.bfloat16:
-                kept = PanelMatrix.of(weight, dtype, alloc=alloc)
-                if not resident:
-                    release_pages(weight, path)
-                return Linear(kept, t(prefix + ".bias"))
+                kept = PanelMatrix.of(weight, dtype, alloc=self.alloc)
+                if not self.resident:
+                    release_pages(weight, self.path)
+                return Linear(kept, self.t(prefix + ".bias"))
             # float32: the file's matrix stays beside the panels (PanelMatrix.plain), so only where it is that very
             # matrix, in the mapping; decode reads the panels, and a GEMM's first call reads its pages back
-            if dtype == weight.dtype == torch.float32 and (pages := in_file(weight)) is not None:
-                kept = PanelMatrix.of(weight, dtype, keep=True, alloc=alloc)
+            if dtype == weight.dtype == torch.float32 and (pages := self.in_file(weight)) is not None:
+                kept = PanelMatrix.of(weight, dtype, keep=True, alloc=self.alloc)
                 pages.release(weight)
-                return Linear(kept, t(prefix + ".bias"))
-        return Linear(t(prefix + ".weight", dtype), t(prefix + ".bias"))
+                return Linear(kept, self.t(prefix + ".bias"))
+        return Linear(self.t(prefix + ".weight", dtype), self.t(prefix + ".bias"))
 
-    def ln(prefix: str) -> LayerNorm:
-        return LayerNorm(t(prefix + ".weight"), t(prefix + ".bias"))
+    def ln(self, prefix: str) -> LayerNorm:
+        return LayerNorm(self.t(prefix + ".weight"), self.t(prefix + ".bias"))
 
-    blocks = tuple(
-        Block(
-            ln_1=ln(f"h.{i}.ln_1"),
-            c_attn=lin(f"h.{i}.attn.c_attn"),
-            attn_c_proj=lin(f"h.{i}.attn.c_proj"),
-            ln_2=ln(f"h.{i}.ln_2"),
-            c_fc=lin(f"h.{i}.mlp.c_fc"),
-            mlp_c_proj=lin(f"h.{i}.mlp.c_proj"),
-        )
-        for i in range(config.n_layer)
-    )
-    wte = t("wte.weight", dtype)
-    return GPT2Weights(wte=wte, wpe=t("wpe.weight"), blocks=blocks, ln_f=ln("ln_f"), head=wte)
+    def block(self, i: int) -> Block:
+        return Block(ln_1=self.ln(f"h.{i}.ln_1"), c_attn=self.lin(f"h.{i}.attn.c_attn"),
+                     attn_c_proj=self.lin(f"h.{i}.attn.c_proj"), ln_2=self.ln(f"h.{i}.ln_2"),
+                     c_fc=self.lin(f"h.{i}.mlp.c_fc"), mlp_c_proj=self.lin(f"h.{i}.mlp.c_proj"))
+
+    def weights(self, config: GPT2Config) -> GPT2Weights:
+        blocks = tuple(self.block(i) for i in range(config.n_layer))
+        wte = self.t("wte.weight", self.dtype)
+        return GPT2Weights(wte=wte, wpe=self.t("wpe.weight"), blocks=blocks, ln_f=self.ln("ln_f"), head=wte)
 
 
 GENERATION_CONFIG = {"bos_token_id": 50256, "eos_token_id": 50256}
@@ -284,8 +294,7 @@ def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weig
 
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = output_directory(Path(directory))
 
     def atomic(name: str, write) -> None:
         atomic_write(directory / name, write)

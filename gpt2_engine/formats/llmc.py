@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.config import GPT2_VOCAB, GPT2Config
+from ..core.config import GPT2_VOCAB, GPT2Config, check_size
 from ..core.errors import WeightsError
 from ..core.weights import MATRICES
 from .files import atomic_write
@@ -63,7 +63,8 @@ def llmc_layout(config: GPT2Config, padded: int) -> list[tuple[str, tuple[int, .
 
 
 def read_llmc(path: Path) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
-    """llm.c's model file (see the module docstring), memory-mapped."""
+    """llm.c's model file (see the module docstring), memory-mapped: float32 vectors and wte are used in place; the
+    matrices are copied once, transposed into Conv1D's layout (bfloat16 files: everything, converted to float32)."""
     header = read_llmc_header(path)
     config = llmc_config(header, path)
     dtype = LLMC_VERSIONS[int(header[1])]
@@ -74,14 +75,16 @@ def read_llmc(path: Path) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
     if found != need:
         raise WeightsError(f"{path}: {found} bytes, expected {need} for an llm.c model with {config.n_layer} layers, "
                            f"{config.n_embd} channels ({'truncated' if found < need else 'bytes left over'})")
-    raw = np.memmap(path, dtype="<i2" if size == 2 else "<f4", mode="r", offset=LLMC_HEADER * 4)
+    check_size(config, path)
+    # copy-on-write: pages are shared with the page cache (and torch gets the writable array it expects)
+    raw = torch.from_numpy(np.memmap(path, dtype="<i2" if size == 2 else "<f4", mode="c", offset=LLMC_HEADER * 4))
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for name, shape in layout:
         n = math.prod(shape)
-        t = torch.from_numpy(np.array(raw[offset : offset + n])).view(shape)
+        t = raw[offset : offset + n].view(shape)
         offset += n
-        t = (t.view(torch.bfloat16) if size == 2 else t).float()
+        t = t.view(torch.bfloat16).float() if size == 2 else t
         if name.startswith("h.*."):
             part = name[4:]
             for i in range(config.n_layer):

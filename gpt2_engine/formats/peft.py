@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import GPT2Config
+from ..core.config import GPT2Config, read_json
 from ..core.errors import GPT2EngineError
 from ..core.lora import ALL_TARGETS, TARGETS, LoraAdapter, LoraError, LoraSettings, module_name, target_shape
-from .files import atomic_write
+from .files import atomic_write, output_directory
 from .hf import read_tensors, weights_fingerprint
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -45,8 +45,7 @@ def save_adapter(directory: str | Path, adapter: LoraAdapter) -> None:
     """Write the adapter in PEFT's format; each file is written beside its destination and renamed over it."""
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = output_directory(Path(directory))
     tensors = {PEFT_PREFIX + name + ".weight": t.t().contiguous() for name, t in adapter.tensors.items()}
     for name, write in ((ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"})),
                         (ADAPTER_CONFIG, lambda p: Path(p).write_text(json.dumps(peft_config(adapter), indent=2) + "\n",
@@ -65,7 +64,7 @@ def save_adapter(directory: str | Path, adapter: LoraAdapter) -> None:
 def recorded_base(directory: str | Path) -> str:
     """The base_model_name_or_path an adapter directory records ("" when none, or when it is not readable)."""
     try:
-        cfg = json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        cfg = read_json(Path(directory) / ADAPTER_CONFIG)
     except (OSError, ValueError):
         return ""
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
@@ -88,53 +87,68 @@ def is_adapter(directory: str | Path) -> bool:
     return (Path(directory) / ADAPTER_CONFIG).is_file()
 
 
-def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
-    """Read a PEFT LoRA adapter for this model (written by peft or by the engine), checking every tensor."""
-    directory = Path(directory)
+# adapter_config.json's fields that must keep plain LoRA's value (on the projections only): (key, PEFT's default,
+# whether a value is plain LoRA's)
+PLAIN_LORA = (("use_dora", False, lambda v: not v), ("bias", "none", lambda v: v == "none"),
+              ("modules_to_save", None, lambda v: not v), ("rank_pattern", {}, lambda v: not v),
+              ("alpha_pattern", {}, lambda v: not v))
+
+
+def read_adapter_config(directory: Path) -> dict:
+    """adapter_config.json, checked to say plain LoRA."""
     if not directory.is_dir():
         raise LoraError(f"{directory}: not a directory (expected a PEFT adapter: {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    path = directory / ADAPTER_CONFIG
     try:
-        cfg = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        cfg = read_json(path)
     except FileNotFoundError:
         raise LoraError(f"{directory}: no {ADAPTER_CONFIG}; not a PEFT adapter directory") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoraError(f"{directory / ADAPTER_CONFIG}: not readable JSON ({e})") from None
+    except (OSError, ValueError) as e:
+        raise LoraError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        raise LoraError(f"{directory / ADAPTER_CONFIG}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, "
-                        "expected 'LORA'")
-    for key, ok in (("use_dora", not cfg.get("use_dora")), ("bias", cfg.get("bias", "none") == "none"),
-                    ("modules_to_save", not cfg.get("modules_to_save")), ("rank_pattern", not cfg.get("rank_pattern")),
-                    ("alpha_pattern", not cfg.get("alpha_pattern"))):
-        if not ok:
-            raise LoraError(f"{directory / ADAPTER_CONFIG}: {key}={cfg.get(key)!r} is not supported (plain LoRA "
-                            "on the projections only)")
-    path = directory / ADAPTER_WEIGHTS
-    if not path.is_file():
-        raise LoraError(f"{directory}: no {ADAPTER_WEIGHTS} (the engine reads adapters in safetensors)")
+        raise LoraError(f"{path}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, expected 'LORA'")
+    for key, default, plain in PLAIN_LORA:
+        if not plain(cfg.get(key, default)):
+            raise LoraError(f"{path}: {key}={cfg.get(key)!r} is not supported (plain LoRA on the projections only)")
+    if not isinstance(cfg.get("base_model_name_or_path") or "", str):
+        raise LoraError(f"{path}: base_model_name_or_path is {cfg['base_model_name_or_path']!r}, expected a string")
+    return cfg
+
+
+def adapter_tensor(key: str, t: torch.Tensor, modules: dict[str, str], config: GPT2Config,
+                   path: Path) -> tuple[str, str, int]:
+    """(engine name, target, rank) of one tensor of the file, its name and shape checked against the model."""
+    name = key.removeprefix(PEFT_PREFIX).replace(".default.", ".")
+    stem, _, kind = name.removesuffix(".weight").rpartition(".")
+    if not key.startswith(PEFT_PREFIX) or stem not in modules or kind not in ("lora_A", "lora_B") \
+            or not name.endswith(".weight"):
+        raise LoraError(f"{path}: unexpected tensor {key!r} (expected {PEFT_PREFIX}h.N.<module>.lora_A|lora_B.weight "
+                        f"for the {config.n_layer} layers of this model)")
+    if t.dim() == 0:
+        raise LoraError(f"{path}: {key} is a scalar, expected a matrix")
+    fan_in, fan_out = target_shape(config, modules[stem])
+    r = t.shape[0] if kind == "lora_A" else t.shape[-1]
+    want = (r, fan_in) if kind == "lora_A" else (fan_out, r)
+    if t.dim() != 2 or tuple(t.shape) != want:
+        raise LoraError(f"{path}: {key} has shape {list(t.shape)}, expected {list(want)} for this model")
+    if not t.is_floating_point():
+        raise LoraError(f"{path}: {key} has dtype {t.dtype}, expected a float")
+    return stem + "." + kind, modules[stem], r
+
+
+def adapter_tensors(path: Path, config: GPT2Config) -> tuple[dict[str, torch.Tensor], set[str], set[int]]:
+    """(A and B by engine name in Conv1D orientation, the targets they adapt, their ranks), each paired."""
     try:
         raw = read_tensors(path)
     except GPT2EngineError as e:
         raise LoraError(str(e)) from None
+    modules = {module_name(i, t): t for i in range(config.n_layer) for t in TARGETS}
     tensors: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
-    modules = {module_name(i, t): t for i in range(config.n_layer) for t in TARGETS}
     ranks: set[int] = set()
     for key, t in raw.items():
-        name = key.removeprefix(PEFT_PREFIX).replace(".default.", ".")
-        stem, _, kind = name.removesuffix(".weight").rpartition(".")
-        if not key.startswith(PEFT_PREFIX) or stem not in modules or kind not in ("lora_A", "lora_B") \
-                or not name.endswith(".weight"):
-            raise LoraError(f"{path}: unexpected tensor {key!r} (expected {PEFT_PREFIX}h.N.<module>.lora_A|lora_B.weight "
-                            f"for the {config.n_layer} layers of this model)")
-        target = modules[stem]
-        fan_in, fan_out = target_shape(config, target)
-        r = t.shape[0] if kind == "lora_A" else t.shape[-1]
-        want = (r, fan_in) if kind == "lora_A" else (fan_out, r)
-        if t.dim() != 2 or tuple(t.shape) != want:
-            raise LoraError(f"{path}: {key} has shape {list(t.shape)}, expected {list(want)} for this model")
-        if not t.is_floating_point():
-            raise LoraError(f"{path}: {key} has dtype {t.dtype}, expected a float")
-        tensors[stem + "." + kind] = t.float().t().contiguous()
+        name, target, r = adapter_tensor(key, t, modules, config, path)
+        tensors[name] = t.float().t().contiguous()
         targets.add(target)
         ranks.add(r)
     for name in list(tensors):
@@ -143,6 +157,17 @@ def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
             raise LoraError(f"{path}: {PEFT_PREFIX}{name}.weight has no {other.rpartition('.')[2]} to pair with")
     if not tensors:
         raise LoraError(f"{path}: holds no LoRA tensors")
+    return tensors, targets, ranks
+
+
+def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
+    """Read a PEFT LoRA adapter for this model (written by peft or by the engine), checking every tensor."""
+    directory = Path(directory)
+    cfg = read_adapter_config(directory)
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise LoraError(f"{directory}: no {ADAPTER_WEIGHTS} (the engine reads adapters in safetensors)")
+    tensors, targets, ranks = adapter_tensors(path, config)
     r = cfg.get("r", 8)
     if ranks != {r}:
         raise LoraError(f"{directory / ADAPTER_CONFIG}: r={r!r}, but the tensors have rank {sorted(ranks)}")
@@ -160,7 +185,7 @@ def base_fingerprint(directory: Path) -> str:
     if not path.is_file():
         return ""
     try:
-        found = json.loads(path.read_text(encoding="utf-8")).get("weights_fingerprint")
+        found = read_json(path).get("weights_fingerprint")
     except (OSError, ValueError, AttributeError) as e:
         raise LoraError(f"{path}: not readable JSON with a \"weights_fingerprint\" ({e})") from None
     if not isinstance(found, str):

@@ -4,7 +4,6 @@ weights whose every shape is checked (interp/sae.py computes with them)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,9 @@ from typing import Any
 
 import torch
 
+from ..core.config import read_json
 from ..core.errors import GPT2EngineError
+from .pickles import load_pickle
 
 SAELENS_CONFIG, SAELENS_WEIGHTS = "cfg.json", "sae_weights.safetensors"
 
@@ -45,6 +46,92 @@ class SAEConfig:
     format: str = "saelens"  # "saelens" | "openai"
 
 
+# SAELens's cfg.json fields the engine reads: (name, the names older SAELens versions gave it, JSON type, default).
+# A field is looked up by each of its names in turn, at the top level and then under "metadata" (SAELens >= 6).
+SAELENS_FIELDS = (
+    ("architecture", (), str, "standard"),
+    ("activation_fn", ("activation_fn_str",), str, "relu"),
+    ("activation_fn_kwargs", (), dict, {}),  # {"k": K} for topk before SAELens 6
+    ("k", (), int, None),
+    ("d_in", (), int, 0),
+    ("d_sae", (), int, 0),
+    ("hook_name", ("hook_point",), str, None),
+    ("hook_head_index", ("hook_point_head_index",), int, None),
+    ("apply_b_dec_to_input", (), bool, True),
+    ("normalize_activations", (), (str, bool), "none"),  # a bool before SAELens 6
+    ("reshape_activations", (), str, None),  # default: "hook_z" at a hook_z, else "none"
+    ("rescale_acts_by_decoder_norm", (), bool, True),
+    ("model_from_pretrained_kwargs", (), dict, {}),
+    ("prepend_bos", (), bool, True),
+)
+
+
+JSON_TYPES = {str: "a string", int: "an integer", bool: "true or false", dict: "an object"}
+
+
+def of_type(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """Whether a JSON value is of `kind`; JSON's true and false are not integers here."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
+def saelens_fields(raw: dict, cfg_path: Path) -> dict[str, Any]:
+    """SAELENS_FIELDS' values in a cfg.json (flat before SAELens 6, under `metadata` since), each of its type."""
+    meta = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
+    out = {}
+    for name, aliases, kind, default in SAELENS_FIELDS:
+        found = [where[n] for n in (name, *aliases) for where in (raw, meta) if where.get(n) is not None]
+        value = found[0] if found else default
+        if value is not None and not of_type(value, kind):
+            expected = " or ".join(JSON_TYPES[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise SAEError(f"{cfg_path}: {name} is {value!r}, expected {expected}")
+        out[name] = value
+    kwargs_k = out["activation_fn_kwargs"].get("k")
+    if out["k"] is None and kwargs_k is not None:
+        if not of_type(kwargs_k, int):
+            raise SAEError(f"{cfg_path}: activation_fn_kwargs k is {kwargs_k!r}, expected an integer")
+        out["k"] = kwargs_k
+    return out
+
+
+def saelens_architecture(f: dict[str, Any], cfg_path: Path) -> str:
+    """The architecture: SAELens before 6 wrote a topk SAE as a standard one with a topk activation function."""
+    architecture, act = f["architecture"], f["activation_fn"]
+    if act == "topk" and architecture == "standard":
+        architecture = "topk"
+    if architecture not in ARCHITECTURES:
+        raise SAEError(f"{cfg_path}: architecture {architecture!r} is not supported (expected one of "
+                       f"{', '.join(ARCHITECTURES)})")
+    if architecture == "standard" and act != "relu":
+        raise SAEError(f"{cfg_path}: activation_fn {act!r} is not supported for a standard SAE (expected relu)")
+    return architecture
+
+
+def saelens_config(f: dict[str, Any], hook_name: str | None, cfg_path: Path) -> SAEConfig:
+    """The SAEConfig of a cfg.json's fields (saelens_fields); `hook_name` overrides the file's hook."""
+    architecture = saelens_architecture(f, cfg_path)
+    normalize = f["normalize_activations"]
+    if isinstance(normalize, bool):  # SAELens before 6
+        normalize = "expected_average_only_in" if normalize else "none"
+    if normalize not in NORMALIZATIONS:
+        raise SAEError(f"{cfg_path}: normalize_activations {normalize!r} is not supported (expected one of "
+                       f"{', '.join(NORMALIZATIONS)})")
+    hook = hook_name or f["hook_name"]
+    if not hook:
+        raise SAEError(f"{cfg_path}: no hook_name; pass hook_name= (the hook point the SAE reads)")
+    reshape = f["reshape_activations"]
+    if reshape is None:
+        reshape = "hook_z" if hook.endswith("hook_z") else "none"
+    if reshape not in ("none", "hook_z"):
+        raise SAEError(f"{cfg_path}: reshape_activations {reshape!r} is not supported (expected none or hook_z)")
+    return SAEConfig(
+        architecture=architecture, d_in=f["d_in"], d_sae=f["d_sae"], hook_name=hook,
+        hook_head_index=f["hook_head_index"], apply_b_dec_to_input=f["apply_b_dec_to_input"],
+        normalize_activations=normalize, reshape_activations=reshape, k=f["k"],
+        rescale_acts_by_decoder_norm=architecture == "topk" and f["rescale_acts_by_decoder_norm"],
+        model_from_pretrained_kwargs=dict(f["model_from_pretrained_kwargs"]), prepend_bos=f["prepend_bos"])
+
+
 def read_saelens(directory: Path, hook_name: str | None) -> tuple[SAEConfig, dict[str, torch.Tensor]]:
     """SAELens's format: cfg.json (flat before SAELens 6, `metadata` since) + sae_weights.safetensors."""
     from safetensors import SafetensorError
@@ -56,45 +143,12 @@ def read_saelens(directory: Path, hook_name: str | None) -> tuple[SAEConfig, dic
             raise SAEError(f"--sae {directory}: no {f.name} (expected SAELens's directory with {SAELENS_CONFIG} and "
                            f"{SAELENS_WEIGHTS})")
     try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = read_json(cfg_path)
+    except (OSError, ValueError) as e:
         raise SAEError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise SAEError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
-    meta = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
-
-    def get(*names: str, default: Any = None) -> Any:
-        for name in names:
-            for where in (raw, meta):
-                if name in where and where[name] is not None:
-                    return where[name]
-        return default
-
-    architecture = get("architecture", default="standard")
-    act = get("activation_fn", "activation_fn_str", default="relu")
-    k = get("k", default=(get("activation_fn_kwargs", default={}) or {}).get("k"))
-    if act == "topk" and architecture == "standard":
-        architecture = "topk"  # SAELens before 6: a standard SAE with a topk activation function
-    if architecture not in ARCHITECTURES:
-        raise SAEError(f"{cfg_path}: architecture {architecture!r} is not supported (expected one of "
-                       f"{', '.join(ARCHITECTURES)})")
-    if architecture == "standard" and act != "relu":
-        raise SAEError(f"{cfg_path}: activation_fn {act!r} is not supported for a standard SAE (expected relu)")
-    normalize = get("normalize_activations", default="none")
-    if isinstance(normalize, bool):  # SAELens before 6
-        normalize = "expected_average_only_in" if normalize else "none"
-    if normalize not in NORMALIZATIONS:
-        raise SAEError(f"{cfg_path}: normalize_activations {normalize!r} is not supported (expected one of "
-                       f"{', '.join(NORMALIZATIONS)})")
-    hook = hook_name or get("hook_name", "hook_point")
-    if not hook:
-        raise SAEError(f"{cfg_path}: no hook_name; pass hook_name= (the hook point the SAE reads)")
-    reshape = get("reshape_activations", default="hook_z" if str(hook).endswith("hook_z") else "none")
-    if reshape not in ("none", "hook_z"):
-        raise SAEError(f"{cfg_path}: reshape_activations {reshape!r} is not supported (expected none or hook_z)")
-    kwargs = get("model_from_pretrained_kwargs", default={}) or {}
-    if not isinstance(kwargs, dict):
-        raise SAEError(f"{cfg_path}: model_from_pretrained_kwargs: expected an object, got {kwargs!r}")
+    config = saelens_config(saelens_fields(raw, cfg_path), hook_name, cfg_path)
     try:
         tensors = load_file(weights_path)
     except (SafetensorError, OSError) as e:
@@ -102,14 +156,27 @@ def read_saelens(directory: Path, hook_name: str | None) -> tuple[SAEConfig, dic
     if "scaling_factor" in tensors:  # SAELens < 6 saved it; all ones means none
         if not torch.all(tensors.pop("scaling_factor") == 1):
             raise SAEError(f"{weights_path}: a finetuning scaling_factor other than 1 is not supported")
-    config = SAEConfig(
-        architecture=architecture, d_in=int(get("d_in", default=0)), d_sae=int(get("d_sae", default=0)),
-        hook_name=str(hook), hook_head_index=get("hook_head_index", "hook_point_head_index"),
-        apply_b_dec_to_input=bool(get("apply_b_dec_to_input", default=True)), normalize_activations=normalize,
-        reshape_activations=reshape, k=None if k is None else int(k),
-        rescale_acts_by_decoder_norm=architecture == "topk" and bool(get("rescale_acts_by_decoder_norm", default=True)),
-        model_from_pretrained_kwargs=dict(kwargs), prepend_bos=bool(get("prepend_bos", default=True)))
     return config, checked(config, tensors, str(weights_path))
+
+
+OPENAI_TENSORS = ("encoder.weight", "decoder.weight", "pre_bias", "latent_bias")
+
+
+def openai_activation(state: dict, path: Path) -> tuple[str, int | None]:
+    """(architecture, k) of OpenAI's `activation` and its state: TopK (with a ReLU after it) or ReLU."""
+    activation = state.get("activation", "ReLU")
+    options = state.get("activation_state_dict") or {}
+    if activation == "ReLU":
+        return "standard", None
+    if activation != "TopK":
+        raise SAEError(f"{path}: activation {activation!r} is not supported (expected TopK or ReLU)")
+    if not isinstance(options, dict):
+        raise SAEError(f"{path}: activation_state_dict is a {type(options).__name__}, expected a dict")
+    if options.get("postact_fn", "ReLU") != "ReLU":
+        raise SAEError(f"{path}: TopK postact_fn {options.get('postact_fn')!r} is not supported (expected ReLU)")
+    if not of_type(options.get("k"), int):
+        raise SAEError(f"{path}: TopK k is {options.get('k')!r}, expected an integer")
+    return "topk", options["k"]
 
 
 def read_openai(path: Path, hook_name: str | None) -> tuple[SAEConfig, dict[str, torch.Tensor]]:
@@ -119,28 +186,22 @@ def read_openai(path: Path, hook_name: str | None) -> tuple[SAEConfig, dict[str,
         raise SAEError(f"--sae {path}: OpenAI's format does not record its hook point; pass hook_name (e.g. "
                        f"'blocks.6.hook_resid_post' for its resid_post_mlp layer 6)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # an unpickling error names what the file tried to load; a truncated file, its offset
-        raise SAEError(f"{path}: not a state dict torch can read safely ({str(e).splitlines()[0][:200]})") from None
+        state = load_pickle(path)
+    except ValueError as e:
+        raise SAEError(f"{path}: not a state dict torch can read safely ({e})") from None
     if not isinstance(state, dict) or "encoder.weight" not in state:
         raise SAEError(f"{path}: expected OpenAI's sparse_autoencoder state dict (encoder.weight, decoder.weight, "
                        f"pre_bias, latent_bias)")
-    activation = state.get("activation", "ReLU")
-    options = state.get("activation_state_dict", {}) or {}
-    if activation == "TopK":
-        if options.get("postact_fn", "ReLU") != "ReLU":
-            raise SAEError(f"{path}: TopK postact_fn {options.get('postact_fn')!r} is not supported (expected ReLU)")
-        architecture, k = "topk", int(options["k"])
-    elif activation == "ReLU":
-        architecture, k = "standard", None
-    else:
-        raise SAEError(f"{path}: activation {activation!r} is not supported (expected TopK or ReLU)")
-    for name in ("encoder.weight", "decoder.weight", "pre_bias", "latent_bias"):
+    architecture, k = openai_activation(state, path)
+    for name in OPENAI_TENSORS:
         if not isinstance(state.get(name), torch.Tensor):
             raise SAEError(f"{path}: missing tensor {name}")
+    if state["encoder.weight"].dim() != 2:
+        raise SAEError(f"{path}: encoder.weight has shape {list(state['encoder.weight'].shape)}, expected "
+                       f"[n_latents, d_model]")
     n_latents, d = state["encoder.weight"].shape
     config = SAEConfig(architecture=architecture, d_in=int(d), d_sae=int(n_latents), hook_name=hook_name,
-                       normalize_activations="layer_norm" if activation == "TopK" else "none",
+                       normalize_activations="layer_norm" if architecture == "topk" else "none",
                        reshape_activations="hook_z" if hook_name.endswith("hook_z") else "none", k=k,
                        prepend_bos=False, format="openai")
     tensors = {"W_enc": state["encoder.weight"].T, "W_dec": state["decoder.weight"].T, "b_enc": state["latent_bias"],
@@ -148,27 +209,42 @@ def read_openai(path: Path, hook_name: str | None) -> tuple[SAEConfig, dict[str,
     return config, checked(config, tensors, str(path))
 
 
-def checked(config: SAEConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    """The weights as contiguous float32, each shape checked against the config; a missing or extra one is an error."""
+# Each architecture's tensors of shape [d_sae] besides W_enc [d_in, d_sae], W_dec [d_sae, d_in] and b_dec [d_in];
+# a gated SAE's file may also hold a b_enc, which it does not use.
+SAE_LATENT_TENSORS = {"standard": ("b_enc",), "topk": ("b_enc",), "jumprelu": ("b_enc", "threshold"),
+                      "gated": ("b_gate", "b_mag", "r_mag")}
+SAE_UNUSED = {"gated": ("b_enc",)}
+
+
+def sae_shapes(config: SAEConfig, where: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor an SAE of this config holds, with its shape; the config's sizes checked first."""
     d_in, d_sae = config.d_in, config.d_sae
-    shapes = {"W_enc": (d_in, d_sae), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
-    shapes.update({"jumprelu": {"b_enc": (d_sae,), "threshold": (d_sae,)},
-                   "gated": {"b_gate": (d_sae,), "b_mag": (d_sae,), "r_mag": (d_sae,)}}.get(config.architecture,
-                                                                                           {"b_enc": (d_sae,)}))
     if d_in <= 0 or d_sae <= 0:
         raise SAEError(f"{where}: d_in and d_sae must be positive, got {d_in} and {d_sae}")
     if config.architecture == "topk" and not (config.k and 0 < config.k <= d_sae):
         raise SAEError(f"{where}: topk needs k in 1..{d_sae}, got {config.k}")
+    shapes = {"W_enc": (d_in, d_sae), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+    return shapes | {name: (d_sae,) for name in SAE_LATENT_TENSORS[config.architecture]}
+
+
+def checked(config: SAEConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The weights as contiguous float32, each shape checked against the config and each value finite, as a model's
+    weights are; a missing or extra tensor is an error."""
+    shapes = sae_shapes(config, where)
     if missing := [n for n in shapes if n not in tensors]:
         raise SAEError(f"{where}: missing tensor {missing[0]} for a {config.architecture} SAE")
-    if extra := [n for n in tensors if n not in shapes and not (config.architecture == "gated" and n == "b_enc")]:
+    if extra := [n for n in tensors if n not in shapes and n not in SAE_UNUSED.get(config.architecture, ())]:
         raise SAEError(f"{where}: unexpected tensor {extra[0]} for a {config.architecture} SAE")
     out = {}
     for name, shape in shapes.items():
         t = tensors[name]
         if tuple(t.shape) != shape:
-            raise SAEError(f"{where}: {name} has shape {list(t.shape)}, expected {list(shape)} (d_in {d_in}, "
-                           f"d_sae {d_sae})")
+            raise SAEError(f"{where}: {name} has shape {list(t.shape)}, expected {list(shape)} (d_in {config.d_in}, "
+                           f"d_sae {config.d_sae})")
+        if not t.is_floating_point():
+            raise SAEError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point dtype")
         out[name] = t.float().contiguous()
+        if not bool(torch.isfinite(out[name]).all()):
+            bad = int((~torch.isfinite(out[name])).sum())
+            raise SAEError(f"{where}: {name} holds {bad} NaN/Inf values, expected finite weights")
     return out
-

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.config import GPT2_VOCAB
 from ..core.errors import GPT2EngineError
 from .files import atomic_write
 
@@ -49,7 +50,24 @@ def read_shard(path: Path) -> np.ndarray:
     if size != HEADER_INTS * 4 + 2 * n:
         raise ShardError(f"{path}: the header says {n} tokens, the file holds {(size - HEADER_INTS * 4) // 2} "
                          f"({'truncated' if size < HEADER_INTS * 4 + 2 * n else 'bytes left over'})")
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    if n == 0:
+        return np.zeros(0, dtype="<u2")  # numpy cannot map nothing
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    check_ids(tokens, path)
+    return tokens
+
+
+CHECK_TOKENS = 1 << 24  # tokens scanned at a time (32 MB of the mapping)
+
+
+def check_ids(tokens: np.ndarray, path: Path) -> None:
+    """Every id a GPT-2 token (below 50,257): a larger one would index past the embedding."""
+    for start in range(0, tokens.size, CHECK_TOKENS):
+        part = tokens[start : start + CHECK_TOKENS]
+        if int(part.max()) >= GPT2_VOCAB:
+            at = start + int(np.flatnonzero(part >= GPT2_VOCAB)[0])
+            raise ShardError(f"{path}: token {int(tokens[at])} at position {at:,} is not a GPT-2 token id "
+                             f"(0..{GPT2_VOCAB - 1})")
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
@@ -91,6 +109,8 @@ def shard_files(paths: Sequence[str | Path]) -> list[Path] | None:
 def documents(tokens: np.ndarray, eot: int) -> Iterator[tuple[int, int]]:
     """[start, end) of each document of a shard: each begins at an <|endoftext|> (text before the first one, if
     any, is a document too)."""
+    if not tokens.size:
+        return
     starts = np.flatnonzero(tokens == eot)
     if not starts.size or starts[0] != 0:
         starts = np.concatenate([[0], starts])

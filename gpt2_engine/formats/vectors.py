@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..core.errors import SteeringError
+from .pickles import load_pickle
 
 VECTOR_SUFFIXES = (".pt", ".pth", ".safetensors", ".npy")
 
@@ -31,8 +32,10 @@ def read_vector(path: str | Path) -> torch.Tensor:
 
             found = load_file(p)
         else:
-            found = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is one line naming it
+            found = load_pickle(p)  # weights only: nothing in it runs
+    except ValueError as e:  # load_pickle's one line
+        raise SteeringError(f"steering vector {path}: not a readable {p.suffix} file ({e})") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable .npy or .safetensors file is one line naming it
         raise SteeringError(f"steering vector {path}: not a readable {p.suffix} file ({type(e).__name__}: "
                             f"{' '.join(str(e).split())[:160]})") from None
     if isinstance(found, Mapping):

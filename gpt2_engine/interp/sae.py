@@ -247,39 +247,78 @@ class SAE:
         presentation(c, config, None)  # the model options, checked now rather than at the first forward
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where an SAE reads, for the presentation of one model option: its config, the model, the activation there."""
+
+    c: SAEConfig
+    config: GPT2Config
+    weights: GPT2Weights | None  # None: the options are only checked
+    a: torch.Tensor | None
+
+    @property
+    def point(self) -> str:
+        return self.c.hook_name.split(".", 2)[-1] if self.c.hook_name.startswith("blocks.") else self.c.hook_name
+
+    @property
+    def layer(self) -> int | None:
+        return int(self.c.hook_name.split(".")[1]) if self.c.hook_name.startswith("blocks.") else None
+
+
+def centred(s: Site) -> Affine | None:
+    """center_writing_weights: the residual stream's writes have their mean removed (see the module docstring)."""
+    if s.weights is not None and s.point in CENTRED_POINTS:
+        return Affine(shift=s.a.mean(dim=-1, keepdim=True))
+    return None
+
+
+def value_bias_folded(s: Site) -> Affine | None:
+    """fold_value_biases: b_V moved into b_O, so the heads' values show without it."""
+    if s.weights is not None and s.point in ("attn.hook_v", "attn.hook_z"):
+        b_v = split_qkv(s.weights.blocks[s.layer].c_attn.bias)[2].float()  # [C]
+        return Affine(shift=b_v.view(s.config.n_head, s.config.head_size))  # [nh, hs]
+    return None
+
+
+def ln_folded(s: Site) -> Affine | None:
+    """fold_ln: the layer norm's affine moved into the next projections, so hook_normalized shows it undone."""
+    if s.weights is None or not s.point.endswith("hook_normalized"):
+        return None
+    blocks = s.weights.blocks
+    ln = s.weights.ln_f if s.layer is None else (blocks[s.layer].ln_1 if s.point.startswith("ln1") else blocks[s.layer].ln_2)
+    if bool((ln.weight == 0).any()):
+        raise SAEError(f"fold_ln at {s.c.hook_name}: a layer-norm weight is 0, so the unscaled activation cannot be "
+                       f"recovered")
+    return Affine(shift=ln.bias.float(), scale=ln.weight.float(), centre=True)
+
+
+def attention_refactored(s: Site) -> Affine | None:
+    """refactor_factored_attn_matrices: changes q/k/v/z themselves, which no affine map of one activation undoes."""
+    if s.point in HEAD_POINTS:
+        raise SAEError(f"SAE model option refactor_factored_attn_matrices changes {s.point}; the engine cannot present "
+                       f"it (expected an SAE trained without it, or at another hook)")
+    return None
+
+
+# TransformerLens's loading options (set to True) that change what a hook shows -> the map that undoes each
+PRESENTATIONS = {"center_writing_weights": centred, "fold_value_biases": value_bias_folded, "fold_ln": ln_folded,
+                 "refactor_factored_attn_matrices": attention_refactored}
+
+
 def presentation(c: SAEConfig, config: GPT2Config, weights: GPT2Weights | None,
                  a: torch.Tensor | None = None) -> Affine:
     """The map from the engine's activation `a` at the SAE's hook to what the SAE's TransformerLens model showed
     there (see the module docstring); the options are checked (and nothing computed) when `weights` is None."""
-    point = c.hook_name.split(".", 2)[-1] if c.hook_name.startswith("blocks.") else c.hook_name
-    layer = int(c.hook_name.split(".")[1]) if c.hook_name.startswith("blocks.") else None
-    affine = Affine()
+    site, affine = Site(c, config, weights, a), Affine()
     for option, value in c.model_from_pretrained_kwargs.items():
         if option in NO_EFFECT_OPTIONS or value in (False, None):
             continue
-        if option == "center_writing_weights" and value is True:
-            if weights is not None and point in CENTRED_POINTS:
-                affine = Affine(shift=a.mean(dim=-1, keepdim=True))
-        elif option == "fold_value_biases" and value is True:
-            if weights is not None and point in ("attn.hook_v", "attn.hook_z"):
-                b_v = split_qkv(weights.blocks[layer].c_attn.bias)[2].float()  # [C]
-                affine = Affine(shift=b_v.view(config.n_head, config.head_size))  # [nh, hs]
-        elif option == "fold_ln" and value is True:
-            if weights is not None and point.endswith("hook_normalized"):
-                ln = weights.ln_f if layer is None else (weights.blocks[layer].ln_1 if point.startswith("ln1")
-                                                         else weights.blocks[layer].ln_2)
-                if bool((ln.weight == 0).any()):
-                    raise SAEError(f"fold_ln at {c.hook_name}: a layer-norm weight is 0, so the unscaled activation "
-                                   f"cannot be recovered")
-                affine = Affine(shift=ln.bias.float(), scale=ln.weight.float(), centre=True)
-        elif option == "refactor_factored_attn_matrices" and value is True:
-            if point in HEAD_POINTS:
-                raise SAEError(f"SAE model option refactor_factored_attn_matrices changes {point}; the engine "
-                               f"cannot present it (expected an SAE trained without it, or at another hook)")
-        else:
+        present = PRESENTATIONS.get(option) if value is True else None
+        if present is None:
             raise SAEError(f"SAE model option {option}={value!r} is not supported (expected center_writing_weights, "
                            f"fold_value_biases, fold_ln, refactor_factored_attn_matrices or "
                            f"{', '.join(NO_EFFECT_OPTIONS[:2])})")
+        affine = present(site) or affine
     return affine
 
 

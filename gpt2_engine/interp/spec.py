@@ -46,6 +46,10 @@ UNSTEERABLE = ("attn.hook_attn_scores", "attn.hook_pattern")  # [B, nh, T, S]: n
 
 
 BETWEEN_BLOCKS = ("hook_resid_pre", "hook_resid_post")  # where the native decode path keeps running
+# The largest value an edit may add to an activation. GPT-2's activations stay below about 1e4; past 1e12, what the
+# layers downstream do with an edit (a projection sums thousands of its values, a layer norm squares them) can leave
+# float32's range, and the logits turn NaN: a steering that large is refused up front, like an infinite one.
+MAX_EDIT = 1e12
 
 
 def point_of(hook: str) -> str:
@@ -100,7 +104,20 @@ class Steering:
             object.__setattr__(self, "vector", as_vector(self.vector, f"steering vector at {self.hook}"))
         if self.bias is not None:
             object.__setattr__(self, "bias", as_vector(self.bias, f"steering bias at {self.hook}"))
+        self._check_size()
         object.__setattr__(self, "key", self._digest())
+
+    def _check_size(self) -> None:
+        """Refuse an edit whose values could overflow the model's float32 activations (see MAX_EDIT)."""
+        if self.action == "clamp":  # sets a latent: adds (value - f) times its decoder row
+            what, peak = f"clamp {self.value:g}", abs(self.value) * float(self.sae.W_dec[self.feature].abs().max())
+        elif self.action == "project":  # along a unit direction
+            what, peak = f"value {self.value:g}", abs(self.value)
+        else:
+            what, peak = f"coef {self.coef:g}", abs(self.coef) * float(self.vector.abs().max())
+        if not peak <= MAX_EDIT:
+            raise SteeringError(f"steering at {self.hook}: {what} adds values up to {peak:.3g}; at most {MAX_EDIT:g} "
+                                f"keeps the model's float32 activations from overflowing into NaN logits")
 
     # --- the ways to make one ---------------------------------------------------------------------------------------
 

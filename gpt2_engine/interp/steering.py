@@ -23,6 +23,7 @@ import torch
 from ..core.config import GPT2Config
 from ..core.errors import SteeringError
 from ..core.weights import GPT2Weights
+from ..formats.pickles import load_pickle
 from .sae import SAE, presentation
 from .spec import Steering, check_steering, from_fields, row_dims
 
@@ -39,9 +40,9 @@ def load_lm_eval(path: str | Path, config: GPT2Config) -> list[Steering]:
     coefficient * vector at every position, 'clamp' sets the component along the vector to the coefficient."""
     p = Path(path)
     try:
-        raw = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise SteeringError(f"steering file {path}: not a readable torch file ({type(e).__name__})") from None
+        raw = load_pickle(p)  # weights only: nothing in it runs
+    except (ValueError, OSError) as e:
+        raise SteeringError(f"steering file {path}: not a readable torch file ({e})") from None
     if not isinstance(raw, Mapping) or not raw:
         raise SteeringError(f"steering file {path}: expected lm-eval's {{hookpoint: {{steering_vector, ...}}}} dict")
     out = []

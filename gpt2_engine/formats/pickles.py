@@ -1,0 +1,57 @@
+"""Pickled checkpoints (nanoGPT's ckpt.pt, Hugging Face's pytorch_model.bin, OpenAI's SAE state dicts), read by
+torch.load with weights_only=True: tensors, containers, numbers and strings only, so nothing in the file runs. A
+pickle that asks for anything else (a class to build, a function to call) is refused in one line naming what it asked
+for; the engine never retries with weights_only=False, which would run it (torch's own message suggests that)."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def refusal(e: BaseException) -> str:
+    """What torch's weights-only unpickler refused, from its long message: 'it asks for GLOBAL os.system, ...'."""
+    text = " ".join(str(e).split())
+    asked = re.search(r"GLOBAL ([\w.]+)", text)
+    if asked:
+        return f"its pickle asks for {asked.group(1)}, code that loading weights only never runs"
+    detail = re.search(r"WeightsUnpickler error: (.*?)(\. |$)", text)
+    if detail:
+        return f"its pickle holds more than tensors and plain values ({detail.group(1)[:160]})"
+    return f"not a readable pickle ({type(e).__name__}: {text[:160]})"
+
+
+def check_stored(path: Path) -> None:
+    """torch.save stores its zip archive's entries uncompressed (they can be memory-mapped); a compressed entry, which
+    torch.load would inflate, can hold a thousand times its size (a 16 KB file, 16 MB of tensor): refused."""
+    if not zipfile.is_zipfile(path):
+        return  # a legacy pickle, whose storages are read from the file as they are
+    with zipfile.ZipFile(path) as archive:
+        for entry in archive.infolist():
+            if entry.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"its zip entry {entry.filename} is compressed ({entry.compress_size:,} bytes for "
+                                 f"{entry.file_size:,}); torch.save stores its entries as they are")
+
+
+def load_pickle(path: Path, mmap: bool = False) -> Any:
+    """torch.load(path, weights_only=True) on the CPU, memory-mapped where asked and the file's format allows (files
+    written before torch's zip format cannot be); ValueError in one line for a file it will not or cannot read."""
+    try:
+        check_stored(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"not a readable zip archive ({e})") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise ValueError(refusal(e)) from None
+    except RuntimeError as e:
+        if mmap and "mmap" in str(e):
+            return load_pickle(path)
+        raise ValueError(f"not a readable PyTorch file (RuntimeError: {' '.join(str(e).split())[:200]})") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file raises whatever its first bad byte causes
+        raise ValueError(f"not a readable PyTorch file ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None

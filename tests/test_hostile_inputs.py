@@ -1,0 +1,492 @@
+"""Hostile inputs, reader by reader: files of a few bytes that declare terabytes, configs nested 100,000 deep or with
+a string where a number goes, pickles that ask to run code, weights that are all NaN, and outputs that are not files.
+
+Each case runs in a child process whose address space is capped (RLIMIT_AS) and whose time is bounded, so a reader
+that allocates what a file declares, or loops over it, fails its case (a MemoryError is an internal error, exit 1)
+instead of taking the machine. A command must answer with exit 2 and one line on stderr matching the case's pattern;
+a library call must raise the case's exception with a message matching it.
+
+The corpus grows with every reader: a case is the crafted bytes (`make` writes them under a temporary folder and
+returns the command's arguments or the call to make), the expected line and the exit code or exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import socket
+import stat
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import cli
+from test_files import Reader, device, small_disk
+
+ROOT = Path(__file__).resolve().parent.parent
+MEMORY = 3 << 30  # address space of a child: the interpreter, torch and a small model fit; a file's claim does not
+TIMEOUT = 180  # seconds a child may take (a loaded 2-core machine imports torch in a few)
+
+
+def run_cli(args: list[str], memory: int = MEMORY, cwd: Path = ROOT) -> tuple[int, str]:
+    """`gpt2 ARGS` in a child capped at `memory` bytes of address space: (exit code, stderr)."""
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    done = subprocess.run([sys.executable, "-m", "gpt2_engine", *args], cwd=cwd, preexec_fn=cap,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    return done.returncode, done.stderr
+
+
+CALL = """
+import json, sys
+try:
+    exec(sys.argv[1])
+except Exception as e:
+    print(json.dumps([type(e).__name__, str(e)]))
+else:
+    print(json.dumps([None, ""]))
+"""
+
+
+def run_call(statement: str, memory: int = MEMORY) -> tuple[str | None, str]:
+    """A Python statement in a capped child: (the exception it raised or None, its message)."""
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    done = subprocess.run([sys.executable, "-c", CALL, statement], cwd=ROOT, preexec_fn=cap, capture_output=True,
+                          text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kind, message = json.loads(done.stdout.strip().splitlines()[-1])
+    return kind, message
+
+
+def one_line_error(code: int, err: str, pattern: str) -> None:
+    """A command's user error: exit 2 and one line on stderr, matching `pattern` after 'gpt2 CMD: error: '."""
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, err[-3000:])
+    assert re.fullmatch(r"gpt2 [\w-]+: error: .*", lines[0]) and re.search(pattern, lines[0]), lines[0]
+
+
+# --- crafting ----------------------------------------------------------------------------------------------------
+
+
+def gguf_string(text: str | bytes, length: int | None = None) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw) if length is None else length) + raw
+
+
+def gguf(kvs: bytes = b"", n_kv: int = 0, tensors: bytes = b"", n_tensors: int = 0, tail: bytes = b"") -> bytes:
+    """A GGUF v3 file's bytes: header, the key-values and tensor infos given, then `tail`."""
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + kvs + tensors + tail
+
+
+def array_kv(key: str, element_type: int, count: int) -> bytes:
+    return gguf_string(key) + struct.pack("<IIQ", 9, element_type, count)
+
+
+def gguf_file(name: str, data: bytes) -> Callable[[Path], list[str]]:
+    def make(tmp: Path) -> list[str]:
+        (tmp / name).write_bytes(data)
+        return ["convert", str(tmp / name), str(tmp / "out.bin"), "--to", "llmc"]
+    return make
+
+
+def gguf_metadata(tmp: Path, tokens: list[str] | None = None, **fields: object) -> Path:
+    """A GGUF written by gguf-py with GPT-2's metadata (GPT-2 small's numbers unless `fields` say otherwise) and no
+    tensors."""
+    import gguf as gg
+
+    values = {"context_length": 1024, "embedding_length": 768, "block_count": 12, "head_count": 12,
+              "feed_forward_length": 3072, **fields}
+    path = tmp / "meta.gguf"
+    w = gg.GGUFWriter(str(path), "gpt2")
+    for key, value in values.items():
+        name = f"gpt2.attention.{key}" if key == "head_count" else f"gpt2.{key}"
+        w.add_string(name, value) if isinstance(value, str) else w.add_uint32(name, value)
+    w.add_layer_norm_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens or ["a", "b", "c"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def gpt2_tokens() -> list[str]:
+    from gpt2_engine.core.tokenizer import load_tokenizer
+    from gpt2_engine.formats.gguf import bpe_tables
+
+    return bpe_tables(load_tokenizer(None).source)[0]
+
+
+def llmc_header(path: Path, layers: int, channels: int, heads: int = 8, positions: int = 1024) -> None:
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [20240326, 3, positions, 50257, layers, heads, channels, 50304]
+    path.write_bytes(header.tobytes())
+
+
+def sparse_llmc(tmp: Path) -> list[str]:
+    """A valid llm.c header over a sparse file of exactly the size it declares (64 layers of 8,192 channels: 206 GB)."""
+    import math
+
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.formats.llmc import llmc_layout
+
+    path = tmp / "huge.bin"
+    llmc_header(path, 64, 8192, heads=64)
+    config = GPT2Config(n_layer=64, n_embd=8192, n_head=64)
+    with open(path, "r+b") as f:
+        f.truncate(1024 + 4 * sum(math.prod(s) for _, s in llmc_layout(config, 50304)))
+    return ["convert", str(path), str(tmp / "out.gguf"), "--to", "gguf"]
+
+
+def nanogpt(tmp: Path, **args: object) -> list[str]:
+    model_args = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "bias": True, "vocab_size": 50304,
+                  "dropout": 0.0, **args}
+    torch.save({"model": {}, "model_args": model_args, "iter_num": 0}, tmp / "ckpt.pt")
+    return ["convert", str(tmp / "ckpt.pt"), str(tmp / "out.bin"), "--to", "llmc"]
+
+
+class Payload:
+    """A pickle that calls print when loaded: what a hostile checkpoint would do with os.system."""
+
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def deflated(tmp: Path) -> list[str]:
+    """A nanoGPT checkpoint whose zip entries are deflated: 100 MB of zeros in a file of 100 KB, which torch.load would inflate."""
+    import zipfile
+
+    torch.save({"model": {"w": torch.zeros(1)}, "model_args": {}}, tmp / "plain.pt")
+    with zipfile.ZipFile(tmp / "plain.pt") as src, zipfile.ZipFile(tmp / "ckpt.pt", "w") as dst:
+        for entry in src.infolist():
+            if entry.filename.endswith("data/0"):
+                dst.writestr(entry.filename, bytes(100_000_000), compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                dst.writestr(entry.filename, src.read(entry.filename))
+    return ["convert", str(tmp / "ckpt.pt"), str(tmp / "out.bin"), "--to", "llmc"]
+
+
+def with_code(tmp: Path) -> list[str]:
+    torch.save({"model": {"x": torch.zeros(2)}, "model_args": Payload()}, tmp / "ckpt.pt")
+    return ["convert", str(tmp / "ckpt.pt"), str(tmp / "out.bin"), "--to", "llmc"]
+
+
+TINY = {"vocab_size": 50257, "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "model_type": "gpt2"}
+
+
+def hf_dir(tmp: Path, config: dict | str, weights: Callable[[Path], None] | None = None) -> list[str]:
+    d = tmp / "model"
+    d.mkdir()
+    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if weights is None:
+        from safetensors.torch import save_file
+
+        save_file({"wte.weight": torch.zeros(4, 4)}, str(d / "model.safetensors"))
+    else:
+        weights(d)
+    return ["convert", str(d), str(tmp / "out.bin"), "--to", "llmc"]
+
+
+def pickled_bin(d: Path) -> None:
+    torch.save({"wte.weight": torch.zeros(2), "h.0.ln_1.weight": Payload()}, d / "pytorch_model.bin")
+
+
+NESTED = "[" * 100_000 + "]" * 100_000
+
+
+# --- the command-line corpus -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    make: Callable[[Path], list[str]]  # writes the crafted files into a folder, returns the command's arguments
+    pattern: str  # what the one stderr line says
+
+
+CLI_CASES = [
+    # GGUF (item 5): every count and length against the bytes left, before gguf-py trusts them
+    Case("gguf-array-of-2^40-uint8", gguf_file("a.gguf", gguf(array_kv("tokenizer.ggml.token_type", 0, 1 << 40), 1,
+                                                              tail=bytes(64))),
+         r"the array tokenizer.ggml.token_type declares 1,099,511,627,776 of at least 1 bytes each, and 64 bytes are left"),
+    Case("gguf-array-of-2^40-strings", gguf_file("a.gguf", gguf(array_kv("tokenizer.ggml.tokens", 8, 1 << 40), 1,
+                                                                tail=bytes(64))),
+         r"the array tokenizer.ggml.tokens declares 1,099,511,627,776 of at least 8 bytes each, and 64 bytes are left"),
+    Case("gguf-string-of-2^62-bytes", gguf_file("a.gguf", gguf(gguf_string(b"k" * 8, length=1 << 62), 1, tail=bytes(40))),
+         r"a key at byte 32 needs 4,611,686,018,427,387,904 bytes, and 48 are left"),
+    Case("gguf-2^63-key-values", gguf_file("a.gguf", gguf(n_kv=1 << 63, tail=bytes(100))),
+         r"the key-value count declares 9,223,372,036,854,775,808 of at least 13 bytes each, and 100 bytes are left"),
+    Case("gguf-2^40-tensors", gguf_file("a.gguf", gguf(n_tensors=1 << 40)), r"1,099,511,627,776 tensors \(a GPT-2 has at most 65,536\)"),
+    Case("gguf-tensor-past-the-end", gguf_file("a.gguf", gguf(tensors=gguf_string("token_embd.weight")
+                                                              + struct.pack("<IQQIQ", 2, 768, 50257, 0, 0), n_tensors=1)),
+         r"tensor token_embd.weight's 154,389,504 bytes at byte 96 run past the end of the file \(81 bytes\)"),
+    Case("gguf-array-of-arrays", gguf_file("a.gguf", gguf(array_kv("x", 9, 1) + struct.pack("<IQ", 0, 1) + b"\0", 1)),
+         r"x is an array of arrays \(llama.cpp's reader refuses them too\)"),
+    Case("gguf-unknown-value-type", gguf_file("a.gguf", gguf(gguf_string("k") + struct.pack("<I", 13) + bytes(8), 1)),
+         r"k has GGUF value type 13, which is none of GGUF's \(0 to 12\)"),
+    Case("gguf-more-values-than-a-gpt2", gguf_file("a.gguf", gguf(array_kv("x", 0, (1 << 20) + 1), 1,
+                                                                  tail=bytes((1 << 20) + 1))),
+         r"1,048,577 array values in its metadata at x \(a GPT-2's metadata holds 150,514; the engine reads at most 1,048,576\)"),
+    Case("gguf-5-dimensions", gguf_file("a.gguf", gguf(tensors=gguf_string("t") + struct.pack("<I5QIQ", 5, 1, 1, 1, 1, 1, 0, 0),
+                                                       n_tensors=1)), r"tensor t has 5 dimensions \(expected 1 to 4\)"),
+    Case("gguf-unknown-ggml-type", gguf_file("a.gguf", gguf(tensors=gguf_string("t") + struct.pack("<IQIQ", 1, 32, 999, 0),
+                                                            n_tensors=1)), r"tensor t has ggml type 999, which gguf-py does not know"),
+    Case("gguf-truncated", gguf_file("a.gguf", b"GGUF"), r"the version at byte 4 needs 4 bytes, and 0 are left"),
+    Case("gguf-n_layer-2^31", lambda tmp: ["convert", str(gguf_metadata(tmp, block_count=1 << 31)), str(tmp / "o.bin"),
+                                           "--to", "llmc"],
+         r"n_layer must be a positive integer up to 4,096, got 2147483648"),
+    Case("gguf-context-length-a-string", lambda tmp: ["convert", str(gguf_metadata(tmp, context_length="1024")),
+                                                      str(tmp / "o.bin"), "--to", "llmc"],
+         r"gpt2.context_length \(n_positions\) has GGUF value type \[8\], expected one of \[0, 1, 2, 3, 4, 5, 10, 11\]"),
+    Case("gguf-xl-config-in-a-small-file", lambda tmp: ["convert", str(gguf_metadata(
+        tmp, gpt2_tokens(), block_count=48, embedding_length=1600, head_count=25, feed_forward_length=6400)),
+        str(tmp / "o.bin"), "--to", "llmc"],
+        r"its config \(n_layer 48, n_embd 1600, vocab_size 50257, n_positions 1024\) means 1,557,611,200 parameters, "
+        r"and the file holds [\d,]+ bytes"),
+    # item 8: a .gguf without GGUF's magic, and what the engine reads, GGUF included
+    Case("gguf-garbage", gguf_file("model.gguf", b"not a gguf at all"),
+         r"not a checkpoint the engine reads \(a .gguf file without its format's magic bytes; expected a Hugging Face "
+         r"directory, nanoGPT's ckpt.pt, llm.c's model .bin or a GGUF\)"),
+    # llm.c (item 5): a sparse file of the size its header declares is memory-mapped, and its copies checked first
+    Case("llmc-sparse-206GB", sparse_llmc,
+         r"its 51,\d{3},\d{3},\d{3} parameters \(n_layer 64, n_embd 8192, vocab_size 50257, n_positions 1024\) need "
+         r"19\d\.\d GiB as float32, more than the 3.0 GiB of memory this process may use"),
+    Case("llmc-n_layer-1e9", lambda tmp: (llmc_header(tmp / "m.bin", 10**9, 64), ["convert", str(tmp / "m.bin"),
+                                                                                  str(tmp / "o.gguf"), "--to", "gguf"])[1],
+         r"n_layer must be a positive integer up to 4,096, got 1000000000"),
+    # nanoGPT
+    Case("nanogpt-n_layer-1e9", lambda tmp: nanogpt(tmp, n_layer=10**9), r"n_layer must be a positive integer up to 4,096"),
+    Case("nanogpt-xl-in-a-small-file", lambda tmp: nanogpt(tmp, n_layer=48, n_head=25, n_embd=1600, block_size=1024),
+         r"means 1,557,611,200 parameters, and the file holds [\d,]+ bytes"),
+    Case("nanogpt-vocab-a-string", lambda tmp: nanogpt(tmp, vocab_size="abc"), r"model_args vocab_size is 'abc', expected an integer"),
+    Case("nanogpt-a-zip-bomb", deflated,
+         r"not a readable nanoGPT checkpoint \(its zip entry plain/data/0 is compressed \([\d,]+ bytes for "
+         r"100,000,000\); torch.save stores its entries as they are\)"),
+    Case("nanogpt-pickle-with-code", with_code,
+         r"not a readable nanoGPT checkpoint \(its pickle asks for print, code that loading weights only never runs\)"),
+    # Hugging Face config.json (items 5 and 6)
+    Case("hf-n_layer-1e9", lambda tmp: hf_dir(tmp, {**TINY, "n_layer": 10**9}),
+         r"config: n_layer must be a positive integer up to 4,096, got 1000000000$"),
+    Case("hf-n_layer-a-float", lambda tmp: hf_dir(tmp, {**TINY, "n_layer": 1e9}),
+         r"config: n_layer must be a positive integer up to 4,096, got 1000000000.0$"),
+    Case("hf-n_head-a-bool", lambda tmp: hf_dir(tmp, {**TINY, "n_head": True}), r"config: n_head must be a positive integer up to 4,096, got True$"),
+    Case("hf-epsilon-nan-string", lambda tmp: hf_dir(tmp, {**TINY, "layer_norm_epsilon": "nan"}),
+         r"config: layer_norm_epsilon must be a finite positive number, got 'nan'$"),
+    Case("hf-epsilon-abc", lambda tmp: hf_dir(tmp, {**TINY, "layer_norm_epsilon": "abc"}), r"got 'abc'$"),
+    Case("hf-epsilon-negative", lambda tmp: hf_dir(tmp, {**TINY, "layer_norm_epsilon": -1}),
+         r"config: layer_norm_epsilon must be a finite positive number, got -1$"),
+    Case("hf-epsilon-NaN-literal", lambda tmp: hf_dir(tmp, json.dumps({**TINY, "layer_norm_epsilon": float("nan")})), r"got nan$"),
+    Case("hf-config-nested-100000-deep", lambda tmp: hf_dir(tmp, NESTED), r"config.json: not a readable JSON config \(its values nest too deeply\)"),
+    Case("hf-xl-config-in-a-small-file", lambda tmp: hf_dir(tmp, {**TINY, "n_layer": 48, "n_head": 25, "n_embd": 1600,
+                                                                  "n_positions": 1024}),
+         r"model.safetensors: its config \(n_layer 48, n_embd 1600, vocab_size 50257, n_positions 1024\) means "
+         r"1,557,611,200 parameters, and the file holds \d+ bytes"),
+    Case("hf-pickle-in-pytorch_model.bin", lambda tmp: hf_dir(tmp, TINY, pickled_bin),
+         r"pytorch_model.bin: not a readable PyTorch checkpoint \(its pickle asks for print, code that loading "
+         r"weights only never runs\)"),
+    # outputs that are not files (item 3)
+    Case("convert-to-a-socket", lambda tmp: ["convert", str(tmp / "ckpt"), str(bound_socket(tmp)), "--to", "gguf"],
+         r"s.sock: a socket; expected a file to write \(or a character device or FIFO to write into\)"),
+    Case("convert-hf-onto-a-device", lambda tmp: ["convert", str(tmp / "ckpt"), str(null_device(tmp)), "--to", "hf"],
+         r"null: a character device; a Hugging Face checkpoint is a directory"),
+    Case("convert-into-proc", lambda tmp: ["convert", str(tmp / "ckpt"), "/proc/gpt2.gguf", "--to", "gguf"],
+         r"cannot write /proc/gpt2.gguf: "),
+]
+
+
+def bound_socket(tmp: Path) -> Path:
+    path = tmp / "s.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))  # the file stays after the socket is closed
+    s.close()
+    return path
+
+
+def null_device(tmp: Path) -> Path:
+    return device(tmp / "null")
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c.name for c in CLI_CASES])
+def test_a_hostile_file_is_one_line_and_exit_2(case: Case, tiny_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "ckpt").symlink_to(tiny_dir)
+    args = case.make(tmp_path)
+    one_line_error(*run_cli(args), case.pattern)
+
+
+# --- the library's corpus ----------------------------------------------------------------------------------------
+
+
+def saelens_dir(tmp: Path, cfg: dict | str | None = None, **tensors: torch.Tensor) -> Path:
+    """A SAELens directory of a standard SAE with d_in 64, d_sae 8 at blocks.0.hook_resid_pre, edited."""
+    from safetensors.torch import save_file
+
+    d = tmp / "sae"
+    d.mkdir()
+    base = {"architecture": "standard", "d_in": 64, "d_sae": 8, "hook_name": "blocks.0.hook_resid_pre",
+            "activation_fn": "relu", "apply_b_dec_to_input": True}
+    (d / "cfg.json").write_text(cfg if isinstance(cfg, str) else json.dumps({**base, **(cfg or {})}))
+    weights = {"W_enc": torch.zeros(64, 8), "W_dec": torch.zeros(8, 64), "b_enc": torch.zeros(8),
+               "b_dec": torch.zeros(64), **tensors}
+    save_file(weights, str(d / "sae_weights.safetensors"))
+    return d
+
+
+def adapter_dir(tmp: Path, config: str) -> Path:
+    d = tmp / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(config)
+    return d
+
+
+def sae_load(path: Path) -> str:
+    return f"from gpt2_engine.interp.sae import SAE; SAE.load({str(path)!r}, hook_name='blocks.0.hook_resid_pre')"
+
+
+@dataclass(frozen=True)
+class CallCase:
+    name: str
+    make: Callable[[Path], str]  # writes the crafted files, returns the Python statement to run
+    exception: str
+    pattern: str
+
+
+CALL_CASES = [
+    CallCase("sae-cfg-nested-100000-deep", lambda tmp: sae_load(saelens_dir(tmp, NESTED)), "SAEError",
+             r"cfg.json: not valid JSON \(its values nest too deeply\)$"),
+    CallCase("sae-d_sae-a-string", lambda tmp: sae_load(saelens_dir(tmp, {"d_sae": "abc"})), "SAEError",
+             r"cfg.json: d_sae is 'abc', expected an integer$"),
+    CallCase("sae-bool-as-a-string", lambda tmp: sae_load(saelens_dir(tmp, {"apply_b_dec_to_input": "false"})),
+             "SAEError", r"cfg.json: apply_b_dec_to_input is 'false', expected true or false$"),
+    CallCase("sae-weights-all-nan", lambda tmp: sae_load(saelens_dir(tmp, W_enc=torch.full((64, 8), float("nan")))),
+             "SAEError", r"sae_weights.safetensors: W_enc holds 512 NaN/Inf values, expected finite weights$"),
+    CallCase("sae-openai-pickle-with-code", lambda tmp: (torch.save({"encoder.weight": Payload()}, tmp / "sae.pt"),
+                                                         sae_load(tmp / "sae.pt"))[1],
+             "SAEError", r"not a state dict torch can read safely \(its pickle asks for print, code that "
+                         r"loading weights only never runs\)$"),
+    CallCase("adapter-config-nested-100000-deep",
+             lambda tmp: "from gpt2_engine.formats.peft import load_adapter, recorded_base; from gpt2_engine.core."
+                         f"config import GPT2Config; d = {str(adapter_dir(tmp, NESTED))!r}; assert recorded_base(d) == ''; "
+                         "load_adapter(d, GPT2Config())",
+             "LoraError", r"adapter_config.json: not readable JSON \(its values nest too deeply\)$"),
+    CallCase("steering-coef-1e308", lambda tmp: "import torch; from gpt2_engine.interp.steering import Steering; "
+                                                "Steering('blocks.0.hook_resid_pre', torch.ones(64), 1e308)",
+             "SteeringError", r"steering at blocks.0.hook_resid_pre: coef 1e\+308 adds values up to 1e\+308; at most "
+                              r"1e\+12 keeps the model's float32 activations from overflowing into NaN logits$"),
+]
+
+
+@pytest.mark.parametrize("case", CALL_CASES, ids=[c.name for c in CALL_CASES])
+def test_a_hostile_file_is_one_exception(case: CallCase, tmp_path: Path) -> None:
+    kind, message = run_call(case.make(tmp_path))
+    assert kind == case.exception and "\n" not in message and re.search(case.pattern, message), (kind, message)
+
+
+# --- token shards (item 6) -----------------------------------------------------------------------------------------
+
+
+def shard(path: Path, tokens: list[int]) -> Path:
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, len(tokens)]
+    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+    return path
+
+
+@pytest.mark.parametrize("tokens, pattern", [
+    ([50256, 11, 60000, 12], r"x.bin: token 60000 at position 2 is not a GPT-2 token id \(0..50256\)$"),
+    ([], r"nothing to score: every document is empty$"),
+], ids=["past-the-vocabulary", "empty"])
+def test_a_hostile_shard_is_one_line(tokens: list[int], pattern: str, tiny_dir: Path, tmp_path: Path) -> None:
+    one_line_error(*run_cli(["score", str(shard(tmp_path / "x.bin", tokens)), "--weights", str(tiny_dir)]), pattern)
+
+
+# --- outputs that are not regular files, a full disk, a read-only folder (items 3 and 6) -----------------------------
+
+
+def test_convert_writes_into_a_device_and_a_fifo_and_replaces_neither(tiny_dir: Path, tmp_path: Path) -> None:
+    null, fifo = device(tmp_path / "null"), tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert cli("convert", str(tiny_dir), str(tmp_path / "plain.bin"), "--to", "llmc")[0] == 0
+    for target in ("gguf", "llmc"):
+        code, err = cli("convert", str(tiny_dir), str(null), "--to", target)
+        assert code == 0 and stat.S_ISCHR(null.stat().st_mode) and null.stat().st_rdev == os.makedev(1, 3), err
+    reader = Reader(fifo)
+    code, err = cli("convert", str(tiny_dir), str(fifo), "--to", "llmc")
+    assert code == 0, err
+    assert reader.result() == (tmp_path / "plain.bin").read_bytes()  # what a file would hold, to the byte
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(os.listdir(tmp_path)) == ["null", "pipe", "plain.bin"]
+
+
+def test_score_writes_its_outputs_into_a_device_and_a_fifo(tiny_dir: Path, tmp_path: Path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 3)
+    null, fifo = device(tmp_path / "null"), tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code, err = cli("score", str(text), "--weights", str(tiny_dir), "--per-token", str(tmp_path / "plain.jsonl"))
+    assert code == 0, err
+    reader = Reader(fifo)
+    code, err = cli("score", str(text), "--weights", str(tiny_dir), "--output", str(null), "--per-token", str(fifo))
+    assert code == 0, err
+    assert reader.result() == (tmp_path / "plain.jsonl").read_bytes()
+    assert stat.S_ISCHR(null.stat().st_mode) and stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "null", "pipe", "plain.jsonl"]
+
+
+def test_a_full_disk_is_one_line_for_each_command_and_the_old_files_survive(tiny_dir: Path, tmp_path: Path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("Return the value of the key in the mapping. " * 400)  # 4,000 tokens: 8 KB of shard, 1 MB scored
+    with small_disk(tmp_path) as disk:
+        (disk / "model.bin").write_bytes(b"old")
+        runs = [(["convert", str(tiny_dir), str(disk / "model.bin"), "--to", "llmc"], disk / "model.bin"),
+                (["score", str(text), "--weights", str(tiny_dir), "--per-token", str(disk / "tokens.jsonl")],
+                 disk / "tokens.jsonl"),
+                (["tokenize", str(tmp_path / "big.txt"), "--out", str(disk / "shards")],
+                 disk / "shards" / "shard_000000.bin"),
+                (["finetune", str(text), "--weights", str(tiny_dir), "--out", str(disk / "run"), "--steps", "1",
+                  "--context", "32", "--batch-size", "2", "--val-fraction", "0.2"], disk / "run")]
+        (tmp_path / "big.txt").write_text("Return the value of the key in the mapping. " * 4000)  # 80 KB of shard
+        for args, written in runs:
+            code, err = cli(*args)
+            last = err.rstrip("\n").split("\n")[-1]  # after the progress the command reported before it
+            assert code == 2 and "Traceback" not in err and err.count(": error: ") == 1, (args[0], err)
+            assert re.fullmatch(rf"gpt2 {args[0]}: error: no space left writing {re.escape(str(written))}\S*", last), err
+        assert (disk / "model.bin").read_bytes() == b"old" and not list(disk.rglob("*.part")), list(disk.rglob("*"))
+    code, err = cli("convert", str(tiny_dir), str(device(tmp_path / "full", minor=7)), "--to", "llmc")
+    assert (code, err) == (2, f"gpt2 convert: error: no space left writing {tmp_path / 'full'}\n")
+
+
+def test_a_read_only_destination_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    with small_disk(tmp_path, "ro") as disk:
+        code, err = cli("convert", str(tiny_dir), str(disk / "model.gguf"), "--to", "gguf")
+        assert (code, err) == (2, f"gpt2 convert: error: cannot write {disk / 'model.gguf'}: Read-only file system\n")
+        code, err = cli("convert", str(tiny_dir), str(disk / "hf"), "--to", "hf")
+        assert (code, err) == (2, f"gpt2 convert: error: cannot write {disk / 'hf'}: Read-only file system\n")
+
+
+def test_an_llmc_file_is_memory_mapped_as_the_readme_says(tiny_dir: Path, tmp_path: Path) -> None:
+    """Its float32 vectors and wte are the file's pages, not copies; only the matrices are copied (transposed into
+    Conv1D's layout), and the values are those the file holds."""
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.core.pages import file_mapping
+    from gpt2_engine.core.weights import named_tensors
+    from gpt2_engine.formats.hf import load_weights
+    from gpt2_engine.formats.llmc import read_llmc
+
+    assert cli("convert", str(tiny_dir), str(tmp_path / "m.bin"), "--to", "llmc")[0] == 0
+    _, tensors = read_llmc(tmp_path / "m.bin")
+    for name in ("wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.1.attn.c_attn.bias", "ln_f.bias"):
+        assert file_mapping(tensors[name], tmp_path / "m.bin") is not None, name
+    assert file_mapping(tensors["h.0.attn.c_attn.weight"], tmp_path / "m.bin") is None
+    official = named_tensors(load_weights(tiny_dir, GPT2Config.from_json(tiny_dir / "config.json")))
+    assert tensors.keys() == official.keys() and all(torch.equal(tensors[n], t) for n, t in official.items())
