@@ -13,7 +13,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-memory bench-eval check-gguf serve fixtures clean
+.PHONY: install lint test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-memory bench-eval check-gguf serve fixtures clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml $(KERNELS)
 	@echo "make: installing gpt2-engine and compiling its native kernels (a few minutes) ..."
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $@
+
+# ruff's lint and format checks, with the project's configuration (pyproject.toml's [tool.ruff]).
+lint: install
+	$(VENV)/bin/ruff check gpt2_engine tests scripts setup.py
+	$(VENV)/bin/ruff format --check gpt2_engine tests scripts setup.py
 
 # The whole suite, as CI runs it. The test checkpoints are built first, outside pytest, so that their progress shows.
 test: install fixtures

@@ -34,29 +34,37 @@ def read_any(src: Path) -> tuple[str, GPT2Config, GPT2Weights]:
     return kind, config, weights_from_tensors(tensors, config, src)
 
 
-def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:
-    """Write `src` as `to` at `dst`; returns the source's kind."""
+def check_destination(src: Path, dst: Path, to: str, dtype: str) -> None:
+    """Refuse, before anything is read, a target or type that does not exist, writing over the source, and a
+    destination of the wrong kind (a directory for one file; a file, socket or device for a directory)."""
     if to not in TARGETS:
         raise UsageError(f"--to {to}: expected one of {', '.join(TARGETS)}")
     if dtype not in TARGETS[to]:
         raise UsageError(f"--type {dtype}: a {to} checkpoint is written as {' or '.join(TARGETS[to])}")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UsageError(f"{dst}: is the source itself; write the converted checkpoint somewhere else")
-    if to in ("llmc", "gguf") and dst.is_dir():
+    if to == "hf":
+        if dst.exists() and not dst.is_dir():
+            raise UsageError(f"{dst}: {'a file' if dst.is_file() else what_is(dst)}; a Hugging Face checkpoint is a "
+                             "directory")
+        return
+    if dst.is_dir():
         raise UsageError(f"{dst}: a directory; a{'n llm.c model' if to == 'llmc' else ' GGUF'} is one file")
-    if to in ("llmc", "gguf"):
-        written_into(dst)  # a socket or a block device is refused before the checkpoint is read
-    if to == "hf" and dst.exists() and not dst.is_dir():
-        raise UsageError(f"{dst}: {'a file' if dst.is_file() else what_is(dst)}; a Hugging Face checkpoint is a directory")
+    written_into(dst)  # a socket or a block device is refused before the checkpoint is read
+
+
+def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:
+    """Write `src` as `to` at `dst`; returns the source's kind."""
+    check_destination(src, dst, to, dtype)
     kind, config, weights = read_any(src)
     bpe = load_tokenizer(src if kind == "hf" else None).source
     if to == "hf":
         save_checkpoint(dst, config, weights, bpe)
-    elif to == "llmc":
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        return kind
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if to == "llmc":
         write_llmc(dst, config, named_tensors(weights), LLMC_DTYPES[dtype])
     else:
-        dst.parent.mkdir(parents=True, exist_ok=True)
         write_gguf(dst, config, named_tensors(weights), bpe, dtype)
     return kind
 

@@ -84,29 +84,15 @@ class Gate:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.replica is not None:  # which replica answered: for clients and tests of a Ray deployment
-            inner_send = send
-
-            async def send(message: dict) -> None:
-                if message["type"] == "http.response.start":
-                    message = {**message, "headers": [*message.get("headers", []), (b"x-gpt2-replica", self.replica)]}
-                await inner_send(message)
-
+        send = self.tagged(send)
         headers = dict(scope.get("headers") or [])
         if scope["method"] == "POST" and not headers.get(b"content-type", b"").startswith(b"application/json"):
             # every POST route takes JSON: read the body as JSON whatever the client declared
             scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
                      + [(b"content-type", b"application/json")]}
-        if self.api_key and scope["path"] not in ("/health", "/", "/favicon.ico") and scope["method"] != "OPTIONS":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                denied = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                  type="authentication_error", code="invalid_api_key")
-                return await error_response(denied)(scope, receive, send)
+        if (refused := self.refusal(scope, headers)) is not None:
+            return await error_response(refused)(scope, receive, send)
         too_large = APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await error_response(too_large)(scope, receive, send)
         seen = 0
 
         async def limited() -> dict:
@@ -118,6 +104,32 @@ class Gate:
             return message
 
         await self.app(scope, limited, send)
+
+    def tagged(self, send: Callable) -> Callable:
+        """`send`, adding which replica answered to each response's headers (for clients and tests of a Ray
+        deployment); `send` itself outside Ray."""
+        if self.replica is None:
+            return send
+
+        async def send_tagged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-gpt2-replica", self.replica)]}
+            await send(message)
+
+        return send_tagged
+
+    def refusal(self, scope: dict, headers: dict[bytes, bytes]) -> APIError | None:
+        """Why a request is refused before it reaches a route: no valid API key (every route but /health and the
+        page), or a Content-Length over the limit; None to let it through."""
+        if self.api_key and scope["path"] not in ("/health", "/", "/favicon.ico") and scope["method"] != "OPTIONS":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                return APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                type="authentication_error", code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
+        return None
 
 
 def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | None = None) -> Gate:
