@@ -12,7 +12,7 @@ from pathlib import Path
 from ..core.errors import GenerationError
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, steering_from_args)
-from ..runtime.constraints import Constraint
+from ..runtime.constraints import Constraint, GrammarLimits
 from ..runtime.requests import GenerationSettings
 from ..runtime.sampling import SamplingParams
 from ..runtime.speculation import ADAPTIVE_MAX, ADAPTIVE_START, MAX_DRAFT_TOKENS, check_draft_tokens
@@ -62,6 +62,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--choice", action="append", metavar="TEXT", help="the text is one of these (repeatable)")
     shape.add_argument("--grammar", type=Path, metavar="FILE",
                        help="the text matches this grammar: Lark (llguidance's dialect) or GBNF (llama.cpp's)")
+    shape.add_argument("--whitespace-flexible", action="store_true",
+                       help="with --json-schema or --json-object: allow whitespace between JSON tokens (default: "
+                            "compact JSON, none outside strings)")
     add_model_options(p)
     p.set_defaults(run=run_generate)
 
@@ -73,21 +76,27 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
              if value is not None]
     if len(given) > 1:
         raise UsageError(f"give one structured-output flag, not {' and '.join(given)}")
+    if args.whitespace_flexible and given not in (["--json-schema"], ["--json-object"]):
+        raise UsageError("--whitespace-flexible applies to --json-schema or --json-object")
     if not given:
         return None
     try:
         if args.json_object:
-            return Constraint.json_object()
-        if args.regex is not None:
-            return Constraint.regex(args.regex)
-        if args.choice is not None:
-            return Constraint.choice(args.choice)
-        path = args.json_schema or args.grammar
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"{given[0]} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-        return Constraint.json_schema(text) if args.json_schema else Constraint.grammar(text)
+            constraint = Constraint.json_object(whitespace_flexible=args.whitespace_flexible)
+        elif args.regex is not None:
+            constraint = Constraint.regex(args.regex)
+        elif args.choice is not None:
+            constraint = Constraint.choice(args.choice)
+        else:
+            path = args.json_schema or args.grammar
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"{given[0]} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+            constraint = (Constraint.json_schema(text, whitespace_flexible=args.whitespace_flexible)
+                          if args.json_schema else Constraint.grammar(text))
+        GrammarLimits().check(constraint)  # its size, before the model loads (the compile checks the rest)
+        return constraint
     except GenerationError as e:
         raise UsageError(f"{given[0]}: {e}") from None
 

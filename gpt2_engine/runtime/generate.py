@@ -19,7 +19,7 @@ from ..core.tokenizer import Tokenizer
 from ..core.weights import GPT2Weights
 from .drafters import Speculation
 from .loop import EngineLoop
-from .constraints import Grammars
+from .constraints import GrammarError, Grammars, grammar_failure
 from .requests import GenerationSettings, RequestSet, build_requests
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -111,6 +111,8 @@ class Generation:
             for outputs in loop.step():
                 for seq, e in outputs:
                     b = seq.index
+                    if e.finish_reason == "error" and (grammar := grammar_failure(e.error or "")) is not None:
+                        raise GrammarError(grammar)  # the constraint went over a limit: the input's fault
                     if e.finish_reason == "error":  # the engine failed, not the input
                         raise RuntimeError(f"generation failed: {e.error}")
                     if e.token is not None and e.token != self.tokenizer.eot_id:
