@@ -6,7 +6,7 @@ At each step it computes which tokens keep the text matchable, as a bitmask; the
 -inf before the penalties, the temperature and the filters, so that sampling stays a distribution over the allowed
 tokens, and <|endoftext|> is allowed only where the grammar may end. JSON comes compact (no whitespace outside
 strings, as OpenAI's structured outputs write it) unless the constraint asks for llguidance's flexible whitespace: a
-small model at temperature 1 otherwise spends its tokens on spaces and newlines.
+weak model at temperature 1 otherwise can spend all its tokens on spaces and newlines.
 
 Hostile grammars, and what bounds them (GrammarLimits): llguidance's compiler recurses once per level of a grammar
 and overflows its stack (a SIGSEGV) on a chain of a few thousand rules; counted repetitions spend its lexer fuel for

@@ -41,7 +41,10 @@ def definition(kind: str, spec: str, whitespace_flexible: bool = False) -> str:
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
     if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=options)
+        schema = json.loads(spec)
+        if schema is False:
+            raise ValueError("the schema false matches no text")
+        return llguidance.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=options)
     if kind == "choice":  # each choice a quoted Lark string: any text, nothing of it read as grammar
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
     if kind == "regex":
