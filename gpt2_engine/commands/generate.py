@@ -17,7 +17,7 @@ from ..core.errors import GenerationError
 from ..documents import read_text
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, steering_from_args)
-from ..runtime.constraints import Constraint
+from ..runtime.constraints import Constraint, GrammarLimits
 from ..runtime.generate import Completion, Generation, GenerationStats
 from ..runtime.requests import MAX_SAMPLES, GenerationSettings
 from ..runtime.sampling import SamplingParams
@@ -72,17 +72,21 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--choice", action="append", metavar="TEXT", help="the text is one of these (repeatable)")
     shape.add_argument("--grammar", type=Path, metavar="FILE",
                        help="the text matches this grammar: Lark (llguidance's dialect) or GBNF (llama.cpp's)")
+    shape.add_argument("--whitespace-flexible", action="store_true",
+                       help="with --json-schema or --json-object: allow whitespace between JSON tokens (default: "
+                            "compact JSON, none outside strings)")
     add_model_options(p)
     p.set_defaults(run=run_generate)
 
 
 # The structured-output flags and the Constraint each makes from its value (a file's text for the two that take one)
-CONSTRAINTS: dict[str, Callable[[Any], Constraint]] = {
-    "--json-schema": lambda path: Constraint.json_schema(read_text(path, sys.stdin.buffer, "--json-schema")),
-    "--json-object": lambda _: Constraint.json_object(),
-    "--regex": Constraint.regex,
-    "--choice": Constraint.choice,
-    "--grammar": lambda path: Constraint.grammar(read_text(path, sys.stdin.buffer, "--grammar")),
+CONSTRAINTS: dict[str, Callable[[Any, bool], Constraint]] = {
+    "--json-schema": lambda path, flexible: Constraint.json_schema(read_text(path, sys.stdin.buffer, "--json-schema"),
+                                                                   whitespace_flexible=flexible),
+    "--json-object": lambda _, flexible: Constraint.json_object(whitespace_flexible=flexible),
+    "--regex": lambda text, _: Constraint.regex(text),
+    "--choice": lambda texts, _: Constraint.choice(texts),
+    "--grammar": lambda path, _: Constraint.grammar(read_text(path, sys.stdin.buffer, "--grammar")),
 }
 
 # The settings' names (GenerationError.param) and the flags that set them: an error names what the user typed
@@ -110,11 +114,15 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
              if (value := getattr(args, flag[2:].replace("-", "_"))) is not None and value is not False]
     if len(given) > 1:
         raise UsageError(f"give one structured-output flag, not {' and '.join(flag for flag, _ in given)}")
+    if args.whitespace_flexible and [flag for flag, _ in given] not in (["--json-schema"], ["--json-object"]):
+        raise UsageError("--whitespace-flexible applies to --json-schema or --json-object")
     if not given:
         return None
     flag, value = given[0]
     try:
-        return CONSTRAINTS[flag](value)
+        constraint = CONSTRAINTS[flag](value, args.whitespace_flexible)
+        GrammarLimits().check(constraint)  # its size, before the model loads (the compile checks the rest)
+        return constraint
     except GenerationError as e:
         raise UsageError(f"{flag}: {e}") from None
 

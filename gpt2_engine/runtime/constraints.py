@@ -4,8 +4,20 @@ llguidance (the Rust library behind llama.cpp's and vLLM's guidance backends) co
 of choices or a Lark or GBNF grammar against GPT-2's tokenizer, read from the very tiktoken encoding the engine uses.
 At each step it computes which tokens keep the text matchable, as a bitmask; the scheduler sets every other logit to
 -inf before the penalties, the temperature and the filters, so that sampling stays a distribution over the allowed
-tokens, and <|endoftext|> is allowed only where the grammar may end. llguidance bounds the work of a grammar and of
-each step by its own limits ("fuel"), so a pathological schema is an error, never a hang.
+tokens, and <|endoftext|> is allowed only where the grammar may end. JSON comes compact (no whitespace outside
+strings, as OpenAI's structured outputs write it) unless the constraint asks for llguidance's flexible whitespace: a
+weak model at temperature 1 otherwise can spend all its tokens on spaces and newlines.
+
+Hostile grammars, and what bounds them (GrammarLimits): llguidance's compiler recurses once per level of a grammar
+and overflows its stack (a SIGSEGV) on a chain of a few thousand rules; counted repetitions spend its lexer fuel for
+minutes at its default; a long literal costs it about the square of its length at every token, whatever its fuel.
+So a grammar's text is first checked here (bytes, longest literal, rules, $refs, nesting); then compiled, with its
+first mask and a few tokens taken on a copy, in a separate process (runtime/grammar_worker.py) within a time limit,
+so that a crash or a runaway there costs a 400, never the server; then compiled again in this process, on a thread
+with four times that process's stack. Each token's mask and advance are timed in the engine thread: llguidance cannot be interrupted, so
+a step over `step_seconds` is caught when it ends, and it ends its sequence with an error and refuses the grammar
+from then on (the checks keep such a step to about a second; computing masks on another thread would bound it
+exactly, but that thread preempts torch's and slowed decoding: docs/benchmarks.md).
 
 Why llguidance rather than xgrammar: it reads a tiktoken encoding as it is and depends on nothing (xgrammar requires
 transformers and triton, which the engine's own paths never import); the measured compile and mask times of both
@@ -17,9 +29,20 @@ each sequence then gets its own `Guide` (a copy of the compiled matcher) when th
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import pickle
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,34 +51,58 @@ import torch
 
 from ..core.errors import GenerationError
 from ..core.tokenizer import Tokenizer
+from . import grammar_worker
+from .grammar_worker import KINDS, matcher_error
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-CACHED_GRAMMARS = 64  # compiled grammars kept, least recently used first out
+CACHED_GRAMMARS = 64  # compiled grammars (and refused ones) kept, least recently used first out
+WORKER_STACK = 16 << 20  # the compile process's thread: llguidance needs ~3.4 KB a level, so ~4,800 levels
+BUILD_STACK = 4 * WORKER_STACK  # this process's compile thread: what passed there cannot overflow here
+WORKER_START_SECONDS = 60.0  # for the compile process to start and build its tokenizer (~1 s on an idle machine)
+RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)  # a Lark or GBNF rule's head
+LITERAL = re.compile(r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)*/')  # a grammar's quoted string or /regex/
+# the compile process is started with the standard library's runner on its file, with this process's import path:
+# importing it as gpt2_engine.runtime.grammar_worker would import the whole package (torch) for nothing
+WORKER_BOOT = "import runpy, sys; sys.path[:0] = sys.argv[2:]; runpy.run_path(sys.argv[1], run_name='__main__')"
+
+
+class GrammarError(GenerationError):
+    """A grammar that cannot be compiled, or that goes over one of the GrammarLimits (param 'constraint')."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="constraint")
 
 
 @dataclass(frozen=True)
 class Constraint:
     """What the generated text must match. kind: 'json_schema' (spec: the schema as JSON text), 'json_object' (any
     JSON object), 'regex' (the whole text matches it), 'choice' (spec: a JSON list of the allowed texts) or 'grammar'
-    (a Lark grammar in llguidance's dialect, or a GBNF grammar in llama.cpp's)."""
+    (a Lark grammar in llguidance's dialect, or a GBNF grammar in llama.cpp's). JSON is compact unless
+    whitespace_flexible (llguidance's name): then any whitespace may come between its tokens."""
 
     kind: str
     spec: str = ""
+    whitespace_flexible: bool = False
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
+    def json_schema(cls, schema: dict[str, Any] | str, *, whitespace_flexible: bool = False) -> Constraint:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                raise GenerationError("the JSON schema nests too deeply to read", param="constraint") from None
             except ValueError as e:
                 raise GenerationError(f"the JSON schema is not valid JSON ({e})", param="constraint") from None
         if not isinstance(schema, (dict, bool)):
             raise GenerationError(f"a JSON schema must be an object, got {type(schema).__name__}", param="constraint")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        try:
+            text = json.dumps(schema, sort_keys=True)
+        except RecursionError:
+            raise GenerationError("the JSON schema nests too deeply to read", param="constraint") from None
+        return cls("json_schema", text, whitespace_flexible)
 
     @classmethod
-    def json_object(cls) -> Constraint:
-        return cls("json_object")
+    def json_object(cls, *, whitespace_flexible: bool = False) -> Constraint:
+        return cls("json_object", "", whitespace_flexible)
 
     @classmethod
     def regex(cls, pattern: str) -> Constraint:
@@ -76,87 +123,291 @@ class Constraint:
         if self.kind not in KINDS:
             raise GenerationError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}",
                                   param="constraint")
-
-    def definition(self) -> str:
-        """The grammar in llguidance's form (not yet checked)."""
-        import llguidance
-
-        try:
-            if self.kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
-            if self.kind == "choice":
-                # each choice a quoted Lark string: any text, nothing of it read as grammar
-                lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec))
-                return llguidance.LLMatcher.grammar_from_lark(lark)
-            kind = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}[self.kind]
-            return llguidance.grammar_from(kind, self.spec)
-        except (ValueError, TypeError) as e:
-            raise GenerationError(f"{self.describe()}: {one_line(e)}", param="constraint") from None
+        if not isinstance(self.spec, str):
+            raise GenerationError(f"the constraint's spec must be a string, got {type(self.spec).__name__}",
+                                  param="constraint")
+        if not isinstance(self.whitespace_flexible, bool):
+            raise GenerationError(f"whitespace_flexible must be True or False, got {self.whitespace_flexible!r}",
+                                  param="constraint")
+        if self.whitespace_flexible and self.kind not in ("json_schema", "json_object"):
+            raise GenerationError(f"whitespace_flexible applies to JSON (json_schema, json_object), not {self.kind}",
+                                  param="constraint")
 
     def describe(self) -> str:
-        return {"json_schema": "the JSON schema", "json_object": "JSON", "regex": f"the regex {self.spec!r}",
-                "choice": "the choices", "grammar": "the grammar"}[self.kind]
+        regex = self.spec if len(self.spec) <= 60 else self.spec[:57] + "..."
+        return {"json_schema": "the JSON schema", "json_object": "JSON", "regex": f"the regex {regex!r}",
+                "choice": "the list of choices", "grammar": "the grammar"}[self.kind]
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one grammar may cost. The sizes are checked before llguidance sees the grammar; the times bound the
+    compile (in its own process, killed past it) and each token's work (the sequence ends with an error past it)."""
+
+    max_bytes: int = 100_000  # the schema, regex, choices or grammar text, in UTF-8 bytes
+    max_literal: int = 10_000  # characters of one string (a JSON schema's, a choice, a grammar's) or of a regex
+    max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
+    max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
+    compile_seconds: float = 5.0  # one compile, first mask included (a schema takes about a millisecond)
+    step_seconds: float = 1.0  # one token's mask and advance (tens of microseconds for a schema)
+    lexer_fuel: int = 50_000  # llguidance's initial_lexer_fuel (its default is 1,000,000)
+
+    def check(self, constraint: Constraint) -> None:
+        """GrammarError naming the limit a constraint's text goes over, before any compile. A literal costs
+        llguidance about the square of its length at each token (whatever its fuel: 0.1 s at 10,000 characters,
+        9 s at 100,000), hence the bound on literals as well as on the whole."""
+        what, spec = constraint.describe(), constraint.spec
+        if constraint.kind == "grammar":
+            rules = len(RULE.findall(spec))
+            if rules > self.max_rules:
+                raise GrammarError(f"{what} has {rules:,} rules; at most {self.max_rules:,}")
+        size = len(spec.encode("utf-8", "surrogatepass"))
+        if size > self.max_bytes:
+            raise GrammarError(f"{what} is {size:,} bytes; at most {self.max_bytes:,}")
+        longest = 0
+        if constraint.kind == "json_schema":
+            try:
+                refs, depth, longest = schema_shape(json.loads(spec))
+            except (ValueError, RecursionError):
+                raise GrammarError(f"{what} is not valid JSON, or nests too deeply to read") from None
+            if depth > self.max_depth:
+                raise GrammarError(f"{what} nests {depth:,} levels deep; at most {self.max_depth:,}")
+            if refs > self.max_rules:
+                raise GrammarError(f"{what} has {refs:,} $refs; at most {self.max_rules:,}")
+        elif constraint.kind == "choice":
+            longest = max(map(len, json.loads(spec)))  # a JSON list of strings, as Constraint.choice writes it
+        elif constraint.kind == "grammar":
+            longest = max((len(m) - 2 for m in LITERAL.findall(spec)), default=0)
+        elif constraint.kind == "regex" and len(spec) > self.max_literal:
+            raise GrammarError(f"{what} is {len(spec):,} characters; at most {self.max_literal:,}")
+        if longest > self.max_literal:
+            raise GrammarError(f"{what} has a literal of {longest:,} characters; at most {self.max_literal:,}")
+
+
+def schema_shape(schema: Any) -> tuple[int, int, int]:
+    """A parsed JSON schema's $ref count, nesting depth (objects and arrays) and longest string (keys included),
+    walked without recursion."""
+    refs = deepest = longest = 0
+    todo = [(schema, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            refs += "$ref" in node
+            longest = max([longest, *map(len, node)])
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+        elif isinstance(node, str):
+            longest = max(longest, len(node))
+            continue
+        else:
+            continue
+        deepest = max(deepest, depth)
+    return refs, deepest, longest
+
+
+class CompileWorker:
+    """One grammar_worker process: llguidance's compiler run apart and waited for at most compile_seconds. Started on
+    its first grammar; killed when a grammar runs past the limit, and started again for the next."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: GrammarLimits) -> None:
+        self.tokenizer, self.limits = tokenizer, limits
+        self.process: subprocess.Popen | None = None
+
+    def compile(self, constraint: Constraint) -> tuple[str, str]:
+        """(llguidance's definition of the constraint, "" or why it cannot be compiled); GrammarError when it runs
+        past the time limit or crashes the compiler."""
+        if self.process is None:
+            self.start()
+        what = constraint.describe()
+        try:
+            self.send(json.dumps({"kind": constraint.kind, "spec": constraint.spec,
+                                  "whitespace_flexible": constraint.whitespace_flexible,
+                                  "step_seconds": self.limits.step_seconds}).encode())
+            answer = self.receive(self.limits.compile_seconds)
+        except (BrokenPipeError, EOFError):
+            code = self.stop()
+            died = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            raise GrammarError(f"{what} crashed llguidance's compiler ({died}); simplify it") from None
+        except TimeoutError:
+            self.stop()
+            raise GrammarError(f"{what} took over {self.limits.compile_seconds:g} s to compile; at most "
+                               f"{self.limits.compile_seconds:g} s") from None
+        return answer["grammar"], answer["error"]
+
+    def start(self) -> None:
+        path = [p for p in sys.path if p]  # "" (the current directory) is the same directory for the child
+        self.process = subprocess.Popen([sys.executable, "-I", "-c", WORKER_BOOT, grammar_worker.__file__, *path],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        bufsize=0)
+        setup = {"encoding": self.tokenizer.encoding, "n_vocab": self.tokenizer.n_vocab,
+                 "eos": self.tokenizer.eot_id, "lexer_fuel": self.limits.lexer_fuel, "stack_bytes": WORKER_STACK}
+        try:
+            self.send(pickle.dumps(setup))
+            self.receive(WORKER_START_SECONDS)
+        except (BrokenPipeError, EOFError, TimeoutError):
+            code = self.stop()
+            raise RuntimeError(f"the grammar compiler's process did not start (exit status {code})") from None
+
+    def stop(self) -> int:
+        """Kill the process (if it still runs); its exit status."""
+        process, self.process = self.process, None
+        if process is None:
+            return 0
+        process.kill()
+        code = process.wait()
+        process.stdin.close()
+        process.stdout.close()
+        return code
+
+    def send(self, payload: bytes) -> None:
+        data = memoryview(struct.pack(">Q", len(payload)) + payload)
+        while data:
+            data = data[os.write(self.process.stdin.fileno(), data):]
+
+    def receive(self, seconds: float) -> dict:
+        """The next answer; TimeoutError after `seconds`, EOFError if the process ended."""
+        deadline = time.monotonic() + seconds
+        head = self._read(8, deadline)
+        return json.loads(self._read(struct.unpack(">Q", head)[0], deadline))
+
+    def _read(self, size: int, deadline: float) -> bytes:
+        fd, data = self.process.stdout.fileno(), bytearray()
+        while len(data) < size:
+            if not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
+                raise TimeoutError
+            chunk = os.read(fd, size - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return bytes(data)
 
 
 class Compiled:
-    """A checked grammar and a pristine matcher for it, which each sequence's Guide copies."""
+    """A checked grammar and a pristine matcher for it (its first mask computed), which each sequence's Guide
+    copies. `refused` says why it is refused from now on (a mask ran past the step budget), or is empty."""
 
-    def __init__(self, constraint: Constraint, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, constraint: Constraint, matcher: Any, vocab_size: int, step_seconds: float) -> None:
         self.constraint, self.matcher, self.vocab_size = constraint, matcher, vocab_size
+        self.step_seconds = step_seconds
+        self.refused = ""
 
     def guide(self) -> Guide:
-        return Guide(self.matcher.deep_copy(), self.vocab_size)
+        return Guide(self, self.matcher.deep_copy())
 
 
 class Grammars:
-    """Compiles constraints for one tokenizer: its llguidance tokenizer is built once (about a second), and the last
-    CACHED_GRAMMARS compiled grammars are kept by their text."""
+    """Compiles constraints for one tokenizer, within `limits`: its llguidance tokenizer is built once (about a
+    second), as is the compile process's, and the last CACHED_GRAMMARS grammars are kept by their text, compiled or
+    refused. Safe to call from several threads (the server compiles off its event loop)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: GrammarLimits = GrammarLimits()) -> None:
+        self.tokenizer, self.vocab_size, self.limits = tokenizer, vocab_size, limits
+        self.worker = CompileWorker(tokenizer, limits)
+        atexit.register(self.close)
+        self.lock = threading.Lock()  # the cache, the tokenizer
+        self.worker_lock = threading.Lock()  # one compile at a time in the worker
         self._lltokenizer: Any = None
-        self._cache: OrderedDict[Constraint, Compiled] = OrderedDict()
+        self._cache: OrderedDict[Constraint, Compiled | GrammarError] = OrderedDict()
 
     def compile(self, constraint: Constraint) -> Compiled:
-        """The compiled grammar; GenerationError (param 'constraint') naming what is wrong with it."""
-        found = self._cache.get(constraint)
+        """The compiled grammar; GrammarError (param 'constraint') naming what is wrong with it or the limit it goes
+        over. Blocks for at most about twice limits.compile_seconds, plus the wait for another compile."""
+        with self.lock:
+            found = self._cache.get(constraint)
+            if found is not None:
+                self._cache.move_to_end(constraint)
+        if isinstance(found, GrammarError):
+            raise GrammarError(str(found))
         if found is not None:
-            self._cache.move_to_end(constraint)
+            if found.refused:
+                raise GrammarError(found.refused)
             return found
-        import llguidance
-
-        if self._lltokenizer is None:
-            from llguidance.tiktoken import lltokenizer_from_encoding
-
-            self._lltokenizer = lltokenizer_from_encoding(self.tokenizer.encoding, n_vocab=self.tokenizer.n_vocab,
-                                                          eos_token=self.tokenizer.eot_id)
-        definition = constraint.definition()
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition, self._lltokenizer)
-        if failed:
-            raise GenerationError(f"{constraint.describe()}: {one_line(messages[0])}", param="constraint")
-        matcher = llguidance.LLMatcher(self._lltokenizer, definition, log_level=0)
-        if matcher.is_error():
-            raise GenerationError(f"{constraint.describe()}: {one_line(matcher.get_error())}", param="constraint")
-        compiled = Compiled(constraint, matcher, self.vocab_size)
-        self._cache[constraint] = compiled
-        if len(self._cache) > CACHED_GRAMMARS:
-            self._cache.popitem(last=False)
+        try:
+            compiled: Compiled | GrammarError = self._compile(constraint)
+        except GrammarError as e:
+            compiled = e
+        with self.lock:
+            self._cache[constraint] = compiled
+            if len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        if isinstance(compiled, GrammarError):
+            raise GrammarError(str(compiled))
         return compiled
+
+    def _compile(self, constraint: Constraint) -> Compiled:
+        self.limits.check(constraint)
+        with self.worker_lock:
+            grammar, error = self.worker.compile(constraint)
+        if error:
+            raise GrammarError(f"{constraint.describe()}: {error}")
+        limits = grammar_worker.parser_limits(self.limits.lexer_fuel)
+        matcher, error = on_own_stack(lambda: grammar_worker.check(self.lltokenizer(), grammar, limits), BUILD_STACK)
+        if error:  # not expected: the compile process did the same, first mask included
+            raise GrammarError(f"{constraint.describe()}: {error}")
+        return Compiled(constraint, matcher, self.vocab_size, self.limits.step_seconds)
+
+    def lltokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, built on first use (about a second)."""
+        with self.lock:
+            if self._lltokenizer is None:
+                from llguidance.tiktoken import lltokenizer_from_encoding
+
+                self._lltokenizer = lltokenizer_from_encoding(self.tokenizer.encoding, n_vocab=self.tokenizer.n_vocab,
+                                                              eos_token=self.tokenizer.eot_id)
+            return self._lltokenizer
+
+    def close(self) -> None:
+        """End the compile process (it also ends by itself when this process does)."""
+        with self.worker_lock:
+            self.worker.stop()
+
+
+STACK_LOCK = threading.Lock()  # threading.stack_size is process-wide: set only while one thread is created
+
+
+def on_own_stack(fn: Callable[[], Any], stack_bytes: int) -> Any:
+    """fn() on a new thread with a stack of `stack_bytes` (reserved, not touched: the memory used is what fn uses)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again in the calling thread
+            result["error"] = e
+
+    with STACK_LOCK:
+        previous = threading.stack_size(stack_bytes)
+        try:
+            thread = threading.Thread(target=run, name="gpt2-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 class Guide:
-    """One sequence's place in its grammar: which tokens may come next, and the tokens it took."""
+    """One sequence's place in its grammar: which tokens may come next, and the tokens it took. Each step's work is
+    timed: one over the step budget ends the sequence (GrammarError) and refuses the grammar from then on."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Compiled, matcher: Any) -> None:
+        self.compiled = compiled
         self.matcher = matcher
-        self.vocab_size = vocab_size
-        self.bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # llguidance's mask: bit t of word t // 32
+        self.vocab_size = compiled.vocab_size
+        self.bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # llguidance's mask: bit t of word t // 32
+        self.tokens = 0  # accepted so far
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """[V] -> a copy with -inf for every token the grammar does not allow next."""
+        """[V] -> a copy with -inf for every token the grammar does not allow next. GrammarError if the grammar fails
+        or computing the mask took longer than the step budget."""
+        t0 = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
+        self._check_time(time.perf_counter() - t0, "compute the allowed tokens")
         if self.matcher.is_error():
-            raise GenerationError(f"the grammar failed: {one_line(self.matcher.get_error())}", param="constraint")
+            raise GrammarError(f"the grammar failed after {self.tokens} tokens: {matcher_error(self.matcher)}")
         allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
         if len(allowed) < logits.shape[-1]:  # a padded vocabulary: the padding rows are never allowed
             allowed = np.pad(allowed, (0, logits.shape[-1] - len(allowed)))
@@ -164,9 +415,20 @@ class Guide:
 
     def accept(self, token: int) -> None:
         """Advance past `token`, which the mask allowed."""
-        if not self.matcher.consume_token(token):
-            raise GenerationError(f"the grammar refused token {token}: {one_line(self.matcher.get_error())}",
-                                  param="constraint")
+        t0 = time.perf_counter()
+        consumed = self.matcher.consume_token(token)
+        self._check_time(time.perf_counter() - t0, f"take token {token}")
+        if not consumed:
+            raise GrammarError(f"the grammar failed at token {token} (after {self.tokens}): "
+                               f"{matcher_error(self.matcher)}")
+        self.tokens += 1
+
+    def _check_time(self, seconds: float, what: str) -> None:
+        budget = self.compiled.step_seconds
+        if seconds > budget:  # llguidance cannot be interrupted: the step is over, the next ones are not run
+            self.compiled.refused = (f"{self.compiled.constraint.describe()} took {seconds:.1f} s to {what} after "
+                                     f"{self.tokens} tokens; at most {budget:g} s a token")
+            raise GrammarError(self.compiled.refused)
 
     @property
     def finished(self) -> bool:
@@ -174,6 +436,8 @@ class Guide:
         return self.matcher.is_stopped()
 
 
-def one_line(e: BaseException | str) -> str:
-    text = " ".join(str(e).split())
-    return text[:300] or type(e).__name__
+def grammar_failure(error: str) -> str | None:
+    """The message of a sequence's error event (the scheduler's "Type: message") when its grammar caused it, else
+    None: a fault of the request, not of the engine."""
+    prefix = f"{GrammarError.__name__}: "
+    return error[len(prefix):] if error.startswith(prefix) else None

@@ -20,7 +20,7 @@ from ..core.pages import available_memory
 from ..core.tokenizer import Tokenizer
 from ..core.weights import GPT2Weights
 from .drafters import Speculation
-from .constraints import Grammars
+from .constraints import GrammarError, Grammars, grammar_failure
 from .loop import EngineLoop
 from .plan import Finished
 from .requests import GenerationSettings, RequestSet, build_requests
@@ -113,6 +113,8 @@ class Generation:
             for outputs in loop.step():
                 for ref, e in outputs:
                     b = ref.index
+                    if e.finish_reason == "error" and (grammar := grammar_failure(e.error or "")) is not None:
+                        raise GrammarError(grammar)  # the constraint went over a limit: the input's fault
                     if e.finish_reason == "error":  # the engine failed, not the input
                         raise RuntimeError(f"generation failed: {e.error}")
                     if e.token is not None and e.token != self.tokenizer.eot_id:

@@ -268,8 +268,8 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         adapter = check_model(body.model)
         model, engine = ready()
         run = CompletionRun(engine, model.tokenizer, body, body.model or settings.model_name,
-                            engine_requests(body, model.tokenizer, model.config, adapter, model.grammars,
-                                            settings.steering))
+                            await engine_requests(body, model.tokenizer, model.config, adapter, model.grammars,
+                                                  settings.steering))
         return await respond(run, body.stream, request)
 
     @app.post("/v1/chat/completions")
@@ -278,8 +278,8 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         adapter = check_model(body.model)
         model, engine = ready()
         run = ChatRun(engine, model.tokenizer, body, body.model or settings.model_name,
-                      chat_requests(body, settings.chat_template, model.tokenizer, model.config, adapter,
-                                    model.grammars, settings.steering))
+                      await chat_requests(body, settings.chat_template, model.tokenizer, model.config, adapter,
+                                          model.grammars, settings.steering))
         return await respond(run, body.stream, request)
 
     @app.get("/", response_class=HTMLResponse)

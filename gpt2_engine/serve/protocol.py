@@ -5,7 +5,8 @@ checked when it becomes engine work (serving.py). Every failure becomes an `APIE
 Fields these models do not know are ignored, as OpenAI's and vLLM's servers ignore them (the app logs their names),
 except those that ask for something this server cannot do (tools): those are a 400, never a silently different
 answer. Structured output comes in OpenAI's shape (`response_format`: json_object, json_schema) or vLLM's
-(`structured_outputs`: exactly one of choice, regex, json, grammar, json_object).
+(`structured_outputs`: exactly one of choice, regex, json, grammar, json_object); JSON comes compact, as OpenAI's
+structured outputs write it, unless the same object carries this server's extension "whitespace_flexible": true.
 """
 
 from __future__ import annotations
@@ -114,36 +115,45 @@ class SamplingFields(BaseModel):
         return "structured_outputs" if self.structured_outputs else "response_format"
 
     def constraint(self) -> Constraint | None:
-        """The structured output asked for, in either shape (not both), or None for free text."""
+        """The structured output asked for, in either shape (not both), or None for free text. JSON is compact unless
+        the shape carries "whitespace_flexible": true (llguidance's name; vLLM's is disable_any_whitespace, with the
+        opposite default): then any whitespace may come between JSON tokens."""
         fmt, so = self.response_format, self.structured_outputs
         if fmt is not None and fmt.get("type", "text") != "text" and so:
             raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
         try:
+            flexible = (so or fmt or {}).get("whitespace_flexible", False)
+            if not isinstance(flexible, bool):
+                raise GenerationError(f"{self.constraint_field()}.whitespace_flexible must be true or false, got "
+                                      f"{flexible!r}", param="constraint")
             if so:
                 given = [k for k in ("choice", "regex", "json", "grammar", "json_object") if so.get(k) not in (None, False)]
                 if len(given) != 1:
                     raise GenerationError("structured_outputs must give exactly one of choice, regex, json, grammar, "
                                           f"json_object; got {', '.join(given) or 'none'}", param="constraint")
                 kind, value = given[0], so[given[0]]
+                if flexible and kind not in ("json", "json_object"):
+                    raise GenerationError(f"structured_outputs.whitespace_flexible applies to json and json_object, "
+                                          f"not {kind}", param="constraint")
                 if kind == "choice":
                     return Constraint.choice(value)
                 if kind == "json":
-                    return Constraint.json_schema(value)
+                    return Constraint.json_schema(value, whitespace_flexible=flexible)
                 if kind == "json_object":
-                    return Constraint.json_object()
+                    return Constraint.json_object(whitespace_flexible=flexible)
                 if not isinstance(value, str):
                     raise GenerationError(f"structured_outputs.{kind} must be a string", param="constraint")
                 return Constraint.regex(value) if kind == "regex" else Constraint.grammar(value)
             if fmt is None or fmt.get("type", "text") == "text":
                 return None
             if fmt["type"] == "json_object":
-                return Constraint.json_object()
+                return Constraint.json_object(whitespace_flexible=flexible)
             if fmt["type"] == "json_schema":
                 spec = fmt.get("json_schema")
                 if not isinstance(spec, dict) or "schema" not in spec:
                     raise GenerationError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
                                           "\"schema\": {...}}}", param="constraint")
-                return Constraint.json_schema(spec["schema"])
+                return Constraint.json_schema(spec["schema"], whitespace_flexible=flexible)
             raise GenerationError(f"response_format type must be text, json_object or json_schema, got "
                                   f"{fmt['type']!r}", param="constraint")
         except GenerationError as e:

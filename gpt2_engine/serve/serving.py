@@ -5,17 +5,19 @@ response shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
 from ..interp.steering import SteeringRegistry
 from ..core.tokenizer import Tokenizer
-from ..runtime.constraints import Grammars
+from ..runtime.constraints import Grammars, grammar_failure
 from ..runtime.plan import Event
 from ..runtime.requests import GenerationSettings, Request, build_requests, encode_prompts
 from ..runtime.sampling import SamplingParams
@@ -41,9 +43,9 @@ def api_error(e: GenerationError, status: int = 400, req: SamplingFields | None 
     return APIError(status, message, param=param)
 
 
-def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config,
-                    adapter: int | None = None, grammars: Grammars | None = None,
-                    registry: SteeringRegistry | None = None) -> list[Request]:
+async def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Config,
+                          adapter: int | None = None, grammars: Grammars | None = None,
+                          registry: SteeringRegistry | None = None) -> list[Request]:
     """The request's sequences, through the engine's one request builder: n per prompt, choice j of a prompt drawing
     with seed + j (a random seed when none is given), each with the LoRA adapter its `model` named and the steering
     its "steering" field names (`registry`: the server's SAEs and vectors). Every bad value is a 400 that names its
@@ -52,13 +54,13 @@ def engine_requests(req: CompletionRequest, tokenizer: Tokenizer, config: GPT2Co
         prompts = encode_prompts(req.prompt, tokenizer)
     except GenerationError as e:
         raise api_error(e) from None
-    return sequences(req, prompts, req.new_tokens(16), req.logprobs, req.echo and req.logprobs is not None, (),
-                     tokenizer, config, adapter, grammars, registry)
+    return await sequences(req, prompts, req.new_tokens(16), req.logprobs, req.echo and req.logprobs is not None, (),
+                           tokenizer, config, adapter, grammars, registry)
 
 
-def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, config: GPT2Config,
-                  adapter: int | None = None, grammars: Grammars | None = None,
-                  registry: SteeringRegistry | None = None) -> list[Request]:
+async def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, config: GPT2Config,
+                        adapter: int | None = None, grammars: Grammars | None = None,
+                        registry: SteeringRegistry | None = None) -> list[Request]:
     """The conversation rendered by the chat template as one prompt, continued up to the context unless
     max_completion_tokens says fewer, stopping also at the template's end of turn. The rendered text is tokenized
     as transformers does a chat template's output: an <|endoftext|> in it is the special token."""
@@ -70,13 +72,15 @@ def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, tokenizer:
     ids = tokenizer.encode(prompt, allow_special=True)
     top = (req.top_logprobs or 0) if req.logprobs else None
     stops = template.stops if req.constraint() is None else ()  # a grammar decides where a structured reply ends
-    return sequences(req, [ids], req.new_tokens(config.n_positions), top, False, stops, tokenizer, config, adapter,
-                     grammars, registry)
+    return await sequences(req, [ids], req.new_tokens(config.n_positions), top, False, stops, tokenizer, config,
+                           adapter, grammars, registry)
 
 
-def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int | None,
-              prompt_logprobs: bool, more_stops: tuple[str, ...], tokenizer: Tokenizer, config: GPT2Config,
-              adapter: int | None, grammars: Grammars | None, registry: SteeringRegistry | None) -> list[Request]:
+async def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int | None,
+                    prompt_logprobs: bool, more_stops: tuple[str, ...], tokenizer: Tokenizer, config: GPT2Config,
+                    adapter: int | None, grammars: Grammars | None, registry: SteeringRegistry | None) -> list[Request]:
+    """The request's Requests. A grammar not yet cached is compiled on a worker thread (in a process of its own
+    first: runtime/constraints.py), so that neither this event loop nor the engine thread waits for it."""
     try:
         steering = (registry or SteeringRegistry()).build(req.steering, config) if req.steering else ()
         bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
@@ -86,7 +90,8 @@ def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int
                                       ignore_eos=req.ignore_eos, seed=req.seed, num_samples=req.n,
                                       top_logprobs=top_logprobs or 0, prompt_logprobs=prompt_logprobs,
                                       constraint=req.constraint(), steering=steering)
-        requests = build_requests(prompts, settings, config, tokenizer.eot_id, grammars).requests
+        build = partial(build_requests, prompts, settings, config, tokenizer.eot_id, grammars)
+        requests = (build() if settings.constraint is None else await asyncio.to_thread(build)).requests
     except GenerationError as e:
         raise api_error(e, req=req) from None
     return requests if adapter is None else [replace(r, adapter=adapter) for r in requests]
@@ -218,6 +223,8 @@ class CompletionRun:
 
     def _check_failure(self, i: int) -> None:
         reason = self.choices[i].finish_reason
+        if reason == "error" and (grammar := grammar_failure(self.errors[i])) is not None:  # the request's fault
+            raise APIError(400, grammar, param=self.req.constraint_field())
         if reason == "error":
             raise APIError(500, f"the engine failed while running this request: {self.errors[i]}", type="server_error",
                            code="engine_error")

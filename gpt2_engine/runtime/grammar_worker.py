@@ -1,0 +1,161 @@
+"""What llguidance does with a constraint, and the process that does it first: a grammar is compiled here (its first
+mask computed, and a few tokens taken on a copy) before the engine's own process touches it, so that a grammar on
+which llguidance crashes or runs away kills this process, never the server.
+
+llguidance's compiler recurses once per level of a grammar (a chain of rules, of JSON-schema $refs), about 3.4 KB of
+stack a level, and a deep enough grammar overflows the stack: a SIGSEGV that no Python code can catch. Its fuel
+bounds most of the work of a step but not all of it: a long literal costs it seconds a token. So
+runtime/constraints.py checks a grammar's text first, then sends it here and waits a bounded time; what passes is
+compiled again in the engine's process, on a larger stack than this one's.
+
+Run by constraints.CompileWorker (the standard library's runpy on this file, `python -I`): it imports only the
+standard library, tiktoken and llguidance. Frames on stdin and stdout are an 8-byte big-endian length and a payload:
+the first inbound frame is the pickled setup from the parent (its own trusted process), the rest JSON, one request and
+one answer each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+NO_TEXT = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons at the first mask: nothing can be generated
+PROBE_TOKENS = 4  # tokens a compile takes on a copy of the matcher, to find a grammar that fails on its first ones
+
+
+def definition(kind: str, spec: str, whitespace_flexible: bool = False) -> str:
+    """The constraint in llguidance's form (not yet checked); ValueError names what is wrong. JSON comes compact (no
+    whitespace outside strings) unless `whitespace_flexible`; a schema's own "x-guidance" options still apply."""
+    import llguidance
+
+    options = {"whitespace_flexible": whitespace_flexible}
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
+    if kind == "json_schema":
+        schema = json.loads(spec)
+        if schema is False:
+            raise ValueError("the schema false matches no text")
+        return llguidance.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=options)
+    if kind == "choice":  # each choice a quoted Lark string: any text, nothing of it read as grammar
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+    if kind == "regex":
+        return llguidance.grammar_from("regex", spec)
+    if kind == "grammar":
+        return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
+    raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def parser_limits(lexer_fuel: int) -> Any:
+    """llguidance's limits for every matcher: its lexer fuel lowered (1,000,000 by default; counted repetitions such as
+    `(a{1000}){1000}` spend it quadratically, for minutes), and errors without its dump of the parser's state."""
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=lexer_fuel, verbose_errors=False)
+
+
+def check(lltokenizer: Any, grammar: str, limits: Any, probe: int = 0, step_seconds: float = float("inf")
+          ) -> tuple[Any, str]:
+    """A matcher for `grammar` with its first mask computed (the step that builds most of the lexer), and "" or the
+    one-line reason it cannot generate. With `probe`, a copy then takes up to that many tokens (each the lowest id
+    allowed), each step timed against `step_seconds`: a grammar whose lexer runs out of fuel on its first characters
+    (`a{100000}`), or whose every token is slow, is refused here rather than in the middle of a generation."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0, limits=limits)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    error = matcher_error(matcher)
+    walker = matcher.deep_copy() if probe and not error else None
+    for step in range(probe if walker is not None else 0):
+        t0 = time.perf_counter()
+        allowed = int.from_bytes(walker.compute_bitmask(), "little")
+        token = (allowed & -allowed).bit_length() - 1  # the lowest allowed id: mostly single bytes, the lexer's work
+        if walker.is_error() or token < 0 or token == lltokenizer.eos_token:
+            break
+        walker.consume_token(token)
+        seconds = time.perf_counter() - t0
+        if walker.is_error():
+            return matcher, matcher_error(walker)
+        if seconds > step_seconds:
+            return matcher, (f"took {seconds:.1f} s to compute the allowed tokens at its token {step + 1}; at most "
+                             f"{step_seconds:g} s a token")
+        if walker.is_stopped():
+            break
+    return matcher, error
+
+
+def matcher_error(matcher: Any) -> str:
+    """A matcher's error as one line, "" if none: llguidance's stop reasons and limits in words."""
+    if not matcher.is_error():
+        return ""
+    error = one_line(matcher.get_error().replace("<non-verbose/>", ""))
+    if error in NO_TEXT:  # at the first mask, e.g. a JSON schema that is a $ref loop
+        return "no text matches it (a $ref loop, or conditions that no value meets)"
+    if "too many expressions constructed" in error:  # counted repetitions such as a{100000}, expanded
+        return f"{error} (over llguidance's lexer fuel: a regex too large once its repetitions are expanded)"
+    return error
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())[:300]
+
+
+# --- the worker process ---------------------------------------------------------------------------------------------
+
+def read_frame(stream: BinaryIO) -> bytes | None:
+    """One frame's payload, or None at the end of the stream."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (size,) = struct.unpack(">Q", head)
+    return stream.read(size)
+
+
+def write_frame(stream: BinaryIO, payload: bytes) -> None:
+    stream.write(struct.pack(">Q", len(payload)) + payload)
+    stream.flush()
+
+
+def main() -> None:
+    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds"} with {"grammar": llguidance's definition, "error": "" or why}."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; this process ends at its EOF
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    setup = pickle.loads(read_frame(stdin))
+    from llguidance.tiktoken import lltokenizer_from_encoding
+
+    lltokenizer = lltokenizer_from_encoding(setup["encoding"], n_vocab=setup["n_vocab"], eos_token=setup["eos"])
+    limits = parser_limits(setup["lexer_fuel"])
+    threading.stack_size(setup["stack_bytes"])  # smaller than the parent's compile thread: what passes here passes there
+    write_frame(stdout, b'{"ready": true}')
+    while (frame := read_frame(stdin)) is not None:
+        answer: dict[str, Any] = {}
+        thread = threading.Thread(target=answer_one, args=(lltokenizer, limits, json.loads(frame), answer), daemon=True)
+        thread.start()
+        while thread.is_alive():  # the parent sends nothing while it waits: stdin readable here is its end
+            thread.join(0.1)
+            if thread.is_alive() and select.select([stdin], [], [], 0)[0]:
+                os._exit(0)
+        write_frame(stdout, json.dumps(answer).encode())
+
+
+def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: dict[str, Any]) -> None:
+    """Fill `answer` for one request: llguidance's definition of the constraint and "" or why it cannot generate."""
+    try:
+        grammar = definition(request["kind"], request["spec"], request["whitespace_flexible"])
+        answer.update(grammar=grammar, error=check(lltokenizer, grammar, limits, PROBE_TOKENS,
+                                                   request["step_seconds"])[1])
+    except (ValueError, TypeError, RecursionError) as e:
+        answer.update(grammar="", error=one_line(str(e)) or type(e).__name__)
+
+
+if __name__ == "__main__":
+    main()
