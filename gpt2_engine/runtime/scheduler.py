@@ -311,7 +311,7 @@ class Scheduler:
         try:
             return self._advance(seq, row, prompt_stats)
         except Exception as e:  # noqa: BLE001 - one sequence's failure (a NaN row, a sampler bug) ends only it
-            log.exception("choosing the next token of a sequence failed")
+            logged(e, "choosing the next token of a sequence failed")
             return self._finish(seq, "error", Event(None, "", error=describe(e)))
 
     def _advance(self, seq: SequenceState, row: Prediction, prompt_stats: TokenStats | None) -> Output:
@@ -354,7 +354,7 @@ class Scheduler:
                     break
                 accepted += 1
         except Exception as e:  # noqa: BLE001 - as _advance_or_fail: one sequence's failure ends only it
-            log.exception("verifying the drafts of a sequence failed")
+            logged(e, "verifying the drafts of a sequence failed")
             out.append(self._finish(seq, "error", Event(None, "", error=describe(e))))
         seq.position = seg.start + 1 + accepted
         seq.drafted += len(draft.tokens)
@@ -405,6 +405,15 @@ class Scheduler:
         event.text = seq.detok.ready()
         seq.next_token = token
         return seq.ref, event
+
+
+def logged(error: Exception, what: str) -> None:
+    """Log a sequence's failure: the request's own fault (a GenerationError: its grammar over a limit, say) as one
+    line, anything else (a bug, a NaN row) with its traceback."""
+    if isinstance(error, GenerationError):
+        log.warning("%s: %s", what, describe(error))
+    else:
+        log.error(what, exc_info=error)
 
 
 def describe(error: BaseException) -> str:
