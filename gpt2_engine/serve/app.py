@@ -133,165 +133,217 @@ class Gate:
 
 
 def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | None = None) -> Gate:
-    """The FastAPI app over `state`. With `load`, the model loads in a thread at startup (/health is 503 until then)."""
-    settings = state.settings
+    """The FastAPI app over `state` (the routes below reach it as request.app.state.server). With `load`, the model
+    loads in a thread at startup (/health is 503 until then)."""
 
     async def lifespan(app: FastAPI):
         if load is not None:
-            def run() -> None:
-                try:
-                    state.model, state.engine = load()
-                except Exception as e:  # noqa: BLE001 - reported by /health and every route
-                    state.load_error = " ".join(str(e).split())[:300]
-
-            threading.Thread(target=run, name="gpt2-load", daemon=True).start()
+            threading.Thread(target=load_into, args=(state, load), name="gpt2-load", daemon=True).start()
         yield
         if state.engine is not None:
             state.engine.stop()
 
     app = FastAPI(title="gpt2-engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    settings = state.settings
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return error_response(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0]
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if isinstance(first.get("ctx", {}).get("error"), APIError):  # raised inside a model validator
-            return error_response(first["ctx"]["error"])
-        param = loc[0] if loc else None
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        if first.get("type") == "json_invalid":
-            message, param = "the body is not valid JSON", None
-        where = ".".join(loc)
-        return error_response(APIError(400, f"{where}: {message}" if where else message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
-        message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
-        return error_response(APIError(err.status_code, message, type=kind))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, err: Exception) -> JSONResponse:
-        return error_response(APIError(500, f"internal error: {type(err).__name__}", type="server_error"))
-
-    def ignoring(route: str, fields: list[str]) -> None:
-        if fields:
-            log.warning("%s: ignoring unknown field(s) %s", route, ", ".join(repr(f) for f in fields))
-
-    def ready() -> tuple[Any, AsyncEngine]:
-        if state.load_error:
-            raise APIError(503, f"the model failed to load: {state.load_error}", type="service_unavailable",
-                           code="load_failed")
-        if state.engine is None:
-            raise APIError(503, "the model is loading; retry shortly", type="service_unavailable", code="loading",
-                           headers={"Retry-After": "1"})
-        if state.engine.failure is not None:
-            raise APIError(503, state.engine.failure, type="service_unavailable", code="engine_failed")
-        return state.model, state.engine
-
-    names = [settings.model_name] + [name for name, _ in settings.adapters]
-
-    def check_model(name: str | None) -> int | None:
-        """The weights' adapter a request names: None for the base where no adapters are served, else -1 for the base
-        and i for the i-th adapter (as the runner's rows take them); 404 for a name this server does not serve."""
-        if name is not None and name not in names:
-            served = ", ".join(repr(n) for n in names)
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
-        if not settings.adapters:
-            return None
-        return -1 if name in (None, settings.model_name) else names.index(name) - 1
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ready()
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        base = {"id": settings.model_name, "object": "model", "created": int(state.started), "owned_by": "gpt2-engine"}
-        # adapters as vLLM lists its LoRA modules: their own id, the base as parent, the directory as root
-        return {"object": "list", "data": [base] + [{**base, "id": name, "root": str(path), "parent": settings.model_name}
-                                                    for name, path in settings.adapters]}
-
-    @app.get("/v1/steering")
-    async def steering() -> dict:
-        """The SAEs and vectors requests may steer with (their "steering" field names them)."""
-        return {"object": "steering", **settings.steering.describe()}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        if state.engine is None:
-            ready()
-        return Response(state.engine.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
-        """What lm-eval's remote tokenizer (and vLLM's endpoint of this name) reports: GPT-2's special tokens as
-        Hugging Face's GPT2Tokenizer names them (<|endoftext|> is its bos, eos and unk; it has no pad)."""
-        model, _ = ready()
-        eot = model.tokenizer.decode([model.tokenizer.eot_id])
-        return {"tokenizer_class": "GPT2Tokenizer", "eos_token": eot, "bos_token": eot, "unk_token": eot,
-                "pad_token": None, "model_max_length": model.config.n_positions,
-                "vocab_size": model.tokenizer.n_vocab}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        """Token ids of a text; `<|endoftext|>` in it is the special token, as a Hugging Face tokenizer reads it (so
-        lm-eval's remote tokenizer finds the eos id). GPT-2 adds no special tokens, so add_special_tokens changes
-        nothing."""
-        ignoring("/tokenize", sorted(body.model_extra or {}))
-        check_model(body.model)
-        model, _ = ready()
-        tokens = model.tokenizer.encode(body.prompt, allow_special=True)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": model.config.n_positions}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        ignoring("/detokenize", sorted(body.model_extra or {}))
-        check_model(body.model)
-        model, _ = ready()
-        if any(not 0 <= t < model.tokenizer.n_vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {model.tokenizer.n_vocab})", param="tokens")
-        return {"prompt": model.tokenizer.decode(body.tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        ignoring("/v1/completions", body.ignored())
-        adapter = check_model(body.model)
-        model, engine = ready()
-        run = CompletionRun(engine, model.tokenizer, body, body.model or settings.model_name,
-                            await engine_requests(body, model.tokenizer, model.config, adapter, model.grammars,
-                                                  settings.steering))
-        return await respond(run, body.stream, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        ignoring("/v1/chat/completions", body.ignored())
-        adapter = check_model(body.model)
-        model, engine = ready()
-        run = ChatRun(engine, model.tokenizer, body, body.model or settings.model_name,
-                      await chat_requests(body, settings.chat_template, model.tokenizer, model.config, adapter,
-                                          model.grammars, settings.steering))
-        return await respond(run, body.stream, request)
-
-    @app.get("/", response_class=HTMLResponse)
-    async def playground() -> HTMLResponse:
-        page = resources.files("gpt2_engine.serve") / "playground.html"
-        return HTMLResponse(page.read_text(encoding="utf-8") if page.is_file() else "<!doctype html><title>gpt2-engine</title>")
-
-    @app.get("/favicon.ico")
-    async def favicon() -> Response:
-        return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
-
+    for kind, handler in ERROR_HANDLERS:
+        app.add_exception_handler(kind, handler)
+    for method, path, handler, response_class in ROUTES:
+        app.add_api_route(path, handler, methods=[method], response_class=response_class)
     return Gate(app, settings.api_key, settings.max_body_bytes, settings.replica)
+
+
+def load_into(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]]) -> None:
+    """The model and its engine loaded into `state`, or why not (which /health and every route then report)."""
+    try:
+        state.model, state.engine = load()
+    except Exception as e:  # noqa: BLE001 - reported by /health and every route
+        state.load_error = " ".join(str(e).split())[:300]
+
+
+# --- errors, in OpenAI's shape ---------------------------------------------------------------------------------------
+
+
+async def api_error(_: Request, err: APIError) -> JSONResponse:
+    return error_response(err)
+
+
+async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+    """A request model's validation error as a 400 naming the field (or the APIError a validator raised)."""
+    first = err.errors()[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if isinstance(first.get("ctx", {}).get("error"), APIError):  # raised inside a model validator
+        return error_response(first["ctx"]["error"])
+    param = loc[0] if loc else None
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        message, param = "the body is not valid JSON", None
+    where = ".".join(loc)
+    return error_response(APIError(400, f"{where}: {message}" if where else message, param=param))
+
+
+async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
+    message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
+    return error_response(APIError(err.status_code, message, type=kind))
+
+
+async def internal_error(_: Request, err: Exception) -> JSONResponse:
+    return error_response(APIError(500, f"internal error: {type(err).__name__}", type="server_error"))
+
+
+ERROR_HANDLERS = ((APIError, api_error), (RequestValidationError, invalid), (StarletteHTTPException, http_error),
+                  (Exception, internal_error))
+
+
+# --- what every route checks ---------------------------------------------------------------------------------------
+
+
+def server_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def ignoring(route: str, fields: list[str]) -> None:
+    if fields:
+        log.warning("%s: ignoring unknown field(s) %s", route, ", ".join(repr(f) for f in fields))
+
+
+def ready(state: ServerState) -> tuple[Any, AsyncEngine]:
+    """The model and its engine; a 503 while loading, after a failed load, or after the engine failed."""
+    if state.load_error:
+        raise APIError(503, f"the model failed to load: {state.load_error}", type="service_unavailable",
+                       code="load_failed")
+    if state.engine is None:
+        raise APIError(503, "the model is loading; retry shortly", type="service_unavailable", code="loading",
+                       headers={"Retry-After": "1"})
+    if state.engine.failure is not None:
+        raise APIError(503, state.engine.failure, type="service_unavailable", code="engine_failed")
+    return state.model, state.engine
+
+
+def check_model(settings: ServerSettings, name: str | None) -> int | None:
+    """The weights' adapter a request names: None for the base where no adapters are served, else -1 for the base
+    and i for the i-th adapter (as the runner's rows take them); 404 for a name this server does not serve."""
+    names = [settings.model_name] + [name for name, _ in settings.adapters]
+    if name is not None and name not in names:
+        served = ", ".join(repr(n) for n in names)
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+    if not settings.adapters:
+        return None
+    return -1 if name in (None, settings.model_name) else names.index(name) - 1
+
+
+# --- the routes ------------------------------------------------------------------------------------------------------
+
+
+async def health(request: Request) -> JSONResponse:
+    ready(server_of(request))
+    return JSONResponse({"status": "ok"})
+
+
+async def models(request: Request) -> dict:
+    state = server_of(request)
+    settings = state.settings
+    base = {"id": settings.model_name, "object": "model", "created": int(state.started), "owned_by": "gpt2-engine"}
+    # adapters as vLLM lists its LoRA modules: their own id, the base as parent, the directory as root
+    return {"object": "list", "data": [base] + [{**base, "id": name, "root": str(path), "parent": settings.model_name}
+                                                for name, path in settings.adapters]}
+
+
+async def steering(request: Request) -> dict:
+    """The SAEs and vectors requests may steer with (their "steering" field names them)."""
+    return {"object": "steering", **server_of(request).settings.steering.describe()}
+
+
+async def metrics(request: Request) -> Response:
+    state = server_of(request)
+    if state.engine is None:
+        ready(state)
+    return Response(state.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def tokenizer_info(request: Request) -> dict:
+    """What lm-eval's remote tokenizer (and vLLM's endpoint of this name) reports: GPT-2's special tokens as Hugging
+    Face's GPT2Tokenizer names them (<|endoftext|> is its bos, eos and unk; it has no pad)."""
+    model, _ = ready(server_of(request))
+    eot = model.tokenizer.decode([model.tokenizer.eot_id])
+    return {"tokenizer_class": "GPT2Tokenizer", "eos_token": eot, "bos_token": eot, "unk_token": eot,
+            "pad_token": None, "model_max_length": model.config.n_positions, "vocab_size": model.tokenizer.n_vocab}
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """Token ids of a text; `<|endoftext|>` in it is the special token, as a Hugging Face tokenizer reads it (so
+    lm-eval's remote tokenizer finds the eos id). GPT-2 adds no special tokens, so add_special_tokens changes
+    nothing."""
+    state = server_of(request)
+    ignoring("/tokenize", sorted(body.model_extra or {}))
+    check_model(state.settings, body.model)
+    model, _ = ready(state)
+    tokens = model.tokenizer.encode(body.prompt, allow_special=True)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": model.config.n_positions}
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    state = server_of(request)
+    ignoring("/detokenize", sorted(body.model_extra or {}))
+    check_model(state.settings, body.model)
+    model, _ = ready(state)
+    if any(not 0 <= t < model.tokenizer.n_vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {model.tokenizer.n_vocab})", param="tokens")
+    return {"prompt": model.tokenizer.decode(body.tokens)}
+
+
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    state = server_of(request)
+    settings = state.settings
+    ignoring("/v1/completions", body.ignored())
+    adapter = check_model(settings, body.model)
+    model, engine = ready(state)
+    run = CompletionRun(engine, model.tokenizer, body, body.model or settings.model_name,
+                        await engine_requests(body, model.tokenizer, model.config, adapter, model.grammars,
+                                              settings.steering))
+    return await respond(run, body.stream, request)
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    state = server_of(request)
+    settings = state.settings
+    ignoring("/v1/chat/completions", body.ignored())
+    adapter = check_model(settings, body.model)
+    model, engine = ready(state)
+    run = ChatRun(engine, model.tokenizer, body, body.model or settings.model_name,
+                  await chat_requests(body, settings.chat_template, model.tokenizer, model.config, adapter,
+                                      model.grammars, settings.steering))
+    return await respond(run, body.stream, request)
+
+
+async def playground() -> HTMLResponse:
+    page = resources.files("gpt2_engine.serve") / "playground.html"
+    return HTMLResponse(page.read_text(encoding="utf-8") if page.is_file() else "<!doctype html><title>gpt2-engine</title>")
+
+
+async def favicon() -> Response:
+    return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
+
+
+# (method, path, handler, response class): the whole API
+ROUTES = (
+    ("GET", "/health", health, JSONResponse),
+    ("GET", "/v1/models", models, JSONResponse),
+    ("GET", "/v1/steering", steering, JSONResponse),
+    ("GET", "/metrics", metrics, Response),
+    ("GET", "/tokenizer_info", tokenizer_info, JSONResponse),
+    ("POST", "/tokenize", tokenize, JSONResponse),
+    ("POST", "/detokenize", detokenize, JSONResponse),
+    ("POST", "/v1/completions", completions, JSONResponse),
+    ("POST", "/v1/chat/completions", chat_completions, JSONResponse),
+    ("GET", "/", playground, HTMLResponse),
+    ("GET", "/favicon.ico", favicon, Response),
+)
 
 
 async def respond(run: CompletionRun, stream: bool, request: Request) -> Any:

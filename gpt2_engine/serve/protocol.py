@@ -11,6 +11,7 @@ structured outputs write it, unless the same object carries this server's extens
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -126,36 +127,7 @@ class SamplingFields(BaseModel):
             if not isinstance(flexible, bool):
                 raise GenerationError(f"{self.constraint_field()}.whitespace_flexible must be true or false, got "
                                       f"{flexible!r}", param="constraint")
-            if so:
-                given = [k for k in ("choice", "regex", "json", "grammar", "json_object") if so.get(k) not in (None, False)]
-                if len(given) != 1:
-                    raise GenerationError("structured_outputs must give exactly one of choice, regex, json, grammar, "
-                                          f"json_object; got {', '.join(given) or 'none'}", param="constraint")
-                kind, value = given[0], so[given[0]]
-                if flexible and kind not in ("json", "json_object"):
-                    raise GenerationError(f"structured_outputs.whitespace_flexible applies to json and json_object, "
-                                          f"not {kind}", param="constraint")
-                if kind == "choice":
-                    return Constraint.choice(value)
-                if kind == "json":
-                    return Constraint.json_schema(value, whitespace_flexible=flexible)
-                if kind == "json_object":
-                    return Constraint.json_object(whitespace_flexible=flexible)
-                if not isinstance(value, str):
-                    raise GenerationError(f"structured_outputs.{kind} must be a string", param="constraint")
-                return Constraint.regex(value) if kind == "regex" else Constraint.grammar(value)
-            if fmt is None or fmt.get("type", "text") == "text":
-                return None
-            if fmt["type"] == "json_object":
-                return Constraint.json_object(whitespace_flexible=flexible)
-            if fmt["type"] == "json_schema":
-                spec = fmt.get("json_schema")
-                if not isinstance(spec, dict) or "schema" not in spec:
-                    raise GenerationError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
-                                          "\"schema\": {...}}}", param="constraint")
-                return Constraint.json_schema(spec["schema"], whitespace_flexible=flexible)
-            raise GenerationError(f"response_format type must be text, json_object or json_schema, got "
-                                  f"{fmt['type']!r}", param="constraint")
+            return structured_outputs(so, flexible) if so else response_format(fmt, flexible)
         except GenerationError as e:
             raise APIError(400, str(e), param=self.constraint_field()) from None
 
@@ -353,3 +325,48 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# structured_outputs' kinds (vLLM's) and the Constraint each makes of its value and the whitespace option
+STRUCTURED_OUTPUTS: dict[str, Callable[[Any, bool], Constraint]] = {
+    "choice": lambda value, _: Constraint.choice(value),
+    "regex": lambda value, _: Constraint.regex(string_field("regex", value)),
+    "json": lambda value, flexible: Constraint.json_schema(value, whitespace_flexible=flexible),
+    "grammar": lambda value, _: Constraint.grammar(string_field("grammar", value)),
+    "json_object": lambda _, flexible: Constraint.json_object(whitespace_flexible=flexible),
+}
+
+
+def string_field(kind: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise GenerationError(f"structured_outputs.{kind} must be a string", param="constraint")
+    return value
+
+
+def structured_outputs(so: dict[str, Any], flexible: bool) -> Constraint:
+    """vLLM's structured_outputs: exactly one of choice, regex, json, grammar, json_object."""
+    given = [k for k in STRUCTURED_OUTPUTS if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise GenerationError("structured_outputs must give exactly one of choice, regex, json, grammar, "
+                              f"json_object; got {', '.join(given) or 'none'}", param="constraint")
+    kind = given[0]
+    if flexible and kind not in ("json", "json_object"):
+        raise GenerationError(f"structured_outputs.whitespace_flexible applies to json and json_object, not {kind}",
+                              param="constraint")
+    return STRUCTURED_OUTPUTS[kind](so[kind], flexible)
+
+
+def response_format(fmt: dict[str, Any] | None, flexible: bool) -> Constraint | None:
+    """OpenAI's response_format: text (None), json_object or json_schema."""
+    if fmt is None or fmt.get("type", "text") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return Constraint.json_object(whitespace_flexible=flexible)
+    if fmt["type"] == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise GenerationError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                  "\"schema\": {...}}}", param="constraint")
+        return Constraint.json_schema(spec["schema"], whitespace_flexible=flexible)
+    raise GenerationError(f"response_format type must be text, json_object or json_schema, got {fmt['type']!r}",
+                          param="constraint")

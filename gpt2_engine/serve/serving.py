@@ -174,23 +174,7 @@ class CompletionRun:
         if e.finish_reason == "error":
             self.errors[i] = e.error or "unknown error"
         if c.finish_reason is None and not c.echoed and self.echo and not failed:
-            c.echoed = True
-            before = self._mark(c)
-            text = self.tok.decode(c.prompt)  # the prompt comes first, once
-            if c.logprobs is not None:
-                stats = e.prompt_stats
-                self._add_logprob(c, c.prompt[0], None, None, None)
-                logprobs = stats.logprob.tolist()  # whole tensors to lists once: a prompt may have 1,024 rows
-                tops = ranks = [None] * len(logprobs)
-                if stats.top_ids is not None:
-                    tops = [list(zip(i, v)) for i, v in zip(stats.top_ids.tolist(), stats.top_logprobs.tolist())]
-                    ranks = stats.rank.tolist()
-                for t, lp, top, rank in zip(c.prompt[1:], logprobs, tops, ranks):
-                    self._add_logprob(c, t, lp, top, rank)
-            else:
-                c.offset += len(text)
-            c.text += text
-            pieces.append((text, before, self._mark(c)))
+            pieces.append(self._echo(c, e))
         before = self._mark(c)
         if e.token is not None:
             if e.token != self.tok.eot_id:
@@ -201,12 +185,30 @@ class CompletionRun:
                 self._add_logprob(c, e.token, e.logprob, e.top, e.rank, in_text=e.token != self.tok.eot_id)
         c.text += e.text
         pieces.append((e.text, before, self._mark(c)))
-        if e.finish_reason is not None:
-            if failed:
-                c.finish_reason = e.finish_reason
-            else:
-                c.finish_reason = "length" if e.finish_reason == "length" else "stop"  # eos and stop strings: "stop"
+        if e.finish_reason is not None:  # eos and stop strings are both "stop"
+            c.finish_reason = e.finish_reason if failed or e.finish_reason == "length" else "stop"
         return pieces
+
+    def _echo(self, c: ChoiceState, e: Event) -> tuple[str, int, int]:
+        """The prompt, once, before the first new token: its text, and with logprobs each token's entry (the first
+        has none: nothing predicts it)."""
+        c.echoed = True
+        before = self._mark(c)
+        text = self.tok.decode(c.prompt)
+        if c.logprobs is not None:
+            stats = e.prompt_stats
+            self._add_logprob(c, c.prompt[0], None, None, None)
+            logprobs = stats.logprob.tolist()  # whole tensors to lists once: a prompt may have 1,024 rows
+            tops = ranks = [None] * len(logprobs)
+            if stats.top_ids is not None:
+                tops = [list(zip(i, v)) for i, v in zip(stats.top_ids.tolist(), stats.top_logprobs.tolist())]
+                ranks = stats.rank.tolist()
+            for t, lp, top, rank in zip(c.prompt[1:], logprobs, tops, ranks):
+                self._add_logprob(c, t, lp, top, rank)
+        else:
+            c.offset += len(text)
+        c.text += text
+        return text, before, self._mark(c)
 
     @staticmethod
     def _mark(c: ChoiceState) -> int:
