@@ -339,6 +339,9 @@ class Scheduler:
         draft, seq.draft = seq.draft, None
         out, accepted = [], 0
         seq.started = True
+        # counted before any token is emitted: the token that finishes the sequence takes its summary
+        seq.drafted += len(draft.tokens)
+        seq.verified += 1
         try:
             for i, row in enumerate(rows):
                 if row.raw is None:  # greedy: a draft is accepted iff it is the argmax
@@ -349,17 +352,16 @@ class Scheduler:
                                    seq.generator)
                 else:
                     token = choose(self._processed(seq, row.raw), seq.request.sampling, seq.generator)
+                if i < len(draft.tokens) and token == draft.tokens[i]:
+                    accepted += 1
+                    seq.accepted += 1
                 out.append(self._emit(seq, token, row, None))
-                if seq.finished or i == len(draft.tokens) or token != draft.tokens[i]:
+                if seq.finished or i == accepted:  # finished, or this token was the target's own
                     break
-                accepted += 1
         except Exception as e:  # noqa: BLE001 - as _advance_or_fail: one sequence's failure ends only it
             logged(e, "verifying the drafts of a sequence failed")
             out.append(self._finish(seq, "error", Event(None, "", error=describe(e))))
         seq.position = seg.start + 1 + accepted
-        seq.drafted += len(draft.tokens)
-        seq.accepted += accepted
-        seq.verified += 1
         if not self.speculation.draft_tokens:
             seq.k = next_k(seq.k, len(draft.tokens), accepted, self.speculation.limit())
             if seq.k == 0:
