@@ -31,10 +31,9 @@ $(STAMP): pyproject.toml $(KERNELS)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $@
 
-# ruff's lint and format checks, with the project's configuration (pyproject.toml's [tool.ruff]).
+# ruff's lint checks, with the project's configuration (pyproject.toml's [tool.ruff]).
 lint: install
 	$(VENV)/bin/ruff check gpt2_engine tests scripts setup.py
-	$(VENV)/bin/ruff format --check gpt2_engine tests scripts setup.py
 
 # The whole suite, as CI runs it. The test checkpoints are built first, outside pytest, so that their progress shows.
 test: install fixtures

@@ -80,7 +80,7 @@ def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="quantize the projections at load time to blockwise int8 or int4 (the head to int8, or "
                         "6 bits with int4): "
-                        "faster decoding, a little less accurate (see README)")
+                        "faster decoding, a little less accurate (see docs/benchmarks.md)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     add_device_options(p)
     if lora:

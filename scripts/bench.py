@@ -107,7 +107,7 @@ def steering_rows(model, prompt: list[int], new_tokens: int, repeats: int) -> li
              f"blocks.{mid}.hook_mlp_out": (Steering(f"blocks.{mid}.hook_mlp_out", vector, 4.0),)}
     ids = torch.tensor([prompt])
     rates: dict[str, list[float]] = {name: [] for name in edits}
-    for name, steering in edits.items():  # warm
+    for steering in edits.values():  # warm
         engine_generate(model, ids, 8, steering)
     for _ in range(repeats):
         for name, steering in edits.items():
@@ -288,8 +288,8 @@ def dtype_rows(engine, hf, dtype: str, device: str, repeats: int, new_tokens: in
 
     for batch in batches:
         ids = torch.tensor([prompt] * batch)
-        eng, ref = measure_row({dtype: lambda: ours(ids, new_tokens) - ours(ids, 1)},
-                               lambda: theirs(ids, new_tokens) - theirs(ids, 1), repeats)
+        eng, ref = measure_row({dtype: lambda ids=ids: ours(ids, new_tokens) - ours(ids, 1)},
+                               lambda ids=ids: theirs(ids, new_tokens) - theirs(ids, 1), repeats)
         add(f"decode batch {batch}, {new_tokens} new (tok/s)", batch, batch * (new_tokens - 1), eng[dtype], ref)
     ids = torch.randint(0, engine.config.vocab_size, (1, prefill), generator=torch.Generator().manual_seed(0))
     eng, ref = measure_row({dtype: lambda: ours(ids, 1)}, lambda: theirs(ids, 1), repeats)
@@ -361,8 +361,8 @@ def prefill_rows(rows: Rows, engines: dict, hf, lengths: list[int], repeats: int
     g = torch.Generator().manual_seed(0)
     for T in lengths:
         ids = torch.randint(0, 50257, (1, T), generator=g)
-        runs = {v: (lambda m=m: engine_generate(m, ids, 1)) for v, m in engines.items()}
-        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, 1), repeats)
+        runs = {v: (lambda m=m, ids=ids: engine_generate(m, ids, 1)) for v, m in engines.items()}
+        eng, ref = measure_row(runs, lambda ids=ids: reference_generate(hf, ids, 1), repeats)
         rows.add(f"prefill {T} tokens (tok/s)", "higher", T / ref, {v: T / t for v, t in eng.items()})
 
 
@@ -370,8 +370,10 @@ def decode_rows(rows: Rows, engines: dict, hf, prompt: list[int], n: int, repeat
     """Decode tokens/s at batch 1 and 8: (n - 1) new tokens over t(n) - t(1), prefill subtracted."""
     for batch in (1, 8):
         ids = torch.tensor([prompt] * batch)
-        runs = {v: (lambda m=m: engine_generate(m, ids, n) - engine_generate(m, ids, 1)) for v, m in engines.items()}
-        eng, ref = measure_row(runs, lambda: reference_generate(hf, ids, n) - reference_generate(hf, ids, 1), repeats)
+        runs = {v: (lambda m=m, ids=ids: engine_generate(m, ids, n) - engine_generate(m, ids, 1))
+                for v, m in engines.items()}
+        eng, ref = measure_row(runs, lambda ids=ids: reference_generate(hf, ids, n) - reference_generate(hf, ids, 1),
+                               repeats)
         tokens = batch * (n - 1)
         rows.add(f"decode batch {batch}, {n} new (tok/s)", "higher", tokens / ref, {v: tokens / t for v, t in eng.items()})
 

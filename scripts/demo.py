@@ -27,8 +27,8 @@ SCRIPTS = Path(__file__).absolute().parent
 ROOT = SCRIPTS.parent  # the checkout, as the package finds it (formats/hf.py's demo_caches)
 sys.path.insert(0, str(ROOT))  # the package, also where it is not installed
 
-from gpt2_engine.formats.files import atomic_write
-from gpt2_engine.formats.hf import DEMO_CACHE, DEMO_LATEST, DEMO_NAME
+from gpt2_engine.formats.files import atomic_write  # noqa: E402 - after the path above
+from gpt2_engine.formats.hf import DEMO_CACHE, DEMO_LATEST, DEMO_NAME  # noqa: E402
 
 CONFIG = {"n_layer": 4, "n_head": 4, "n_embd": 256, "n_positions": 256, "vocab_size": 50257, "model_type": "gpt2"}
 TRAIN = ["--steps", "300", "--context", "128", "--batch-size", "8", "--lr", "2e-3", "--warmup", "20",
@@ -107,7 +107,7 @@ def main() -> int:
             return 0
         except GPT2EngineError as e:
             print(f"demo: the official weights could not be downloaded ({e}); using the demo model instead "
-                  "(make demo; README: the demo model)", file=sys.stderr)
+                  "(make demo; docs/training.md: the demo model)", file=sys.stderr)
     try:
         print(ensure_demo())
     except subprocess.CalledProcessError as e:

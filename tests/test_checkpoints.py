@@ -255,7 +255,7 @@ def test_gguf_files_carry_llamacpps_names_and_tokenizer_and_read_back(trained_di
         path = tmp_path / f"m-{qtype}.gguf"
         assert cli("convert", str(trained_dir), str(path), "--to", "gguf", "--type", qtype)[0] == 0
         reader = gguf.GGUFReader(str(path))
-        field = lambda key: reader.get_field(key).contents()  # noqa: E731
+        field = lambda key, reader=reader: reader.get_field(key).contents()  # noqa: E731
         assert field("general.architecture") == "gpt2"
         assert (field("gpt2.context_length"), field("gpt2.embedding_length"), field("gpt2.block_count"),
                 field("gpt2.attention.head_count"), field("gpt2.feed_forward_length")) == (

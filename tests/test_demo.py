@@ -62,7 +62,7 @@ def project(trained_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     assert proc.stdout.strip() == str((root / ".cache" / "demo" / f"model-{demo.demo_key()}").resolve())
     line, = proc.stderr.strip().splitlines()
     assert line.startswith("demo: the official weights could not be downloaded (cannot reach http://127.0.0.1:")
-    assert line.endswith("using the demo model instead (make demo; README: the demo model)")
+    assert line.endswith("using the demo model instead (make demo; docs/training.md: the demo model)")
     assert not (root / "weights").exists()  # the failed download leaves no empty folder behind
     assert os.readlink(root / ".cache" / "demo" / "latest") == f"model-{demo.demo_key()}"
     return root

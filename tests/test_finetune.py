@@ -374,7 +374,7 @@ def test_a_folder_of_text_trains_from_scratch_with_init(tmp_path: Path) -> None:
 def test_too_little_validation_text_is_warned_about(trained_dir: Path, tmp_path: Path) -> None:
     done = finetune(*small_run(trained_dir, corpus(tmp_path), tmp_path / "out", "--steps", "1"))
     assert done.returncode == 0, done.stderr
-    [line] = [l for l in done.stderr.splitlines() if "warning" in l]
+    [line] = [s for s in done.stderr.splitlines() if "warning" in s]
     assert line.startswith("gpt2 finetune: warning: only ") and "validation tokens: the best checkpoint would be " \
         "chosen on noise; give --val FILE or a larger --val-fraction (at least 1,000 tokens)" in line
     model = GPT2.from_pretrained(trained_dir)

@@ -190,7 +190,7 @@ def test_score_json_has_exactly_the_stated_shape(capsys, trained_dir: Path, trai
 
 
 def test_score_table_stdin_and_per_token(capsys, monkeypatch, trained_dir: Path, trained_model: GPT2, tmp_path: Path) -> None:
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Return the value.".encode())))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Return the value.")))
     out_file = tmp_path / "tok.jsonl"
     code, out, _ = run(capsys, "score", "-", "--weights", str(trained_dir), "--per-token", str(out_file))
     assert code == 0
@@ -198,7 +198,7 @@ def test_score_table_stdin_and_per_token(capsys, monkeypatch, trained_dir: Path,
     assert lines[0].split() == ["document", "tokens", "bytes", "nll", "ppl", "bpb"]
     assert lines[2].split()[:3] == ["-", "4", "17"] and lines[4].split()[:3] == ["total", "4", "17"]
     assert "tokens scored" in lines[5] and "tokens/s" in lines[5]
-    records = [json.loads(l) for l in out_file.read_text().splitlines()]
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
     ids = trained_model.tokenizer.encode("Return the value.")
     assert [r["token_id"] for r in records] == ids and [r["index"] for r in records] == [0, 1, 2, 3]
     assert [r["token"] for r in records] == ["Return", " the", " value", "."]

@@ -110,7 +110,7 @@ def test_logprobs_of_generated_tokens(client) -> None:
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert "".join(lp.tokens) == out.choices[0].text and len(lp.token_logprobs) == 6
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         # greedy: the chosen token is the most likely one, unless the most likely is the end-of-text ignore_eos bans
         assert max(top.values()) == pytest.approx(logprob) or max(top, key=top.get) == "<|endoftext|>"
         assert max(top.values()) >= logprob - 1e-6
@@ -201,7 +201,7 @@ def test_a_client_that_goes_away_frees_its_slot(server: str) -> None:
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", f"{server}/v1/completions", json=body) as r:
             lines = r.iter_lines()
-            assert next(l for l in lines if l.startswith("data:"))
+            assert next(line for line in lines if line.startswith("data:"))
             assert metrics(server)["gpt2_requests_running"] == 1
         deadline = time.monotonic() + 10
         while metrics(server)["gpt2_requests_running"] != 0:  # freed within one engine step of the disconnect

@@ -173,7 +173,7 @@ def collect_prompts(args: argparse.Namespace) -> dict[str, str]:
         prompts[f"prompt{i + 1}"] = text
     if args.prompts_file is not None:
         lines = read_text(args.prompts_file, sys.stdin.buffer, "--prompts-file").splitlines()
-        for i, line in enumerate(l for l in lines if l.strip()):
+        for i, line in enumerate(text for text in lines if text.strip()):
             prompts[f"{args.prompts_file.name}:{i + 1}"] = line
         if not prompts:
             raise GPT2EngineError(f"{args.prompts_file}: no prompts (expected one prompt per non-empty line)")

@@ -15,7 +15,7 @@ from ..options import (ModelOptions, UsageError, add_model_options, add_steer_op
                        positive_int, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
 
-HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (README)"
+HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (docs/evaluation.md)"
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:

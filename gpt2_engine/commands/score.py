@@ -47,7 +47,7 @@ def per_token_records(s: Score, tokenizer: Any) -> Iterator[dict[str, Any]]:
             ids, st.logprob.tolist(), st.rank.tolist(), st.entropy.tolist(), st.top_ids.tolist(), st.top_logprobs.tolist())):
         yield {"document": s.name, "index": s.first_scored + j, "token_id": tok, "token": text(tok), "logprob": lp,
                "rank": rank + 1, "entropy": ent,  # 1 = the most likely token, as gpt2 inspect and the server count
-               "top": [{"token_id": t, "token": text(t), "logprob": l} for t, l in zip(top_ids, top_lps)]}
+               "top": [{"token_id": t, "token": text(t), "logprob": lp_t} for t, lp_t in zip(top_ids, top_lps)]}
 
 
 def print_table(scores: list[Score], total: Score, documents: int, seconds: float, out: IO[str]) -> None:

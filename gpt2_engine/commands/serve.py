@@ -260,7 +260,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="the Jinja chat template of /v1/chat/completions, in transformers' form (the template's text, "
                         "or a tokenizer_config.json holding one); default: a plain User:/Assistant: transcript for "
-                        "a base model (README: chat)")
+                        "a base model (docs/serving.md: chat)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     ray = p.add_argument_group("scaling out on Ray (pip install 'gpt2-engine[distributed]')")

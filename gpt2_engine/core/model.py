@@ -320,7 +320,7 @@ def residual_stream(w: GPT2Weights, config: GPT2Config, ids: torch.Tensor, *, po
     for i, blk in enumerate(w.blocks):
         at = BlockCall(start, mask, causal, None if cache is None else (cache.k[i], cache.v[i]),
                    None if tap is None else ScopedTap(tap, f"blocks.{i}."), rows)
-        x = block(x, blk, config, lambda h: causal_self_attention(h, blk, config.n_head, at), at)
+        x = block(x, blk, config, lambda h, blk=blk, at=at: causal_self_attention(h, blk, config.n_head, at), at)
         if hidden_states is not None:
             hidden_states.append(x)  # [B, T, C]
     return x

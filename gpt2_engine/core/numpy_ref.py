@@ -1,5 +1,5 @@
 """A NumPy reference of GPT-2's forward pass, for reading and cross-checking the PyTorch engine. The first file of the
-reading path (README: "Reading the engine"): the whole model in one screen.
+reading path (README: "Reading it"): the whole model in one screen.
 
 Every formula is written out (layer norm, tanh GELU, softmax); there is no KV cache and no batching trick.
 Same notation as model.py: T tokens, C channels, nh heads, hs head size, V vocabulary; one sequence at a time.

@@ -115,8 +115,7 @@ def documents(tokens: np.ndarray, eot: int) -> Iterator[tuple[int, int]]:
     if not starts.size or starts[0] != 0:
         starts = np.concatenate([[0], starts])
     ends = np.append(starts[1:], tokens.size)
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        yield s, e
+    yield from zip(starts.tolist(), ends.tolist())
 
 
 class TokenStream:

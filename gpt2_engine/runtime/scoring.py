@@ -139,43 +139,11 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
         prefix = PrefixCache(config, settings.prefix_cache_mb)
         view = KVCache.allocate(config, 1, settings.context, device=w.wpe.device)  # [n_layer, 1, nh, context, hs]
 
-    def run_cached(jobs: list[tuple[_Pending, int]]) -> None:
-        """Each window alone through prefix.prefill: a window that starts with cached blocks runs only the rest."""
-        for d, i in jobs:
-            win = d.windows[i]
-            done = prefill(w, config, view, d.seq[win.begin : win.end], scored=True, top=settings.top,
-                           details=settings.details, prefix=prefix, steering=settings.steering)
-            # stats row j is the target at local index j + 1: the scored positions [first, end)
-            lo, hi = win.first - win.begin - 1, win.end - win.begin - 1
-            d.results[i] = done.stats.rows(lo, hi)
-            if progress is not None:
-                progress(hi - lo)
-
     def run(jobs: list[tuple[_Pending, int]]) -> None:
         if prefix is not None:
-            return run_cached(jobs)
-        L = max(d.windows[i].end - d.windows[i].begin for d, i in jobs)
-        ids = torch.full((len(jobs), L), eot_id, dtype=torch.long)  # [B, L], right-padded
-        rows, targets = [], []
-        for b, (d, i) in enumerate(jobs):
-            win = d.windows[i]
-            ids[b, : win.end - win.begin] = torch.tensor(d.seq[win.begin : win.end])
-            # the logits at local index p - begin - 1 predict the token at position p
-            rows.append(b * L + torch.arange(win.first - win.begin - 1, win.end - win.begin - 1))
-            targets.extend(d.seq[win.first : win.end])
-        with torch.inference_mode():
-            tap = batch_tap(w, config, settings.steering, ids.numel())
-            x = residual_stream(w, config, ids, tap=tap).view(-1, config.n_embd)  # [B * L, C]
-            picked = torch.cat(rows)
-            stats = token_stats(w, config, x[picked.to(x.device)], torch.tensor(targets), top=settings.top,
-                                details=settings.details, tap=None if tap is None else tap.select(picked))
-        offset = 0
-        for d, i in jobs:
-            n = d.windows[i].end - d.windows[i].first
-            d.results[i] = stats.rows(offset, offset + n)
-            offset += n
-        if progress is not None:
-            progress(offset)
+            _run_cached(w, config, view, prefix, settings, jobs, progress)
+        else:
+            _run_batched(w, config, eot_id, settings, jobs, progress)
 
     def drain(all_of_it: bool) -> Iterator[Score]:
         pool.sort(key=lambda job: job[0].windows[job[1]].end - job[0].windows[job[1]].begin, reverse=True)
@@ -202,3 +170,44 @@ def score_documents(w: GPT2Weights, config: GPT2Config, eot_id: int, documents: 
         if len(pool) >= POOL * settings.batch_size:
             yield from drain(False)
     yield from drain(True)
+
+
+def _run_cached(w: GPT2Weights, config: GPT2Config, view: KVCache, prefix: PrefixCache, settings: ScoreSettings,
+                jobs: list[tuple[_Pending, int]], progress: Callable[[int], None] | None) -> None:
+    """Each window alone through prefix.prefill: a window that starts with cached blocks runs only the rest."""
+    for d, i in jobs:
+        win = d.windows[i]
+        done = prefill(w, config, view, d.seq[win.begin : win.end], scored=True, top=settings.top,
+                       details=settings.details, prefix=prefix, steering=settings.steering)
+        # stats row j is the target at local index j + 1: the scored positions [first, end)
+        lo, hi = win.first - win.begin - 1, win.end - win.begin - 1
+        d.results[i] = done.stats.rows(lo, hi)
+        if progress is not None:
+            progress(hi - lo)
+
+
+def _run_batched(w: GPT2Weights, config: GPT2Config, eot_id: int, settings: ScoreSettings,
+                 jobs: list[tuple[_Pending, int]], progress: Callable[[int], None] | None) -> None:
+    """Windows of several documents as the rows of one right-padded pass; only the scored positions reach the head."""
+    L = max(d.windows[i].end - d.windows[i].begin for d, i in jobs)
+    ids = torch.full((len(jobs), L), eot_id, dtype=torch.long)  # [B, L], right-padded
+    rows, targets = [], []
+    for b, (d, i) in enumerate(jobs):
+        win = d.windows[i]
+        ids[b, : win.end - win.begin] = torch.tensor(d.seq[win.begin : win.end])
+        # the logits at local index p - begin - 1 predict the token at position p
+        rows.append(b * L + torch.arange(win.first - win.begin - 1, win.end - win.begin - 1))
+        targets.extend(d.seq[win.first : win.end])
+    with torch.inference_mode():
+        tap = batch_tap(w, config, settings.steering, ids.numel())
+        x = residual_stream(w, config, ids, tap=tap).view(-1, config.n_embd)  # [B * L, C]
+        picked = torch.cat(rows)
+        stats = token_stats(w, config, x[picked.to(x.device)], torch.tensor(targets), top=settings.top,
+                            details=settings.details, tap=None if tap is None else tap.select(picked))
+    offset = 0
+    for d, i in jobs:
+        n = d.windows[i].end - d.windows[i].first
+        d.results[i] = stats.rows(offset, offset + n)
+        offset += n
+    if progress is not None:
+        progress(offset)
