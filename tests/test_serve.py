@@ -172,6 +172,21 @@ def test_unknown_route_and_invalid_json(server: str) -> None:
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
+UNREADABLE = "the body is not valid JSON (its text is not UTF-8, or its values nest too deeply)"
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"\xff\xfe\x00garbage", "the body is not valid JSON"),
+    (b'{"prompt": "\xff\xfe", "max_tokens": 2}', UNREADABLE),
+    (b"[" * 100_000, UNREADABLE),
+    (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, UNREADABLE),
+    (b"", "the body is empty: expected a JSON object"),
+])
+def test_an_unreadable_body_is_a_400_saying_why(server: str, body: bytes, message: str) -> None:
+    r = httpx.post(f"{server}/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
+
+
 def metrics(server: str) -> dict[str, float]:
     return parse(httpx.get(f"{server}/metrics", timeout=10).text)
 

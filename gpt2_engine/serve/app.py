@@ -179,15 +179,22 @@ async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         return error_response(first["ctx"]["error"])
     param = loc[0] if loc else None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    if first.get("type") == "json_invalid":
-        message, param = "the body is not valid JSON", None
     where = ".".join(loc)
+    if first.get("type") == "json_invalid":  # loc holds the byte offset, not a field
+        message, param, where = "the body is not valid JSON", None, ""
+    elif first.get("type") == "missing" and not loc:  # no body at all
+        message = "the body is empty: expected a JSON object"
     return error_response(APIError(400, f"{where}: {message}" if where else message, param=param))
+
+
+UNREADABLE_BODY = "There was an error parsing the body"
 
 
 async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
     message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
+    if message == UNREADABLE_BODY:  # FastAPI's words for a body json.loads raised other than JSONDecodeError on
+        message = "the body is not valid JSON (its text is not UTF-8, or its values nest too deeply)"
     return error_response(APIError(err.status_code, message, type=kind))
 
 
