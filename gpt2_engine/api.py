@@ -87,62 +87,17 @@ class GPT2:
         directory, _ = weights_directory(Path(directory))
         device, runner = check_device(device, runner)
         dtype = parse_dtype(dtype, runner)
-        if quantize not in (None, *FORMATS):
-            raise GPT2EngineError(f"quantize: expected None, 'int8' or 'int4', got {quantize!r}")
-        if quantize and dtype != torch.float32:
-            raise GPT2EngineError(f"quantize={quantize!r} quantizes the float32 weights; do not combine it with "
-                                  f"dtype={str(dtype).removeprefix('torch.')}")
-        if quantize and runner == "torch":
-            raise GPT2EngineError(f"quantize={quantize!r} runs on the native CPU runner's int8/int4 kernels, which the "
-                                  f"torch runner (device={str(device)!r}) does not have; there, use "
-                                  "dtype='bfloat16' or 'float16'")
-        converted = None
-        if directory.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (formats/checkpoints.py), told by content
-            config, converted = read_checkpoint(directory)
-        else:
-            find_weights_file(directory)  # a missing path or no weights: the loader's error, before the config's
-            config = GPT2Config.from_json(directory / CONFIG)
+        check_load_options(dtype, quantize, device, runner)
+        config, converted = read_config(directory)
         # the tokenizer first: it is quick to check, and its load's transient peak then sits below the weights'
-        tokenizer = load_tokenizer(None if converted is not None else directory)
-        if tokenizer.n_vocab > config.vocab_size:
-            raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")
-        adapter = None
-        if lora is not None:  # read and checked before the weights: a bad adapter fails fast
-            adapter = load_adapter(lora, config)
-            if not force:
-                check_base(adapter, Path(lora), directory)
-        if runner == "torch":  # the torch runner: the float32 file read, then its tensors moved once
-            if converted is not None:
-                weights = weights_from_tensors(converted, config, directory)
-            else:
-                weights = load_weights(directory, config)
-            if adapter is not None:
-                weights = attach(weights, [adapter])
-            weights = on_device(weights, device, dtype)
-            warn_tf32(device, dtype)
+        tokenizer = checked_tokenizer(directory, config, converted is not None)
+        # the adapter read and checked before the weights: a bad adapter fails fast
+        adapter = None if lora is None else read_adapter(Path(lora), config, directory, force)
+        if runner == "torch":
+            weights = device_weights(directory, config, converted, adapter, device, dtype)
             return cls(config, weights, tokenizer, dtype=dtype, device=device, lora=adapter, source=directory,
                        runner=runner)
-        # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read).
-        # The projections in panels where this CPU reads them faster (kernels.CPU.panels): bfloat16 ones always,
-        # float32 ones where the file's matrices stay beside them for GEMMs at no memory of the process's own (read
-        # in place, not converted from another format) and are not about to be quantized.
-        in_place = converted is None and not quantize and dtype == torch.float32
-        panels = cpu().panels and (dtype == torch.bfloat16 or in_place)
-        # the panels are written straight onto huge pages (core/pages.py), not made and then moved
-        arena = HugeArena(panel_bytes(config, dtype)) if panels and huge_pages_available() else None
-        alloc = None if arena is None else arena.take
-        if converted is not None:
-            weights = weights_from_tensors(converted, config, directory, dtype, panels=panels, alloc=alloc)
-        else:
-            weights = load_weights(directory, config, dtype, resident=in_place, panels=panels, alloc=alloc)
-        if quantize:
-            weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
-        # what the loader made onto huge pages (core/pages.py); float32 read in place stays in the file but for the
-        # panels made from it and the head
-        if not in_place:
-            matrices_on_huge_pages(weights, arena=arena)
-        elif panels:
-            matrices_on_huge_pages(weights, find_weights_file(directory), arena)
+        weights = native_weights(directory, config, converted, dtype, quantize)
         if adapter is not None:
             weights = attach(weights, [adapter])
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,
@@ -437,6 +392,91 @@ class GPT2:
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise GPT2EngineError(f"ids: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+
+
+# --- from_pretrained's steps ------------------------------------------------------------------------------------
+
+def check_load_options(dtype: torch.dtype, quantize: str | None, device: torch.device, runner: str) -> None:
+    """The load options that cannot go together, before anything is read: an unknown quantize format, quantizing
+    other than float32 weights or for the torch runner."""
+    if quantize not in (None, *FORMATS):
+        raise GPT2EngineError(f"quantize: expected None, 'int8' or 'int4', got {quantize!r}")
+    if quantize and dtype != torch.float32:
+        raise GPT2EngineError(f"quantize={quantize!r} quantizes the float32 weights; do not combine it with "
+                              f"dtype={str(dtype).removeprefix('torch.')}")
+    if quantize and runner == "torch":
+        raise GPT2EngineError(f"quantize={quantize!r} runs on the native CPU runner's int8/int4 kernels, which the "
+                              f"torch runner (device={str(device)!r}) does not have; there, use "
+                              "dtype='bfloat16' or 'float16'")
+
+
+def read_config(directory: Path) -> tuple[GPT2Config, dict[str, torch.Tensor] | None]:
+    """(the config, None) of an official-format directory; (its config, its tensors by official name) of a nanoGPT or
+    llm.c checkpoint file (formats/checkpoints.py), told apart by content."""
+    if directory.is_file():
+        return read_checkpoint(directory)
+    find_weights_file(directory)  # a missing path or no weights: the loader's error, before the config's
+    return GPT2Config.from_json(directory / CONFIG), None
+
+
+def checked_tokenizer(directory: Path, config: GPT2Config, converted: bool) -> Tokenizer:
+    """The checkpoint's tokenizer (GPT-2's own BPE for a converted checkpoint file), no larger than its vocabulary."""
+    tokenizer = load_tokenizer(None if converted else directory)
+    if tokenizer.n_vocab > config.vocab_size:
+        raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size "
+                           f"{config.vocab_size}")
+    return tokenizer
+
+
+def read_adapter(lora: Path, config: GPT2Config, directory: Path, force: bool) -> LoraAdapter:
+    """The LoRA adapter in `lora`, checked against the config and (unless `force`) against the base it records."""
+    adapter = load_adapter(lora, config)
+    if not force:
+        check_base(adapter, lora, directory)
+    return adapter
+
+
+def device_weights(directory: Path, config: GPT2Config, converted: dict[str, torch.Tensor] | None,
+                   adapter: LoraAdapter | None, device: torch.device, dtype: torch.dtype) -> GPT2Weights:
+    """The weights as the torch runner keeps them: the float32 file read, the adapter attached, then moved once."""
+    if converted is not None:
+        weights = weights_from_tensors(converted, config, directory)
+    else:
+        weights = load_weights(directory, config)
+    if adapter is not None:
+        weights = attach(weights, [adapter])
+    weights = on_device(weights, device, dtype)
+    warn_tf32(device, dtype)
+    return weights
+
+
+def native_weights(directory: Path, config: GPT2Config, converted: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+                   quantize: str | None) -> GPT2Weights:
+    """The weights as the native CPU runner keeps them.
+
+    Quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read). Float32
+    read in place stays in the file, but for what is made from it. The projections in panels where this CPU reads
+    them faster (kernels.CPU.panels): bfloat16 ones always, float32 ones where the file's matrices stay beside them
+    for GEMMs at no memory of the process's own (read in place) and are not about to be quantized."""
+    file = None if converted is not None else find_weights_file(directory)
+    in_place = file is not None and not quantize and dtype == torch.float32
+    panels = cpu().panels and (dtype == torch.bfloat16 or in_place)
+    # the panels are written straight onto huge pages (core/pages.py), not made and then moved
+    arena = HugeArena(panel_bytes(config, dtype)) if panels and huge_pages_available() else None
+    alloc = None if arena is None else arena.take
+    if converted is not None:
+        weights = weights_from_tensors(converted, config, directory, dtype, panels=panels, alloc=alloc)
+    else:
+        weights = load_weights(directory, config, dtype, resident=in_place, panels=panels, alloc=alloc)
+    if quantize:
+        weights = quantize_weights(weights, quantize, file)
+    # what the loader made onto huge pages (core/pages.py); float32 read in place stays in the file but for the
+    # panels made from it and the head
+    if not in_place:
+        matrices_on_huge_pages(weights, arena=arena)
+    elif panels:
+        matrices_on_huge_pages(weights, file, arena)
+    return weights
 
 
 def parse_dtype(dtype: torch.dtype | str, runner: str = "native") -> torch.dtype:
