@@ -97,7 +97,8 @@ def test_bfloat16_keeps_the_matrices_in_bf16_and_the_rest_in_float32(variants: d
 
 
 def load_on(small_dir: Path, vendor: str, dtype: str = "bfloat16", **kwargs: object) -> GPT2:
-    """The fixture as from_pretrained loads it on a CPU of `vendor` (kernels.CPU.panels)."""
+    """The fixture as from_pretrained loads it on a CPU of `vendor` (kernels.CPU.panels), in the plain layout (panels
+    are the plain layout's; "auto" might pack the exponents on this CPU: tests/test_packed.py)."""
     import dataclasses
 
     from gpt2_engine import api
@@ -105,7 +106,7 @@ def load_on(small_dir: Path, vendor: str, dtype: str = "bfloat16", **kwargs: obj
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(api, "cpu", lambda: dataclasses.replace(cpu(), vendor=vendor))
-        return GPT2.from_pretrained(small_dir, dtype=dtype, **kwargs)
+        return GPT2.from_pretrained(small_dir, dtype=dtype, weight_layout="plain", **kwargs)
 
 
 def load_bf16(small_dir: Path, vendor: str) -> GPT2:
