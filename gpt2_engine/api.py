@@ -20,7 +20,8 @@ from .core.kernels import cpu
 from .core.lora import LoraAdapter, LoraSettings, attach
 from .formats.peft import check_base, load_adapter
 from .core.model import forward
-from .core.pages import HugeArena, huge_pages_available
+from .core.packing import LayoutError, Packing, check_layout, pack_weights, use_packed
+from .core.pages import HugeArena, file_mapping, huge_pages_available
 from .core.weights import matrices_on_huge_pages
 from .core.quantize import FORMATS, quantize_weights
 from .interp.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
@@ -48,7 +49,7 @@ class GPT2:
 
     def __init__(self, config: GPT2Config, weights: GPT2Weights, tokenizer: Tokenizer, *, dtype: torch.dtype,
                  device: torch.device, quantize: str | None = None, lora: LoraAdapter | None = None,
-                 source: Path | None = None, runner: str = "native") -> None:
+                 source: Path | None = None, runner: str = "native", packing: Packing | None = None) -> None:
         self.config = config
         self.weights = weights  # with `lora` attached, if given
         self.tokenizer = tokenizer
@@ -62,13 +63,15 @@ class GPT2:
         self.quantize = quantize
         self.lora = lora
         self.source = source  # the checkpoint directory it was loaded from (None: built in memory)
+        self.packing = packing  # what packing the float matrices' exponents made (None: not packed; core/packing.py)
         self._grammars: Grammars | None = None  # structured output's compiler, made on first use
         self.drafts: dict[str, Speculation] = {}  # draft models loaded for speculate=, by source
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | str = torch.float32,
                         device: torch.device | str = "cpu", quantize: str | None = None,
-                        lora: str | Path | None = None, force: bool = False, runner: str | None = None) -> GPT2:
+                        lora: str | Path | None = None, force: bool = False, runner: str | None = None,
+                        weight_layout: str = "auto") -> GPT2:
         """Load the official-format checkpoint in `directory` (config.json, weights, BPE files); "demo": the demo model;
         or a checkpoint file of nanoGPT (ckpt.pt) or llm.c (its model .bin), told apart by content, with GPT-2's BPE.
 
@@ -77,7 +80,10 @@ class GPT2:
         quantized now (core/quantize.py); the residual stream stays float32. lora: a LoRA adapter directory in
         PEFT's format (from `gpt2 finetune --lora` or peft's save_pretrained), applied on top of these weights in
         whatever format they are (core/lora.py); an adapter that records another base than `directory` is an
-        error unless `force`.
+        error unless `force`. weight_layout: "packed" keeps the float32 or bfloat16 projections and head with packed
+        exponents (core/packed.py: 0.875x or 0.75x the bytes, the same logits to the bit), "plain" as they are (in
+        panels where the CPU reads those faster), "auto" (default) packed where this CPU reads that faster, measured
+        once per process (core/packing.py); what packing made is `packing`.
 
         device="cuda" (or "cuda:N"): the model on an NVIDIA GPU, on the torch runner (runtime/torch_runner.py): the
         weights moved there once, the KV cache and every activation there, float32, bfloat16 or float16 matrices
@@ -87,66 +93,21 @@ class GPT2:
         directory, _ = weights_directory(Path(directory))
         device, runner = check_device(device, runner)
         dtype = parse_dtype(dtype, runner)
-        if quantize not in (None, *FORMATS):
-            raise GPT2EngineError(f"quantize: expected None, 'int8' or 'int4', got {quantize!r}")
-        if quantize and dtype != torch.float32:
-            raise GPT2EngineError(f"quantize={quantize!r} quantizes the float32 weights; do not combine it with "
-                                  f"dtype={str(dtype).removeprefix('torch.')}")
-        if quantize and runner == "torch":
-            raise GPT2EngineError(f"quantize={quantize!r} runs on the native CPU runner's int8/int4 kernels, which the "
-                                  f"torch runner (device={str(device)!r}) does not have; there, use "
-                                  "dtype='bfloat16' or 'float16'")
-        converted = None
-        if directory.is_file():  # nanoGPT's ckpt.pt or llm.c's model file (formats/checkpoints.py), told by content
-            config, converted = read_checkpoint(directory)
-        else:
-            find_weights_file(directory)  # a missing path or no weights: the loader's error, before the config's
-            config = GPT2Config.from_json(directory / CONFIG)
+        check_load_options(dtype, quantize, device, runner, weight_layout)
+        config, converted = read_config(directory)
         # the tokenizer first: it is quick to check, and its load's transient peak then sits below the weights'
-        tokenizer = load_tokenizer(None if converted is not None else directory)
-        if tokenizer.n_vocab > config.vocab_size:
-            raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size {config.vocab_size}")
-        adapter = None
-        if lora is not None:  # read and checked before the weights: a bad adapter fails fast
-            adapter = load_adapter(lora, config)
-            if not force:
-                check_base(adapter, Path(lora), directory)
-        if runner == "torch":  # the torch runner: the float32 file read, then its tensors moved once
-            if converted is not None:
-                weights = weights_from_tensors(converted, config, directory)
-            else:
-                weights = load_weights(directory, config)
-            if adapter is not None:
-                weights = attach(weights, [adapter])
-            weights = on_device(weights, device, dtype)
-            warn_tf32(device, dtype)
+        tokenizer = checked_tokenizer(directory, config, converted is not None)
+        # the adapter read and checked before the weights: a bad adapter fails fast
+        adapter = None if lora is None else read_adapter(Path(lora), config, directory, force)
+        if runner == "torch":
+            weights = device_weights(directory, config, converted, adapter, device, dtype)
             return cls(config, weights, tokenizer, dtype=dtype, device=device, lora=adapter, source=directory,
                        runner=runner)
-        # quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read).
-        # The projections in panels where this CPU reads them faster (kernels.CPU.panels): bfloat16 ones always,
-        # float32 ones where the file's matrices stay beside them for GEMMs at no memory of the process's own (read
-        # in place, not converted from another format) and are not about to be quantized.
-        in_place = converted is None and not quantize and dtype == torch.float32
-        panels = cpu().panels and (dtype == torch.bfloat16 or in_place)
-        # the panels are written straight onto huge pages (core/pages.py), not made and then moved
-        arena = HugeArena(panel_bytes(config, dtype)) if panels and huge_pages_available() else None
-        alloc = None if arena is None else arena.take
-        if converted is not None:
-            weights = weights_from_tensors(converted, config, directory, dtype, panels=panels, alloc=alloc)
-        else:
-            weights = load_weights(directory, config, dtype, resident=in_place, panels=panels, alloc=alloc)
-        if quantize:
-            weights = quantize_weights(weights, quantize, None if converted is not None else find_weights_file(directory))
-        # what the loader made onto huge pages (core/pages.py); float32 read in place stays in the file but for the
-        # panels made from it and the head
-        if not in_place:
-            matrices_on_huge_pages(weights, arena=arena)
-        elif panels:
-            matrices_on_huge_pages(weights, find_weights_file(directory), arena)
+        weights, packing = native_weights(directory, config, converted, dtype, quantize, weight_layout)
         if adapter is not None:
             weights = attach(weights, [adapter])
         return cls(config, weights, tokenizer, dtype=dtype, device=device, quantize=quantize, lora=adapter,
-                   source=directory)
+                   source=directory, packing=packing)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] (float32) for a LongTensor of token ids [B, T]."""
@@ -437,6 +398,100 @@ class GPT2:
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise GPT2EngineError(f"ids: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+
+
+# --- from_pretrained's steps ------------------------------------------------------------------------------------
+
+def check_load_options(dtype: torch.dtype, quantize: str | None, device: torch.device, runner: str,
+                       weight_layout: str) -> None:
+    """The load options that cannot go together, before anything is read: an unknown quantize format, quantizing
+    other than float32 weights or for the torch runner, an unknown weight layout, packed weights on the torch runner."""
+    if quantize not in (None, *FORMATS):
+        raise GPT2EngineError(f"quantize: expected None, 'int8' or 'int4', got {quantize!r}")
+    if quantize and dtype != torch.float32:
+        raise GPT2EngineError(f"quantize={quantize!r} quantizes the float32 weights; do not combine it with "
+                              f"dtype={str(dtype).removeprefix('torch.')}")
+    if quantize and runner == "torch":
+        raise GPT2EngineError(f"quantize={quantize!r} runs on the native CPU runner's int8/int4 kernels, which the "
+                              f"torch runner (device={str(device)!r}) does not have; there, use "
+                              "dtype='bfloat16' or 'float16'")
+    check_layout(weight_layout)
+    if weight_layout == "packed" and runner == "torch":
+        raise LayoutError("weight_layout 'packed' is read by the native CPU runner's kernels; the torch runner "
+                          f"(device={str(device)!r}) keeps plain matrices (leave weight_layout out, or give 'plain')")
+
+
+def read_config(directory: Path) -> tuple[GPT2Config, dict[str, torch.Tensor] | None]:
+    """(the config, None) of an official-format directory; (its config, its tensors by official name) of a nanoGPT or
+    llm.c checkpoint file (formats/checkpoints.py), told apart by content."""
+    if directory.is_file():
+        return read_checkpoint(directory)
+    find_weights_file(directory)  # a missing path or no weights: the loader's error, before the config's
+    return GPT2Config.from_json(directory / CONFIG), None
+
+
+def checked_tokenizer(directory: Path, config: GPT2Config, converted: bool) -> Tokenizer:
+    """The checkpoint's tokenizer (GPT-2's own BPE for a converted checkpoint file), no larger than its vocabulary."""
+    tokenizer = load_tokenizer(None if converted else directory)
+    if tokenizer.n_vocab > config.vocab_size:
+        raise WeightsError(f"{directory}: tokenizer has {tokenizer.n_vocab} tokens, more than vocab_size "
+                           f"{config.vocab_size}")
+    return tokenizer
+
+
+def read_adapter(lora: Path, config: GPT2Config, directory: Path, force: bool) -> LoraAdapter:
+    """The LoRA adapter in `lora`, checked against the config and (unless `force`) against the base it records."""
+    adapter = load_adapter(lora, config)
+    if not force:
+        check_base(adapter, lora, directory)
+    return adapter
+
+
+def device_weights(directory: Path, config: GPT2Config, converted: dict[str, torch.Tensor] | None,
+                   adapter: LoraAdapter | None, device: torch.device, dtype: torch.dtype) -> GPT2Weights:
+    """The weights as the torch runner keeps them: the float32 file read, the adapter attached, then moved once."""
+    if converted is not None:
+        weights = weights_from_tensors(converted, config, directory)
+    else:
+        weights = load_weights(directory, config)
+    if adapter is not None:
+        weights = attach(weights, [adapter])
+    weights = on_device(weights, device, dtype)
+    warn_tf32(device, dtype)
+    return weights
+
+
+def native_weights(directory: Path, config: GPT2Config, converted: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+                   quantize: str | None, weight_layout: str) -> tuple[GPT2Weights, Packing | None]:
+    """The weights as the native CPU runner keeps them, and what packing their exponents made (None: not packed).
+
+    Quantizing or converting to bf16: the float32 pages of the file are not kept resident (released as read). Float32
+    read in place stays in the file, but for what is made from it. Packed exponents (core/packing.py) where asked or
+    measured faster: from float32 read in place (its matrices stay beside the units for GEMMs at no memory of the
+    process's own) or bfloat16, never quantized. Otherwise the projections in panels where this CPU reads them faster
+    (kernels.CPU.panels): bfloat16 ones always, float32 ones where read in place and not about to be quantized."""
+    file = None if converted is not None else find_weights_file(directory)
+    in_place = file is not None and not quantize and dtype == torch.float32
+    packed = use_packed(weight_layout, dtype, not quantize and (dtype == torch.bfloat16 or in_place))
+    panels = cpu().panels and (dtype == torch.bfloat16 or in_place) and not packed
+    # the panels are written straight onto huge pages (core/pages.py), not made and then moved
+    arena = HugeArena(panel_bytes(config, dtype)) if panels and huge_pages_available() else None
+    alloc = None if arena is None else arena.take
+    if converted is not None:
+        weights = weights_from_tensors(converted, config, directory, dtype, panels=panels, alloc=alloc)
+    else:
+        weights = load_weights(directory, config, dtype, resident=in_place, panels=panels, alloc=alloc)
+    if quantize:
+        weights = quantize_weights(weights, quantize, file)
+    if packed:  # the units go onto huge pages as they are written (packing.pack_weights)
+        return pack_weights(weights, config, file_mapping(weights.wte, file) if in_place else None)
+    # what the loader made onto huge pages (core/pages.py); float32 read in place stays in the file but for the
+    # panels made from it and the head
+    if not in_place:
+        matrices_on_huge_pages(weights, arena=arena)
+    elif panels:
+        matrices_on_huge_pages(weights, file, arena)
+    return weights, None
 
 
 def parse_dtype(dtype: torch.dtype | str, runner: str = "native") -> torch.dtype:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The engine beside llama.cpp on the same weights, in one run (`make bench-llamacpp`).
 
-    python scripts/bench_llamacpp.py [--rounds 3] [--formats f32,q8_0,q4_0,f16] [--threads 2] [--weights DIR] [--serve]
+    python scripts/bench_llamacpp.py [--rounds 3] [--formats f32,q8_0,q4_0,f16] [--layouts plain,packed] [--threads 2]
+                                     [--weights DIR] [--serve]
 
 llama.cpp is built once into the git-ignored cache from the source the `llama-cpp-python` sdist on PyPI ships
 (`pip download --no-binary :all: --no-deps llama-cpp-python==VERSION`, then CMake on its vendor/llama.cpp: the
@@ -16,9 +17,14 @@ formats each engine has), alternating which runs first,
 generate_ids timed as t(129) - t(1)), and prefill of 512 tokens (llama-bench's pp512; the engine's prompt of 512
 random ids to its first token). One table, the CPU and the memory read ceiling in its header (scripts/bench_memory.py:
 the best read variant found once, then measured again in every round, alternating with the rows; median), ratio =
-engine / llama.cpp. Decode rows also give each engine's GB/s moved per token (the bytes a decode step reads x tokens/s)
-and its share of the ceiling: llama.cpp's bytes are its file's tensors, the engine's its blocks' and head's, each
-with one row of the embeddings it looks up.
+engine / llama.cpp. Decode rows also give the bytes a decode step reads, each engine's GB/s moved (those bytes x
+tokens/s) and its share of the ceiling: llama.cpp's bytes are its file's tensors, the engine's its blocks' and head's,
+each with one row of the embeddings it looks up.
+
+The float formats run the engine in each of --layouts (weight_layout: "plain", as loaded, in panels where the CPU
+reads those faster; "packed", with packed exponents, core/packed.py), both beside the same llama.cpp runs, the three
+alternating. A packed row's GB/s are of its packed bytes, and (plain-equivalent) of the plain layout's bytes for the
+same tokens/s: the rate at which it delivers the plain matrix's weights.
 
 --serve: instead, `gpt2 serve` against `llama-server -np 8` on the same weights (each with --parallel / -np 8 and
 2 threads), streaming clients of --requests requests x 64 greedy tokens (ignore_eos), 1 and 8 clients, alternating
@@ -53,6 +59,8 @@ ENGINE_FORMAT = {"f32": ("float32", {}, ()),
                  "q8_0": ("int8", {"quantize": "int8"}, ("--quantize", "int8")),
                  "q4_0": ("int4", {"quantize": "int4"}, ("--quantize", "int4")),
                  "f16": ("bfloat16", {"dtype": "bfloat16"}, ("--dtype", "bfloat16"))}
+FLOAT_FORMATS = ("f32", "f16")  # those the engine runs in each of --layouts
+LAYOUTS = ("plain", "packed")
 
 
 def run(cmd: list[str], log: Path | None = None, **kwargs) -> None:
@@ -118,12 +126,16 @@ def convert_f32(weights: Path, src: Path, out: Path, target: Path) -> None:
     shutil.rmtree(plain)
 
 
-def engine_bytes(w) -> int:
-    """Bytes a decode step of the engine reads: every block's tensors and the head's (quantized forms as stored),
-    ln_f, and one row of each embedding."""
+def engine_bytes(w, as_plain: bool = False) -> int:
+    """Bytes a decode step of the engine reads: every block's tensors and the head's (quantized and packed forms as
+    stored; as_plain: packed ones as their plain matrices), ln_f, and one row of each embedding."""
+    from gpt2_engine.core.packed import PackedMatrix
+
     seen: set[int] = set()
 
     def size(obj) -> int:
+        if as_plain and isinstance(obj, PackedMatrix):
+            return obj.rows * obj.cols * obj.dtype.itemsize
         if isinstance(obj, torch.Tensor):
             if obj.data_ptr() in seen:
                 return 0
@@ -247,6 +259,8 @@ def main() -> int:
     p.add_argument("--formats", default="f32,q8_0,q4_0,f16",
                    help="llama.cpp formats, each beside the engine's own: f32 / float32, q8_0 / int8, q4_0 / int4, "
                         "f16 / bfloat16 (default: all four)")
+    p.add_argument("--layouts", default="plain,packed",
+                   help="the engine's weight layouts for f32 and f16 (weight_layout: plain, packed; default both)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--serve", action="store_true", help="the servers instead: gpt2 serve against llama-server -np 8")
@@ -255,6 +269,8 @@ def main() -> int:
     args = p.parse_args()
     if unknown := set(args.formats.split(",")) - set(ENGINE_FORMAT):
         p.error(f"--formats: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(ENGINE_FORMAT)}")
+    if unknown := set(args.layouts.split(",")) - set(LAYOUTS):
+        p.error(f"--layouts: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(LAYOUTS)}")
     sys.path.insert(0, str(ROOT / "scripts"))
     import fixtures
 
@@ -271,6 +287,7 @@ def main() -> int:
     import bench_memory
 
     formats = args.formats.split(",")
+    layouts = args.layouts.split(",")
     found = bench_memory.measure(args.threads, rounds=1)  # the best read variant, timed again in every round below
     width, ahead, nt, huge = found.key
     read = bench_memory.kernel()
@@ -278,46 +295,60 @@ def main() -> int:
     ceilings: list[float] = []
     runs: dict[tuple[str, str, str], list[float]] = {}
     moved = {fmt: gguf_bytes(files[fmt]) for fmt in formats}
+    engines: dict[str, list[str]] = {}  # each format's engine sides: "engine" (plain), "engine packed"
     for fmt in formats:
-        model = GPT2.from_pretrained(weights, **ENGINE_FORMAT[fmt][1])
-        engine_decode(model, 8)  # kernels built and warm
-        moved[fmt, "engine"] = engine_bytes(model.weights)
+        models = {}
+        for layout in layouts if fmt in FLOAT_FORMATS else ["plain"]:
+            side = "engine" if layout == "plain" else f"engine {layout}"
+            kwargs = ENGINE_FORMAT[fmt][1] | ({"weight_layout": layout} if fmt in FLOAT_FORMATS else {})
+            models[side] = GPT2.from_pretrained(weights, **kwargs)
+            engine_decode(models[side], 8)  # kernels built and warm
+            moved[fmt, side] = engine_bytes(models[side].weights)
+            moved[fmt, side, "plain"] = engine_bytes(models[side].weights, as_plain=True)
+        engines[fmt] = list(models)
         sides = {"llama.cpp": {"decode": lambda: llama_bench(bin_dir, files[fmt], args.threads, 0, 128),
-                               "prefill": lambda: llama_bench(bin_dir, files[fmt], args.threads, 512, 0)},
-                 "engine": {"decode": lambda: engine_decode(model, 128), "prefill": lambda: engine_prefill(model, 512)}}
+                               "prefill": lambda: llama_bench(bin_dir, files[fmt], args.threads, 512, 0)}}
+        for side, model in models.items():
+            sides[side] = {"decode": lambda m=model: engine_decode(m, 128),
+                           "prefill": lambda m=model: engine_prefill(m, 512)}
+        names = list(sides)
         for r in range(args.rounds):
             ceilings.append(read.read_rate(buf, width, ahead, nt, args.threads, 5)[0])
             for row in ("decode", "prefill"):
-                order = ["llama.cpp", "engine"] if r % 2 == 0 else ["engine", "llama.cpp"]
-                for side in order:
+                for side in names[r % len(names):] + names[: r % len(names)]:  # each side first in turn
                     runs.setdefault((fmt, row, side), []).append(sides[side][row]())
                     print(f"  {fmt} {row} round {r + 1} {side}: {runs[fmt, row, side][-1]:.1f} tok/s", file=sys.stderr,
                           flush=True)
+        del models, sides
     ceiling = statistics.median(ceilings)
     print(f"\nengine vs llama.cpp on {weights.name} ({machine}); memory read ceiling {ceiling:.1f} GB/s "
           f"({found.variant}; median of {len(ceilings)} measurements between the rounds, "
           f"{min(ceilings):.1f}-{max(ceilings):.1f}); medians of {args.rounds} alternating rounds, "
-          "ratio = engine / llama.cpp; GB/s = bytes a decode step reads x tokens/s")
-    print("| format | row | llama.cpp tok/s | engine tok/s | ratio | llama.cpp GB/s (of ceiling) | engine GB/s (of ceiling) |")
-    print("|---|---|---|---|---|---|---|")
+          "ratio = engine / llama.cpp; GB/s = bytes a decode step reads x tokens/s; plain-equivalent: the plain "
+          "layout's bytes x the packed row's tokens/s")
+    print("| format | row | llama.cpp tok/s | engine tok/s | ratio | MB a token (llama.cpp / engine) "
+          "| llama.cpp GB/s (of ceiling) | engine GB/s (of ceiling) | plain-equivalent GB/s (of ceiling) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     table = []
     for fmt in formats:
         for row, label in (("decode", "decode tg128, batch 1"), ("prefill", "prefill pp512")):
-            a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, "engine"])
-            entry = {"format": fmt, "row": row, "llama.cpp": a, "engine": b, "ratio": b / a,
-                     "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", "engine")}}
-            rates = ""
-            if row == "decode":
-                ga, gb = moved[fmt] * a / 1e9, moved[fmt, "engine"] * b / 1e9
-                entry |= {"bytes_per_token": {"llama.cpp": moved[fmt], "engine": moved[fmt, "engine"]},
-                          "gbs": {"llama.cpp": ga, "engine": gb}}
-                rates = f" {ga:.1f} ({ga / ceiling:.0%}) | {gb:.1f} ({gb / ceiling:.0%}) |"
-            else:
-                rates = " | |"
-            table.append(entry)
-            print(f"| {fmt} / {ENGINE_FORMAT[fmt][0]} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |{rates}")
-    print("bytes a decode step reads: " + ", ".join(
-        f"{fmt} {moved[fmt] / 1e6:.0f} MB / {ENGINE_FORMAT[fmt][0]} {moved[fmt, 'engine'] / 1e6:.0f} MB" for fmt in formats))
+            for side in engines[fmt]:
+                a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, side])
+                name = ENGINE_FORMAT[fmt][0] + side.removeprefix("engine")
+                entry = {"format": fmt, "engine": name, "row": row, "llama.cpp": a, "engine_tps": b, "ratio": b / a,
+                         "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", side)}}
+                rates = " | | | |"
+                if row == "decode":
+                    plain = moved[fmt, side, "plain"]
+                    ga, gb, ge = moved[fmt] * a / 1e9, moved[fmt, side] * b / 1e9, plain * b / 1e9
+                    entry |= {"bytes_per_token": {"llama.cpp": moved[fmt], "engine": moved[fmt, side],
+                                                  "engine_plain": plain},
+                              "gbs": {"llama.cpp": ga, "engine": gb, "engine_plain_equivalent": ge}}
+                    rates = (f" {moved[fmt] / 1e6:.0f} / {moved[fmt, side] / 1e6:.0f} | "
+                             f"{ga:.1f} ({ga / ceiling:.0%}) | {gb:.1f} ({gb / ceiling:.0%}) | "
+                             f"{ge:.1f} ({ge / ceiling:.0%}) |")
+                table.append(entry)
+                print(f"| {fmt} / {name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |{rates}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "ceiling_gbs": ceiling,
                                     "ceilings": ceilings, "ceiling_read": found.variant, "rows": table}, indent=2) + "\n")

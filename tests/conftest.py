@@ -137,14 +137,16 @@ def assert_same_weights(a, b) -> None:
     """Every parameter of two loaded GPT2Weights is bit-identical (the loaders read the same values)."""
     import dataclasses
 
+    from gpt2_engine.core.packed import PackedMatrix
+    from gpt2_engine.core.pages import FilePages
     from gpt2_engine.core.weights import PanelMatrix
 
     def leaves(obj, prefix=""):
         if isinstance(obj, torch.Tensor):
             yield prefix, obj
-        elif obj is None:  # an optional field not set (GPT2Weights.wte_pages)
+        elif obj is None or isinstance(obj, FilePages):  # GPT2Weights.wte_pages: unset, or where wte's rows are read
             return
-        elif isinstance(obj, PanelMatrix):  # the matrix, whichever layout the loader chose for this CPU
+        elif isinstance(obj, (PanelMatrix, PackedMatrix)):  # the matrix, whichever layout the loader chose here
             yield prefix, obj.matrix()
         elif isinstance(obj, tuple):
             for i, o in enumerate(obj):

@@ -119,6 +119,7 @@ def test_a_loaded_model_streams_its_matrices_from_one_region_with_the_same_bits(
     """from_pretrained moves a converted or quantized model's block matrices and head into one mapping (panels are
     written into one of their own); its logits and greedy tokens are those of the same weights left where loading
     put them."""
+    kwargs = {**kwargs, "weight_layout": "plain"}  # packed units are placed by packing.pack_weights (test_packed)
     placed = GPT2.from_pretrained(tiny_dir, **kwargs)
     monkeypatch.setattr(api, "matrices_on_huge_pages", lambda w, *_, **__: w)
     monkeypatch.setattr(api, "huge_pages_available", lambda: False)  # and no arena for the panels
@@ -157,7 +158,7 @@ def test_float32_weights_are_read_in_place_from_the_checkpoint_file(tiny_dir: Pa
     from gpt2_engine.core.kernels import cpu
 
     monkeypatch.setattr(api, "cpu", lambda: dataclasses.replace(cpu(), vendor=vendor))
-    model = GPT2.from_pretrained(tiny_dir)
+    model = GPT2.from_pretrained(tiny_dir, weight_layout="plain")  # the packed layout's: tests/test_packed.py
     path = find_weights_file(tiny_dir)
     w = model.weights
     down = w.blocks[1].mlp_c_proj.weight  # (4C, C): a shape that fits panels here

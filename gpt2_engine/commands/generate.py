@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
+from ..core.packing import Packing
 from ..documents import read_text
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, steering_from_args)
@@ -205,17 +206,19 @@ def write_text(run: Generation, args: argparse.Namespace) -> None:
             print(c.text)
 
 
-def stats_line(run: Generation, args: argparse.Namespace, load_seconds: float) -> str:
-    """The line on stderr after the text: load time, token counts, speeds, the seed and the drafts."""
+def stats_line(run: Generation, args: argparse.Namespace, load_seconds: float, packing: Packing | None = None) -> str:
+    """The line on stderr after the text: load time (and the packed weights' size), token counts, speeds, the seed
+    and the drafts."""
     st = run.stats
     seed = "greedy" if args.temperature == 0 else f"seed {st.seed}"  # a seed changes nothing at temperature 0
     speculation = ""
     if args.speculate is not None:
         speculation = (f" | drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
                        f"{st.tokens_per_verify:.2f} tokens per verify pass" if st.verify_passes else " | no drafts")
-    return (f"load {load_seconds:.2f} s | prompt {run.completions[0].prompt_tokens} tokens | {st.new_tokens} new "
-            f"tokens | prefill {st.prefill_tokens_per_second:.1f} tok/s | decode {st.decode_tokens_per_second:.1f} "
-            f"tok/s | {seed}{speculation}")
+    packed = f" ({packing.packed_bytes / 1e6:.0f} MB packed)" if packing else ""
+    return (f"load {load_seconds:.2f} s{packed} | prompt {run.completions[0].prompt_tokens} tokens | "
+            f"{st.new_tokens} new tokens | prefill {st.prefill_tokens_per_second:.1f} tok/s | "
+            f"decode {st.decode_tokens_per_second:.1f} tok/s | {seed}{speculation}")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -225,7 +228,7 @@ def run_generate(args: argparse.Namespace) -> int:
         model, run, load_seconds = start(args, prompt, settings)
     warn_about_context(run, model.config, args.max_new_tokens)
     write_text(run, args)
-    print(stats_line(run, args, load_seconds), file=sys.stderr)
+    print(stats_line(run, args, load_seconds, model.packing), file=sys.stderr)
     return 0
 
 

@@ -25,6 +25,7 @@ import torch
 
 from .config import GPT2Config
 from .errors import GPT2EngineError
+from .packed import PackedMatrix
 from .weights import BLOCK_PARTS, Block, GPT2Weights, Linear, LoraStack, PanelMatrix, QuantizedMatrix
 
 # the projections an adapter can sit on: the name users give (PEFT's target_modules suffixes) -> the Block field
@@ -135,7 +136,8 @@ def attach(w: GPT2Weights, adapters: Sequence[LoraAdapter]) -> GPT2Weights:
         if all(pr is None for pr in pairs):
             return replace(p, lora=None)
         w = p.weight
-        K, N = (w.in_features, w.out_features) if isinstance(w, (QuantizedMatrix, PanelMatrix)) else w.shape
+        stored = isinstance(w, (QuantizedMatrix, PanelMatrix, PackedMatrix))  # not a (K, N) tensor
+        K, N = (w.in_features, w.out_features) if stored else w.shape
         r = max(pr[0].shape[1] for pr in pairs if pr is not None)
         a, b = torch.zeros(len(adapters), K, r, dtype=dtype), torch.zeros(len(adapters), r, N, dtype=dtype)
         for j, pr in enumerate(pairs):

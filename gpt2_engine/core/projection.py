@@ -10,6 +10,9 @@
                  ~7x slower than float32) widened to float32, then MKL. The head always keeps float32 arithmetic:
                  through the bf16 GEMM it cost top-1 agreement on the trained checkpoint (98.9%, below the 99.5% this
                  mode promises; 99.8% with the projections alone in bf16).
+  packed         float32 or bfloat16 with packed exponents (core/packed.py's PackedMatrix, 28 or 12 bits a weight):
+                 decode-sized inputs on kernels/packed.cpp, decode.cpp's bits from fewer bytes; longer inputs as
+                 their dtype's, on the matrix the units decode to (float32: the file's, kept beside them).
   int8 / int4    (QuantizedMatrix) the native blockwise kernel (kernels/quant.cpp) at every row count, so prefill,
                  scoring and decode share one arithmetic; quantized_reference() is the same arithmetic in torch: the
                  fallback where the native kernels are missing, and what the tests hold the kernel to.
@@ -33,6 +36,7 @@ import torch
 
 from .config import DECODE_ROWS
 from .kernels import cpu, decode_kernels
+from .packed import PackedMatrix
 from .quantize import GROUP, PANEL, dequantize, unpack
 from .weights import Linear, LoraStack, PanelMatrix, QuantizedMatrix
 
@@ -57,10 +61,13 @@ def split_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return parts.sum(dim=0)
 
 
-def as_float32(w: torch.Tensor | QuantizedMatrix | PanelMatrix) -> torch.Tensor:
-    """A projection's weight (K, N) in float32 (float64 stays): quantized, paneled and bfloat16 weights dequantized."""
+def as_float32(w: torch.Tensor | QuantizedMatrix | PanelMatrix | PackedMatrix) -> torch.Tensor:
+    """A projection's weight (K, N) in float32 (float64 stays): quantized, paneled, packed and bfloat16 weights
+    dequantized."""
     if isinstance(w, QuantizedMatrix):
         return dequantize(w)
+    if isinstance(w, PackedMatrix):
+        return w.plain if w.plain is not None and w.dtype == torch.float32 else packed_dense(w, torch.float32)
     if isinstance(w, PanelMatrix):
         if w.plain is not None:  # float32, the file's own matrix
             return w.plain
@@ -69,10 +76,31 @@ def as_float32(w: torch.Tensor | QuantizedMatrix | PanelMatrix) -> torch.Tensor:
     return w if w.dtype in (torch.float32, torch.float64) else w.float()
 
 
-def head_rows(head: torch.Tensor | QuantizedMatrix, rows: slice = slice(None)) -> torch.Tensor:
+def packed_dense(w: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A packed matrix (R, C) in `dtype` (None: its own), decoded natively where the kernels are built (each tile as
+    the decode kernels decode it), else by the format's torch reference (PackedMatrix.dense)."""
+    native = decode_kernels()
+    if native is None:
+        return w.dense(dtype)
+    out = native.unpack_packed(w.units, w.side, w.rows, w.cols, w.band, w.bits, dtype == torch.float32)
+    return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+
+def half_matrix(w: torch.Tensor | PanelMatrix | PackedMatrix) -> torch.Tensor:
+    """A bfloat16 projection's (K, N) matrix as a tensor for oneDNN's bf16 GEMM: panels and packed units decoded."""
+    if isinstance(w, PanelMatrix):
+        return w.dense()
+    if isinstance(w, PackedMatrix):
+        return w.plain if w.plain is not None else packed_dense(w)
+    return w
+
+
+def head_rows(head: torch.Tensor | QuantizedMatrix | PackedMatrix, rows: slice = slice(None)) -> torch.Tensor:
     """Rows of the output head as (n, C) float32 (a quantized head is stored transposed, (C, V))."""
     if isinstance(head, QuantizedMatrix):
         return dequantize(head).t()[rows]
+    if isinstance(head, PackedMatrix):
+        head = head.matrix()  # wte itself: a packed head keeps it as `plain`
     return head[rows] if head.dtype in (torch.float32, torch.float64) else head[rows].float()
 
 
@@ -101,12 +129,28 @@ def quantized_reference(x2: torch.Tensor, m: QuantizedMatrix, bias: torch.Tensor
     return acc if bias is None else acc + bias
 
 
-def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
+def native_rows(x2: torch.Tensor, w: torch.Tensor | PanelMatrix | PackedMatrix,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """project() of a decode-sized input on the native row-invariant kernels (decode.cpp, or packed.cpp for packed
+    exponents: the same bits); None where they do not apply (no kernels, too many rows, no bias, another dtype or a
+    strided matrix)."""
+    native = decode_kernels()
+    if native is None or x2.shape[0] > DECODE_ROWS or bias is None:
+        return None
+    if isinstance(w, PackedMatrix):
+        return native.conv1d_packed(x2, w.units, w.side, bias, w.bits, cpu().avx512)
+    if isinstance(w, PanelMatrix):  # decode.cpp reads panels as they are
+        return native.conv1d_rows(x2, w.panels, bias, cpu().avx512)
+    if w.dtype in NATIVE_DTYPES and w.is_contiguous():
+        return native.conv1d_rows(x2, w, bias, cpu().avx512)
+    return None
+
+
+def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix | PackedMatrix,
             bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] @ w (K, N) (+ bias) -> [M, N] float32, by the weight's format (see the module docstring)."""
     if x2.device.type != "cpu":
         return device_project(x2, w, bias)
-    M = x2.shape[0]
     grad = x2.requires_grad
     native = decode_kernels() if not grad else None
     if isinstance(w, QuantizedMatrix):
@@ -115,12 +159,10 @@ def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
             return native.packed_rows(x2, w.packed, w.scales, empty, w.out_features, w.bits, cpu().avx512_vnni)
         if not grad:
             return quantized_reference(x2, w, bias)
-    elif native is not None and M <= DECODE_ROWS and bias is not None and (
-            isinstance(w, PanelMatrix) or (w.dtype in NATIVE_DTYPES and w.is_contiguous())):
-        return native.conv1d_rows(x2, w.panels if isinstance(w, PanelMatrix) else w, bias, cpu().avx512)
+    elif native is not None and (y := native_rows(x2, w, bias)) is not None:
+        return y
     elif w.dtype == torch.bfloat16 and not grad and cpu().bf16_matmul:
-        dense = w.dense() if isinstance(w, PanelMatrix) else w  # (K, N) bf16
-        y = (x2.bfloat16() @ dense).float()  # [M, N]: bf16 in and out, float32 accumulation inside oneDNN
+        y = (x2.bfloat16() @ half_matrix(w)).float()  # [M, N]: bf16 in and out, float32 accumulation inside oneDNN
         return y if bias is None else y + bias
     w = as_float32(w)
     if bias is None:
@@ -130,10 +172,10 @@ def project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
     return torch.addmm(bias, x2, w)
 
 
-def device_project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix,
+def device_project(x2: torch.Tensor, w: torch.Tensor | QuantizedMatrix | PanelMatrix | PackedMatrix,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """project() off the CPU: [M, K] float32 @ w (K, N) float32, bfloat16 or float16 (+ bias) -> [M, N] float32."""
-    if not isinstance(w, torch.Tensor):  # quantized and paneled matrices are the CPU's layouts (weights.on_device)
+    if not isinstance(w, torch.Tensor):  # quantized, paneled, packed matrices: the CPU's layouts (weights.on_device)
         raise TypeError(f"project: a {type(w).__name__} has no kernel on {x2.device}; move plain matrices there")
     if w.dtype == torch.float32:
         return x2 @ w if bias is None else torch.addmm(bias, x2, w)
@@ -159,12 +201,14 @@ def float32_out(device: torch.device, dtype: torch.dtype) -> bool:
 def native_projection(p: Linear) -> tuple[list[torch.Tensor], int] | None:
     """A projection as kernels/block.cpp takes it: [weight, scales, bias, LoRA a, b, scale] (empty tensors where it
     has no scales or no LoRA) and its bits (0: float32 or bfloat16, plain or in panels, read by decode.cpp's kernel;
-    8 or 4: packed);
+    28 or 12: float32 or bfloat16 with packed exponents, its units and side list; 8 or 4: quantized);
     None where a tensor has no native kernel (another dtype, a strided weight, float64 adapters)."""
     empty = torch.empty(0)
     w, lora = p.weight, p.lora
     if isinstance(w, QuantizedMatrix):
         tensors, bits = [w.packed, w.scales], w.bits
+    elif isinstance(w, PackedMatrix):  # packed.cpp's conv1d_packed
+        tensors, bits = [w.units, w.side], w.bits
     elif isinstance(w, PanelMatrix):  # decode.cpp's conv1d_rows reads panels as they are
         tensors, bits = [w.panels, empty], 0
     elif w.dtype in NATIVE_DTYPES and w.is_contiguous():
@@ -180,10 +224,16 @@ def native_projection(p: Linear) -> tuple[list[torch.Tensor], int] | None:
     return [*tensors, p.bias, lora.a, lora.b, lora.scale], bits
 
 
-def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
-    """[M, C] -> [M, V] logits through the tied head: wte (V, C) in float32 or bfloat16, or its quantized (C, V)."""
+def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix | PackedMatrix) -> torch.Tensor:
+    """[M, C] -> [M, V] logits through the tied head: wte (V, C) in float32 or bfloat16 (or with packed exponents),
+    or its quantized (C, V)."""
     if isinstance(head, QuantizedMatrix):
         return project(x2, head, None)
+    if isinstance(head, PackedMatrix):
+        native = decode_kernels() if x2.shape[0] <= DECODE_ROWS and not x2.requires_grad else None
+        if native is not None:
+            return native.dot_packed(x2, head.units, head.side, head.rows, head.bits, cpu().avx512)
+        head = head.matrix()  # wte itself (kept as `plain`): what longer inputs read
     M, C = x2.shape
     V = head.shape[0]
     if x2.device.type != "cpu":  # wte (V, C) as the matrix of x @ wte^T, in cuBLAS

@@ -1,5 +1,6 @@
 """The model's weights as types: a frozen tree of tensors under GPT-2's official names (Block, Linear, LayerNorm,
-GPT2Weights), the forms a projection's matrix takes (a plain (K, N) tensor, panels, blockwise-quantized), the one
+GPT2Weights), the forms a projection's matrix takes (a plain (K, N) tensor, panels, blockwise-quantized, packed
+exponents: core/packed.py), the one
 function that knows the fused c_attn's order, and every parameter's expected shape.
 
 The official files (`openai-community/gpt2` on the Hub) store every projection in Conv1D layout, weight shape
@@ -18,6 +19,7 @@ from typing import ClassVar, TypeVar
 import torch
 
 from .config import GPT2Config
+from .packed import PackedMatrix
 from .pages import FilePages, HugeArena, file_pages, huge_pages_available, move_to_huge_pages
 
 # The Conv1D matrices of a block, by their official names: nanoGPT, llm.c and GGUF store them as nn.Linear's
@@ -106,9 +108,10 @@ class PanelMatrix:
         return self.plain if self.plain is not None else self.dense()
 
 
-def float_matrix(w: torch.Tensor | PanelMatrix) -> torch.Tensor:
-    """A float projection's (K, N) matrix as a tensor, however it is stored (a PanelMatrix: its matrix())."""
-    return w.matrix() if isinstance(w, PanelMatrix) else w
+def float_matrix(w: torch.Tensor | PanelMatrix | PackedMatrix) -> torch.Tensor:
+    """A float projection's (K, N) matrix as a tensor, however it is stored (in panels or with packed exponents: its
+    matrix())."""
+    return w.matrix() if isinstance(w, (PanelMatrix, PackedMatrix)) else w
 
 
 def panel_bytes(config: GPT2Config, dtype: torch.dtype) -> int:
@@ -133,7 +136,7 @@ class Linear:
     """A Conv1D projection: weight (in, out), bias (out,), and the LoRA adapters on it, if any. In a gradient
     GPT2Weights (train/step.py), weight and bias are None where the projection is frozen."""
 
-    weight: torch.Tensor | QuantizedMatrix | PanelMatrix
+    weight: torch.Tensor | QuantizedMatrix | PanelMatrix | PackedMatrix
     bias: torch.Tensor
     lora: LoraStack | None = None
 
@@ -165,10 +168,12 @@ class GPT2Weights:
     wpe: torch.Tensor  # (n_positions, C)
     blocks: tuple[Block, ...]
     ln_f: LayerNorm
-    head: torch.Tensor | QuantizedMatrix  # wte (V, C) itself (GPT-2 ties them), or its quantized transpose (C, V)
-    # Set when the head is quantized and wte is read from the mapped file: the embedding lookup then drops wte's
-    # pages after each use (model.embed). A page fault on a file mapping maps the whole page-cache folio around the
-    # row, about 0.9 MB here, so without this every distinct token would leave ~1 MB of float32 wte resident.
+    # wte (V, C) itself (GPT-2 ties them), with packed exponents (its `plain` is wte), or its quantized transpose (C, V)
+    head: torch.Tensor | QuantizedMatrix | PackedMatrix
+    # Set when the head is not wte's tensor (quantized or packed) and wte is read from the mapped file: the embedding
+    # lookup then drops wte's pages after each use (ops.embed). A page fault on a file mapping maps the whole
+    # page-cache folio around the row, about 0.9 MB here, so without this every distinct token would leave ~1 MB of
+    # float32 wte resident.
     wte_pages: FilePages | None = None
 
 
@@ -242,6 +247,18 @@ def parameter_count(config: GPT2Config) -> int:
     return sum(math.prod(shape) for shape in expected_shapes(config).values())
 
 
+def stored_tensors(m: torch.Tensor | QuantizedMatrix | PanelMatrix | PackedMatrix) -> tuple[torch.Tensor, ...]:
+    """The tensors a matrix's decode-time form lies in: a quantized one's values and scales, the panels, the packed
+    units (their side list is small and read once a tile), or the plain tensor itself."""
+    if isinstance(m, QuantizedMatrix):
+        return m.packed, m.scales
+    if isinstance(m, PanelMatrix):
+        return (m.panels,)
+    if isinstance(m, PackedMatrix):
+        return (m.units,)
+    return (m,)
+
+
 def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None, arena: HugeArena | None = None) -> None:
     """Move the block matrices and the head of `w` (bfloat16, float32 or packed, with their scales, or panels) onto
     huge pages (move_to_huge_pages), where the system has them; the values, and so every result, stay the same.
@@ -255,19 +272,16 @@ def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None, arena: Huge
     if not huge_pages_available():
         return
     matrices = [getattr(b, name).weight for b in w.blocks for name in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
-    tensors = [t for m in matrices for t in ((m.packed, m.scales) if isinstance(m, QuantizedMatrix)
-                                             else (m.panels,) if isinstance(m, PanelMatrix)
-                                             else () if file is not None else (m,))]
-    # GPT-2's head is wte itself (tied), or its quantized transpose
-    tensors += [w.head.packed, w.head.scales] if isinstance(w.head, QuantizedMatrix) else [w.head]
+    tensors = [t for m in matrices if file is None or not isinstance(m, torch.Tensor) for t in stored_tensors(m)]
+    # GPT-2's head is wte itself (tied), or its quantized transpose, or its packed units
+    tensors += stored_tensors(w.head)
     tensors = [t for t in tensors if arena is None or not arena.holds(t)]  # placed there by the loader already
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return
     if not tensors:
         return
-    pages = None if file is None else file_pages(w.head, file)
+    pages = None if file is None or not isinstance(w.head, torch.Tensor) else file_pages(w.head, file)
     move_to_huge_pages(list({id(t): t for t in tensors}.values()), None if pages is None else {id(w.head): pages})
-
 
 
 def on_device(w: GPT2Weights, device: torch.device, dtype: torch.dtype | None = None) -> GPT2Weights:
@@ -293,4 +307,5 @@ def on_device(w: GPT2Weights, device: torch.device, dtype: torch.dtype | None = 
     if isinstance(w.head, QuantizedMatrix):
         raise ValueError("on_device: a quantized head has no kernel off the native CPU runner")
     wte = move(w.wte)
-    return GPT2Weights(wte, move(w.wpe), blocks, norm(w.ln_f), wte if w.head is w.wte else move(w.head))
+    tied = w.head is w.wte or isinstance(w.head, PackedMatrix)  # a packed head is wte's values (its plain is wte)
+    return GPT2Weights(wte, move(w.wpe), blocks, norm(w.ln_f), wte if tied else move(w.head))

@@ -15,6 +15,7 @@ from ..core.kernels import cpu, decode_kernels
 from ..core.ops import FEW_IDS
 from ..core.model import Tap, attention, attention_mask, hooked, linear, merge_heads, split_heads
 from ..core.projection import native_projection
+from ..core.packed import PackedMatrix
 from ..core.weights import Block, GPT2Weights, QuantizedMatrix, split_qkv
 
 
@@ -119,6 +120,8 @@ def native_head(w: GPT2Weights, config: GPT2Config) -> Any | None:
         return None
     if isinstance(head, QuantizedMatrix):
         tensors, bits, vocab = (head.packed, head.scales), head.bits, head.out_features
+    elif isinstance(head, PackedMatrix):  # packed.cpp's dot_packed: its units, and its side list as the scales
+        tensors, bits, vocab = (head.units, head.side), head.bits, head.rows
     elif head.dtype in (torch.float32, torch.bfloat16) and head.is_contiguous():
         tensors, bits, vocab = (head, torch.empty(0)), 0, head.shape[0]
     else:

@@ -18,6 +18,7 @@ import torch
 
 from ..core.ops import gelu
 from ..core.model import query_blocks, split_heads
+from ..core.packed import PackedMatrix
 from ..core.projection import HEAD_BLOCK, dequantize_columns, project
 from ..core.weights import LayerNorm, Linear, QuantizedMatrix, float_matrix
 
@@ -258,7 +259,7 @@ def embedding_backward(d_out: torch.Tensor, ids: torch.Tensor, grad_wte: torch.T
 # --- the tied head with cross-entropy, fused -------------------------------------------------------------------------
 
 
-def head_cross_entropy(x: torch.Tensor, wte: torch.Tensor | QuantizedMatrix, targets: torch.Tensor,
+def head_cross_entropy(x: torch.Tensor, wte: torch.Tensor | QuantizedMatrix | PackedMatrix, targets: torch.Tensor,
                        logits: torch.Tensor, grad_scale: float, grad_wte: torch.Tensor | None,
                        d_x: torch.Tensor | None, scratch: torch.Tensor | None = None) -> float:
     """x [N, C] (after ln_f), targets [N] (-1: not scored) -> the summed cross-entropy of the scored rows.
@@ -271,8 +272,11 @@ def head_cross_entropy(x: torch.Tensor, wte: torch.Tensor | QuantizedMatrix, tar
     is. It holds z transposed, one column per row of x, because wte x^T runs a third faster in MKL's GEMM than
     x wte^T does at these shapes (a tall (V, C) operand, not a transposed wide one). A quantized head (QLoRA's
     frozen int8 head, (C, V)) runs the inference kernel forward and widens HEAD_BLOCK of the vocabulary at a time
-    into `scratch` for d_x, so no float32 copy of the whole head ever exists.
+    into `scratch` for d_x, so no float32 copy of the whole head ever exists. A packed head (a LoRA base loaded
+    with packed exponents) is read as the wte it keeps beside its units.
     """
+    if isinstance(wte, PackedMatrix):
+        wte = wte.matrix()  # [V, C]: wte itself, no copy
     R = logits.shape[1]
     total = torch.zeros((), dtype=torch.float64)
     for r0 in range(0, x.shape[0], R):

@@ -1,6 +1,7 @@
 """Native kernels and the CPU facts that choose them.
 
 decode.cpp holds float32/bfloat16 matmuls for decode-sized inputs whose results do not depend on the number of rows;
+packed.cpp the same matmuls on float32/bfloat16 weights with packed exponents (core/packed.py), to the same bits;
 quant.cpp the blockwise int8/int6/int4 matmul with integer dot products; attention.cpp one decode step's attention
 over many cache slots, and a prompt's causal attention; block.cpp a whole block (and the final layer norm with the
 head) of a decode-sized pass as one call on those kernels, and each row's greedy pick (argmax and logsumexp) the
@@ -42,6 +43,7 @@ class CPU:
     amx: bool  # AMX tiles with bf16
     avx512_vnni: bool  # AVX-512 VNNI (vpdpbusd) with BW: the integer dot products of the quantized kernels
     vendor: str = ""  # vendor_id: AuthenticAMD, GenuineIntel, ...
+    avx512_vbmi: bool = False  # AVX-512 VBMI (vpermb) with BW: packed.cpp's AVX-512 decoder
 
     @property
     def bf16_matmul(self) -> bool:
@@ -58,6 +60,13 @@ class CPU:
         and panels at 0.68x of that, float32 the same either way at one row and plain faster at 8
         (docs/benchmarks.md). Zen 4 is taken to be as the other Zen cores: not measured."""
         return self.vendor == "AuthenticAMD" and self.avx2
+
+    @property
+    def packed_decode(self) -> bool:
+        """Whether packed.cpp decodes packed exponents (core/packed.py) on this CPU's own instruction set: AVX-512 with
+        VBMI, or AVX2 where there is no AVX-512. An AVX-512 CPU without VBMI would decode with AVX2, whose head reduces
+        its lanes otherwise than the AVX-512 head the plain layout runs there: not the same bits, so not offered."""
+        return self.avx512_vbmi if self.avx512 else self.avx2
 
     @property
     def best_isa(self) -> str | None:
@@ -86,7 +95,8 @@ def cpu() -> CPU:
     except OSError:
         pass
     return CPU(model, {"avx2", "fma", "f16c"} <= flags, "avx512f" in flags, "avx512_bf16" in flags,
-               "amx_bf16" in flags and "amx_tile" in flags, {"avx512_vnni", "avx512bw"} <= flags, vendor)
+               "amx_bf16" in flags and "amx_tile" in flags, {"avx512_vnni", "avx512bw"} <= flags, vendor,
+               {"avx512vbmi", "avx512bw"} <= flags)
 
 
 def installed() -> tuple[ModuleType | None, str | None]:

@@ -20,8 +20,14 @@
 #include <tuple>
 #include <vector>
 
-// decode.cpp, quant.cpp, attention.cpp (its exp8 and sum8 too), lora.cpp
+// decode.cpp, packed.cpp, quant.cpp, attention.cpp (its exp8 and sum8 too), lora.cpp
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
+torch::Tensor conv1d_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, torch::Tensor b, int64_t bits,
+                            bool avx512);
+torch::Tensor dot_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, int64_t V, int64_t bits,
+                         bool avx512);
+void dot_packed_slice(const torch::Tensor& x, const torch::Tensor& units, const torch::Tensor& side, int64_t V,
+                      int64_t bits, int64_t v0, int64_t n, float* y, int64_t ldy, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
 void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, int64_t n, float* y, int64_t ldy,
                     bool avx512);
@@ -199,15 +205,22 @@ Selected reduce_rows(torch::Tensor logits, std::vector<int64_t> banned) {
 
 namespace {
 
-// One projection's tensors: a float32/bfloat16 weight (K, N), or a packed int8/int6/int4 one with its scales (bits 8/6/4),
-// the bias, and the LoRA stack (a, b, scale) where it has one.
+// The bit widths a projection or head may have: 0 float32 or bfloat16 (decode.cpp); 28 and 12 float32 and bfloat16
+// with packed exponents (packed.cpp: weight the units, scales the side list); 8, 6, 4 quantized (quant.cpp).
+bool float_bits(int64_t bits) { return bits == 0 || bits == 28 || bits == 12; }
+bool known_bits(int64_t bits) { return float_bits(bits) || bits == 8 || bits == 6 || bits == 4; }
+
+// One projection's tensors: a float32/bfloat16 weight (K, N) (or its packed units and side list, bits 28/12), or a
+// quantized int8/int6/int4 one with its scales (bits 8/6/4), the bias, and the LoRA stack (a, b, scale) where it has
+// one.
 struct Projection {
   torch::Tensor weight, scales, bias, lora_a, lora_b, lora_scale;
-  int64_t bits;  // 0: float32 or bfloat16 (decode.cpp); 8, 6 or 4: packed (quant.cpp)
+  int64_t bits;
 
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& index, bool avx512, bool vnni) const {
-    torch::Tensor y = bits ? packed_rows(x, weight, scales, bias, bias.numel(), bits, vnni)
-                           : conv1d_rows(x, weight, bias, avx512);  // [R, N]
+    torch::Tensor y = bits == 0 ? conv1d_rows(x, weight, bias, avx512)
+                      : float_bits(bits) ? conv1d_packed(x, weight, scales, bias, bits, avx512)
+                                         : packed_rows(x, weight, scales, bias, bias.numel(), bits, vnni);  // [R, N]
     if (lora_a.defined()) lora_rows(x, lora_a, lora_b, lora_scale, index, y);
     return y;
   }
@@ -227,7 +240,7 @@ static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, const torc
 class RowBlock {
  public:
   // params: ln_1 weight and bias, ln_2 weight and bias, then for c_attn, attn_c_proj, c_fc, mlp_c_proj in turn:
-  // weight, scales (empty: float), bias, lora a, b, scale (empty: none). bits: each projection's (0, 8, 6 or 4).
+  // weight, scales (empty: float), bias, lora a, b, scale (empty: none). bits: each projection's (known_bits).
   RowBlock(std::vector<torch::Tensor> params, std::vector<int64_t> bits, int64_t layer, int64_t n_head, double eps,
            bool avx512, bool vnni)
       : layer_(layer), n_head_(n_head), eps_(static_cast<float>(eps)), avx512_(avx512), vnni_(vnni) {
@@ -237,7 +250,7 @@ class RowBlock {
       TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1, "RowBlock: layer norms must be float32 [C]");
     for (int j = 0; j < 4; ++j) {
       const auto* p = params.data() + 4 + 6 * j;
-      TORCH_CHECK(bits[j] == 0 || bits[j] == 8 || bits[j] == 6 || bits[j] == 4, "RowBlock: bits must be 0, 8, 6 or 4");
+      TORCH_CHECK(known_bits(bits[j]), "RowBlock: bits must be 0, 28, 12, 8, 6 or 4");
       proj_[j] = {p[0], p[1], p[2], p[3].numel() ? p[3] : torch::Tensor(), p[4], p[5], bits[j]};
       lora_ = lora_ || proj_[j].lora_a.defined();
     }
@@ -294,8 +307,9 @@ class RowBlock {
 };
 
 // The final layer norm and the tied head over the rows of a decode-sized pass: logits [R, V] = ln_f(x) wte^T, with
-// wte (V, C) in float32 or bfloat16 (decode.cpp's dot_rows) or packed int8 as (C, V) (quant.cpp), as model.logits()
-// computes them for these rows, in one call.
+// wte (V, C) in float32 or bfloat16 (decode.cpp's dot_rows), with packed exponents (bits 28/12: packed.cpp's
+// dot_packed, the head its units and scales its side list) or quantized as (C, V) (bits 8/6/4: quant.cpp), as
+// model.logits() computes them for these rows, in one call.
 class RowHead {
  public:
   RowHead(torch::Tensor ln_w, torch::Tensor ln_b, torch::Tensor head, torch::Tensor scales, int64_t bits, int64_t vocab,
@@ -304,7 +318,7 @@ class RowHead {
         eps_(static_cast<float>(eps)), avx512_(avx512), vnni_(vnni) {
     TORCH_CHECK(ln_w.scalar_type() == at::kFloat && ln_b.scalar_type() == at::kFloat && ln_w.is_contiguous() &&
                     ln_b.is_contiguous(), "RowHead: the layer norm must be float32 [C]");
-    TORCH_CHECK(bits == 0 || bits == 8 || bits == 6 || bits == 4, "RowHead: bits must be 0, 8, 6 or 4");
+    TORCH_CHECK(known_bits(bits), "RowHead: bits must be 0, 28, 12, 8, 6 or 4");
   }
 
   // x [R, C] -> logits [R, V].
@@ -313,15 +327,16 @@ class RowHead {
     x = x.contiguous();
     auto h = torch::empty_like(x);  // [R, C]
     norm_rows(x, ln_w_, ln_b_, eps_, h);
-    if (bits_) return packed_rows(h, head_, scales_, torch::empty({0}, x.options()), vocab_, bits_, vnni_);
-    return dot_rows(h, head_, avx512_);
+    if (bits_ == 0) return dot_rows(h, head_, avx512_);
+    if (float_bits(bits_)) return dot_packed(h, head_, scales_, vocab_, bits_, avx512_);
+    return packed_rows(h, head_, scales_, torch::empty({0}, x.options()), vocab_, bits_, vnni_);
   }
 
   // What a pass's rows need of the head, without writing every row's logits: each row's argmax skipping banned[r]
   // (<|endoftext|> under ignore_eos; -1: none), that logit and the logsumexp of all V, and the logits of the rows
   // with keep[r] >= 0 as out[keep[r]] (out [kept, V]; keep numbers the kept rows in order): the greedy picks above,
-  // on the head's logits a piece at a time (decode.cpp's dot_rows_slice); a packed head's logits are made whole
-  // first (its kernel runs whole panels of the vocabulary) and reduced the same way.
+  // on the head's logits a piece at a time (decode.cpp's dot_rows_slice, packed.cpp's dot_packed_slice); a quantized
+  // head's logits are made whole first (its kernel runs whole panels of the vocabulary) and reduced the same way.
   std::tuple<std::vector<int64_t>, std::vector<float>, std::vector<double>, torch::Tensor> select(
       torch::Tensor x, std::vector<int64_t> banned, std::vector<int64_t> keep, int64_t kept) const {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == ln_w_.numel(), "RowHead: x must be float32 [R, C]");
@@ -332,7 +347,7 @@ class RowHead {
     x = x.contiguous();
     auto h = torch::empty_like(x);  // [R, C]
     norm_rows(x, ln_w_, ln_b_, eps_, h);
-    if (bits_) {
+    if (!float_bits(bits_)) {
       const torch::Tensor all = packed_rows(h, head_, scales_, torch::empty({0}, x.options()), vocab_, bits_, vnni_);
       auto [at, best, lse] = reduce_rows(all, banned);
       std::vector<int64_t> rows;
@@ -345,14 +360,17 @@ class RowHead {
     auto out = torch::empty({kept, vocab_}, x.options());
     float* op = out.data_ptr<float>();
     std::vector<Pick> picks(P * R);
-    TORCH_CHECK(head_.dim() == 2 && head_.size(1) == h.size(1) && head_.is_contiguous() &&
-                    (head_.scalar_type() == at::kFloat || head_.scalar_type() == at::kBFloat16),
+    TORCH_CHECK(bits_ != 0 || (head_.dim() == 2 && head_.size(1) == h.size(1) && head_.is_contiguous() &&
+                                (head_.scalar_type() == at::kFloat || head_.scalar_type() == at::kBFloat16)),
                 "RowHead.select: the head must be a contiguous float32 or bfloat16 [V, C]");
     at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
       std::vector<float> buf(R * SUB);  // one piece's logits [R, SUB], in L1
       for (int64_t i = begin; i < end; ++i) {
         const int64_t v0 = i * SUB, n = std::min(SUB, vocab_ - v0);
-        dot_rows_slice(h, head_, v0, n, buf.data(), SUB, avx512_);
+        if (bits_ == 0)
+          dot_rows_slice(h, head_, v0, n, buf.data(), SUB, avx512_);
+        else
+          dot_packed_slice(h, head_, scales_, vocab_, bits_, v0, n, buf.data(), SUB, avx512_);
         for (int64_t r = 0; r < R; ++r) {
           picks[i * R + r] = reduce_piece(buf.data() + r * SUB, n, v0, bp[r]);
           if (kp[r] >= 0) std::memcpy(op + kp[r] * vocab_ + v0, buf.data() + r * SUB, n * sizeof(float));
@@ -448,4 +466,5 @@ void bind_row_block(py::module& m) {
 }
 
 // The end of the engine's reading path (greedy.py -> loop.py -> scheduler.py -> runner.py -> here). The kernels these
-// calls use: decode.cpp (float32/bfloat16 projections and the head), quant.cpp (int8/int4), attention.cpp.
+// calls use: decode.cpp (float32/bfloat16 projections and the head), packed.cpp (the same with packed exponents),
+// quant.cpp (int8/int4), attention.cpp.

@@ -21,8 +21,17 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <vector>
 #include <type_traits>
+
+// One piece's partial sums y [M, N] = x[:, ka:kz] @ w[ka:kz, c0:c1] over whole 64-column tiles [c0, c1), from zero
+// (by_pieces; x [M, K]); and over the columns past the last whole tile.
+using PieceColumns = std::function<void(const float* x, float* y, int64_t M, int64_t ka, int64_t kz, int64_t c0,
+                                        int64_t c1)>;
+using PieceTail = std::function<void(const float* x, float* y, int64_t M, int64_t ka, int64_t kz)>;
+torch::Tensor by_pieces(torch::Tensor x, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
+                        const PieceTail& tail);
 
 namespace {
 
@@ -413,12 +422,15 @@ __attribute__((target("avx2"))) void add_pieces(const float* pp, const float* b,
   }
 }
 
-// y[m, n] = (sum over the pieces p, in order, of x[m, piece p] @ w[piece p, n]) + b[n]. The work is pieces x column
-// groups (one group where the threads are no more than the pieces), in piece order, so each thread's share of
-// the weight is a contiguous run of rows; the columns past the last whole 64-column tile run the same chains in
-// scalar code (fmaf rounds exactly as a vector FMA lane does).
-template <typename W>
-torch::Tensor rows(torch::Tensor x, Layout<typename W::T> w, int64_t K, int64_t N, const float* b, bool avx512) {
+}  // namespace
+
+// y[m, n] = (sum over the pieces p, in order, of x[m, piece p] @ w[piece p, n]) + b[n], for any weight format:
+// `columns` computes one piece's partial sums over whole 64-column tiles, `tail` over the columns past the last one.
+// The work is pieces x column groups (one group where the threads are no more than the pieces), in piece order, so
+// each thread's share of the weight is a contiguous run of rows. Here and in packed.cpp (packed exponents), so that
+// every format adds the same pieces in the same order.
+torch::Tensor by_pieces(torch::Tensor x, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
+                        const PieceTail& tail) {
   x = x.contiguous();
   const int64_t M = x.size(0), P = std::min<int64_t>(KPIECES, K);  // P depends on K alone, never on M or threads
   auto y = torch::empty({M, N}, x.options());
@@ -433,23 +445,40 @@ torch::Tensor rows(torch::Tensor x, Layout<typename W::T> w, int64_t K, int64_t 
     for (int64_t i = begin; i < end; ++i) {
       const auto [ka, kz] = piece(i / groups);
       const int64_t g = i % groups, c0 = tiles * g / groups * 64, c1 = tiles * (g + 1) / groups * 64;
-      if (avx512)
-        columns_avx512<W>(xp, w, pp + i / groups * M * N, M, K, N, ka, kz, c0, c1);
-      else
-        columns_avx2<W>(xp, w, pp + i / groups * M * N, M, K, N, ka, kz, c0, c1);
+      columns(xp, pp + i / groups * M * N, M, ka, kz, c0, c1);
     }
   });
-  for (int64_t p = 0; p < P; ++p) {  // the columns past the tiles
-    const auto [ka, kz] = piece(p);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = tiles * 64; n < N; ++n) {
-        float acc = 0.0f;
-        for (int64_t k = ka; k < kz; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w.w[k * N + n]), acc);
-        pp[(p * M + m) * N + n] = acc;
-      }
-  }
+  if (tiles * 64 < N)
+    for (int64_t p = 0; p < P; ++p) {
+      const auto [ka, kz] = piece(p);
+      tail(xp, pp + p * M * N, M, ka, kz);
+    }
   at::parallel_for(0, M * N, 4096, [&](int64_t begin, int64_t end) { add_pieces(pp, b, yp, P, M * N, N, begin, end); });
   return y;
+}
+
+namespace {
+
+// conv1d_rows on a plain or paneled weight: the columns past the last whole 64-column tile run the same chains in
+// scalar code (fmaf rounds exactly as a vector FMA lane does).
+template <typename W>
+torch::Tensor rows(torch::Tensor x, Layout<typename W::T> w, int64_t K, int64_t N, const float* b, bool avx512) {
+  return by_pieces(
+      x, K, N, b,
+      [&](const float* xp, float* y, int64_t M, int64_t ka, int64_t kz, int64_t c0, int64_t c1) {
+        if (avx512)
+          columns_avx512<W>(xp, w, y, M, K, N, ka, kz, c0, c1);
+        else
+          columns_avx2<W>(xp, w, y, M, K, N, ka, kz, c0, c1);
+      },
+      [&](const float* xp, float* y, int64_t M, int64_t ka, int64_t kz) {
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = N / 64 * 64; n < N; ++n) {
+            float acc = 0.0f;
+            for (int64_t k = ka; k < kz; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w.w[k * N + n]), acc);
+            y[m * N + n] = acc;
+          }
+      });
 }
 
 // ---- the head: y[m, v] = dot(x[m], w[v]) ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 // The Python module of the native kernels: every entry point the package calls, declared here from the file that
 // defines it and bound once. It sits above the kernel files (it calls them; none of them calls it), so they stay a
-// tree: block.cpp runs on decode.cpp, quant.cpp, attention.cpp and lora.cpp.
+// tree: block.cpp runs on decode.cpp, packed.cpp, quant.cpp, attention.cpp and lora.cpp (packed.cpp on decode.cpp's
+// by_pieces).
 #include <torch/extension.h>
 
 #include <tuple>
@@ -10,6 +11,15 @@
 torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
 torch::Tensor dot_rows(torch::Tensor x, torch::Tensor w, bool avx512);
 torch::Tensor unpack_panels(torch::Tensor panels);
+// packed.cpp
+torch::Tensor conv1d_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, torch::Tensor b, int64_t bits,
+                            bool avx512);
+torch::Tensor dot_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, int64_t V, int64_t bits,
+                         bool avx512);
+torch::Tensor unpack_packed(torch::Tensor units, torch::Tensor side, int64_t R, int64_t C, int64_t band, int64_t bits,
+                            bool as_float32);
+torch::Tensor exponent_counts(torch::Tensor w);
+torch::Tensor pack_exponents(torch::Tensor w, int64_t band, torch::Tensor exponents, torch::Tensor units);
 // attention.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
@@ -40,6 +50,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_rows", &conv1d_rows, "y = x @ w + b with a row-count-independent reduction order", release());
   m.def("dot_rows", &dot_rows, "y = x @ w^T with a row-count-independent reduction order", release());
   m.def("unpack_panels", &unpack_panels, "the float32 (K, N) matrix of a weight in panels", release());
+  m.def("conv1d_packed", &conv1d_packed, "conv1d_rows on a weight with packed exponents, the same bits (packed.cpp)",
+        release());
+  m.def("dot_packed", &dot_packed, "dot_rows on a head with packed exponents, the same bits (packed.cpp)", release());
+  m.def("unpack_packed", &unpack_packed, "the float32 or bfloat16 (R, C) matrix of packed units (packed.cpp)",
+        release());
+  m.def("exponent_counts", &exponent_counts, "how many float32/bfloat16 values have each exponent (packed.cpp)",
+        release());
+  m.def("pack_exponents", &pack_exponents, "a matrix's packed units, written; its side list (packed.cpp)", release());
   m.def("reduce_rows", &reduce_rows, "each row's argmax (skipping a banned token), its logit and logsumexp "
         "(block.cpp)", release());
   m.def("decode_attention", &decode_attention, "one decode step's attention for many cache slots (attention.cpp)",

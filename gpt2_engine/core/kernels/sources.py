@@ -11,7 +11,8 @@ from pathlib import Path
 # the package's extension module that setup.py builds (kernels/_native.*.so)
 MODULE = "gpt2_engine.core.kernels._native"
 # module.cpp binds the entry points of the others; the order is the build's and the digest's
-SOURCES = ("decode.cpp", "quant.cpp", "attention.cpp", "block.cpp", "training.cpp", "lora.cpp", "module.cpp")
+SOURCES = ("decode.cpp", "packed.cpp", "quant.cpp", "attention.cpp", "block.cpp", "training.cpp", "lora.cpp",
+           "module.cpp")
 # -fno-math-errno: sqrt never sets errno here, and without the flag the compiler keeps training.cpp's loop scalar.
 # -fopenmp: without it at::parallel_for compiles to a plain serial call (ATen/Parallel-inl.h), and every kernel ran on
 # one thread. With it, the kernels' OpenMP calls bind to the libgomp.so.1 torch has already loaded (same soname; the
