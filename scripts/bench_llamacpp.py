@@ -306,8 +306,9 @@ def main() -> int:
             moved[fmt, side] = engine_bytes(models[side].weights)
             moved[fmt, side, "plain"] = engine_bytes(models[side].weights, as_plain=True)
         engines[fmt] = list(models)
-        sides = {"llama.cpp": {"decode": lambda: llama_bench(bin_dir, files[fmt], args.threads, 0, 128),
-                               "prefill": lambda: llama_bench(bin_dir, files[fmt], args.threads, 512, 0)}}
+        file = files[fmt]
+        sides = {"llama.cpp": {"decode": lambda f=file: llama_bench(bin_dir, f, args.threads, 0, 128),
+                               "prefill": lambda f=file: llama_bench(bin_dir, f, args.threads, 512, 0)}}
         for side, model in models.items():
             sides[side] = {"decode": lambda m=model: engine_decode(m, 128),
                            "prefill": lambda m=model: engine_prefill(m, 512)}

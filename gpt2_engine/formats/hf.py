@@ -308,8 +308,8 @@ def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weig
     atomic("generation_config.json", text(json.dumps(GENERATION_CONFIG, indent=2) + "\n"))
     for (vocab, merges) in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
         if (bpe_source / vocab).is_file() and (bpe_source / merges).is_file():
-            atomic("vocab.json", lambda tmp: shutil.copyfile(bpe_source / vocab, tmp))
-            atomic("merges.txt", lambda tmp: shutil.copyfile(bpe_source / merges, tmp))
+            atomic("vocab.json", lambda tmp, src=bpe_source / vocab: shutil.copyfile(src, tmp))
+            atomic("merges.txt", lambda tmp, src=bpe_source / merges: shutil.copyfile(src, tmp))
             return
     raise WeightsError(f"{bpe_source}: no BPE files (vocab.json + merges.txt or encoder.json + vocab.bpe) to copy")
 
