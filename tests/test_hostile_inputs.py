@@ -301,6 +301,10 @@ CLI_CASES = [
          r"s.sock: a socket; expected a file to write \(or a character device or FIFO to write into\)"),
     Case("convert-hf-onto-a-device", lambda tmp: ["convert", str(tmp / "ckpt"), str(null_device(tmp)), "--to", "hf"],
          r"null: a character device; a Hugging Face checkpoint is a directory"),
+    Case("convert-gguf-into-a-fifo", lambda tmp: (os.mkfifo(tmp / "pipe"), ["convert", str(tmp / "ckpt"), str(tmp / "pipe"),
+                                                                            "--to", "gguf"])[1],
+         r"pipe: a FIFO that cannot seek, and gguf-py's writer asks the file for its position to align the tensor data; "
+         r"write to a file, then copy it$"),  # refused before it is opened: no reader is needed, none is half-fed
     Case("convert-into-proc", lambda tmp: ["convert", str(tmp / "ckpt"), "/proc/gpt2.gguf", "--to", "gguf"],
          r"cannot write /proc/gpt2.gguf: "),
 ]

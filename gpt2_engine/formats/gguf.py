@@ -33,6 +33,9 @@ GGUF_GLOBAL = {"wte.weight": "token_embd.weight", "wpe.weight": "position_embd.w
                "ln_f.bias": "output_norm.bias"}
 
 
+GGUF_SEEKS = "gguf-py's writer asks the file for its position to align the tensor data"
+
+
 def gguf_module():
     try:
         import gguf
@@ -118,7 +121,7 @@ def write_gguf(path: Path, config: GPT2Config, tensors: dict[str, torch.Tensor],
         w.write_tensors_to_file()
         w.close()
 
-    atomic_write(path, write)
+    atomic_write(path, write, seeks=GGUF_SEEKS)
 
 
 # The bounded walk (check_gguf) and the metadata the reader takes.
