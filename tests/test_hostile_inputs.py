@@ -12,8 +12,10 @@ returns the command's arguments or the call to make), the expected line and the 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import pickle
 import re
 import resource
 import socket
@@ -164,6 +166,11 @@ class Payload:
         return (print, ("this ran",))
 
 
+def nanogpt_raw(tmp: Path, ckpt: object) -> list[str]:
+    torch.save(ckpt, tmp / "ckpt.pt")
+    return ["convert", str(tmp / "ckpt.pt"), str(tmp / "out.bin"), "--to", "llmc"]
+
+
 def deflated(tmp: Path) -> list[str]:
     """A nanoGPT checkpoint whose zip entries are deflated: 100 MB of zeros in a file of 100 KB, which torch.load would inflate."""
     import zipfile
@@ -296,6 +303,17 @@ CLI_CASES = [
     Case("hf-pickle-in-pytorch_model.bin", lambda tmp: hf_dir(tmp, TINY, pickled_bin),
          r"pytorch_model.bin: not a readable PyTorch checkpoint \(its pickle asks for print, code that loading "
          r"weights only never runs\)"),
+    Case("hf-protocol-4-pickle-in-pytorch_model.bin",  # torch's warning about the protocol is not a second line
+         lambda tmp: hf_dir(tmp, TINY, lambda d: (d / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Payload()}, protocol=4))),
+         r"pytorch_model.bin: not a readable PyTorch checkpoint \(its pickle holds opcode 0x95, which loading weights "
+         r"only does not read \(torch.save writes pickle protocol 2\)\)$"),
+    Case("hf-gzipped-pytorch_model.bin",
+         lambda tmp: hf_dir(tmp, TINY, lambda d: (d / "pytorch_model.bin").write_bytes(gzip.compress(pickle.dumps({"x": Payload()})))),
+         r"pytorch_model.bin: not a readable PyTorch checkpoint \(a gzip-compressed file; torch.load reads "
+         r"torch.save's files as they are \(gunzip it\)\)$"),
+    Case("nanogpt-model_args-a-list", lambda tmp: nanogpt_raw(tmp, {"model": {}, "model_args": [1, 2]}),
+         r"expected nanoGPT's checkpoint \(a dict with 'model' and 'model_args', as its train.py saves\), found a dict "
+         r"of 'model': dict, 'model_args': list$"),
     # outputs that are not files (item 3)
     Case("convert-to-a-socket", lambda tmp: ["convert", str(tmp / "ckpt"), str(bound_socket(tmp)), "--to", "gguf"],
          r"s.sock: a socket; expected a file to write \(or a character device or FIFO to write into\)"),
