@@ -235,6 +235,10 @@ CLI_CASES = [
          r"a key at byte 32 needs 4,611,686,018,427,387,904 bytes, and 48 are left"),
     Case("gguf-2^63-key-values", gguf_file("a.gguf", gguf(n_kv=1 << 63, tail=bytes(100))),
          r"the key-value count declares 9,223,372,036,854,775,808 of at least 13 bytes each, and 100 bytes are left"),
+    Case("gguf-a-million-key-values",  # each fits in the file; gguf-py's fields for them took 3 GB and a minute
+         gguf_file("a.gguf", gguf(b"".join(gguf_string(f"k{i:07}") + struct.pack("<IB", 0, 1) for i in range(1 << 20)),
+                                  n_kv=1 << 20)),
+         r"not a GGUF the engine reads: 1,048,576 key-values \(a GPT-2's GGUF has about 20; the engine reads at most 4,096\)$"),
     Case("gguf-2^40-tensors", gguf_file("a.gguf", gguf(n_tensors=1 << 40)), r"1,099,511,627,776 tensors \(a GPT-2 has at most 65,536\)"),
     Case("gguf-tensor-past-the-end", gguf_file("a.gguf", gguf(tensors=gguf_string("token_embd.weight")
                                                               + struct.pack("<IQQIQ", 2, 768, 50257, 0, 0), n_tensors=1)),

@@ -132,6 +132,7 @@ GGUF_VERSIONS = (2, 3)  # gguf-py's and llama.cpp's (version 1 is no longer read
 GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
 GGUF_MAX_VALUES = 1 << 20  # array values in a file's metadata; a GPT-2's hold 150,514 (tokens, their types, merges)
 GGUF_MAX_TENSORS = 1 << 16  # GPT-2 xl has 582
+GGUF_MAX_KVS = 1 << 12  # the engine writes 17; gguf-py builds a field of numpy views for each, ~1.5 KB apiece
 GGUF_DEFAULT_ALIGNMENT = 32
 
 # key -> (what it means to the engine, the GGUF value types it may have; an array's are its element types)
@@ -198,6 +199,9 @@ class GGUFWalk:
         if tensors > GGUF_MAX_TENSORS:
             raise self.fail(f"{tensors:,} tensors (a GPT-2 has at most {GGUF_MAX_TENSORS:,})")
         self.count(kvs, 13, "the key-value count")  # a key's length, a type and one byte
+        if kvs > GGUF_MAX_KVS:
+            raise self.fail(f"{kvs:,} key-values (a GPT-2's GGUF has about 20; the engine reads at most "
+                            f"{GGUF_MAX_KVS:,})")
         return tensors, kvs
 
     def value(self, kind: int, key: str) -> None:
