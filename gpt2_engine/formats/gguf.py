@@ -130,7 +130,8 @@ GGUF_STRING, GGUF_ARRAY, GGUF_UINT32 = 8, 9, 4
 GGUF_INTEGERS, GGUF_FLOATS = (0, 1, 2, 3, 4, 5, 10, 11), (6, 12)
 GGUF_VERSIONS = (2, 3)  # gguf-py's and llama.cpp's (version 1 is no longer read by either)
 GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
-GGUF_MAX_VALUES = 1 << 20  # array values in a file's metadata; a GPT-2's hold 150,514 (tokens, their types, merges)
+GGUF_MAX_VALUES = 1 << 18  # array values in a file's metadata; a GPT-2's hold 150,514 (tokens, their types, merges), and
+# gguf-py makes two numpy views of each string (a million empty strings, 8 MB of file, took 1.9 GB and 18 s)
 GGUF_MAX_TENSORS = 1 << 16  # GPT-2 xl has 582
 GGUF_MAX_KVS = 1 << 12  # the engine writes 17; gguf-py builds a field of numpy views for each, ~1.5 KB apiece
 GGUF_DEFAULT_ALIGNMENT = 32
