@@ -433,6 +433,19 @@ def shard(path: Path, tokens: list[int]) -> Path:
     return path
 
 
+def test_a_shard_larger_than_the_address_space_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """A sparse shard of 2^31 - 1 tokens (4 GiB) cannot be mapped in a child capped at 3 GiB: one line, not an
+    internal error from mmap's ENOMEM."""
+    path = shard(tmp_path / "x.bin", [])
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, 2**31 - 1]
+    path.write_bytes(header.tobytes())
+    os.truncate(path, 1024 + 2 * (2**31 - 1))
+    one_line_error(*run_cli(["score", str(path), "--weights", str(tiny_dir)]),
+                   r"x.bin: cannot map its 2,147,483,647 tokens \(4.0 GiB\) into memory: more address space than this "
+                   r"process may use$")
+
+
 @pytest.mark.parametrize("tokens, pattern", [
     ([50256, 11, 60000, 12], r"x.bin: token 60000 at position 2 is not a GPT-2 token id \(0..50256\)$"),
     ([], r"nothing to score: every document is empty$"),
