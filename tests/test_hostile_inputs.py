@@ -380,6 +380,12 @@ def adapter_dir(tmp: Path, config: str) -> Path:
     return d
 
 
+def npy_header(path: Path, shape: str) -> None:
+    """A .npy file of float32 whose header declares `shape` and which holds no data."""
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}".ljust(117).encode() + b"\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header)
+
+
 def sae_load(path: Path) -> str:
     return f"from gpt2_engine.interp.sae import SAE; SAE.load({str(path)!r}, hook_name='blocks.0.hook_resid_pre')"
 
@@ -410,6 +416,10 @@ CALL_CASES = [
                          f"config import GPT2Config; d = {str(adapter_dir(tmp, NESTED))!r}; assert recorded_base(d) == ''; "
                          "load_adapter(d, GPT2Config())",
              "LoraError", r"adapter_config.json: not readable JSON \(its values nest too deeply\)$"),
+    CallCase("steering-npy-of-2^40-floats",  # its header's shape against the file's size, before numpy allocates 4 TiB
+             lambda tmp: (npy_header(tmp / "v.npy", "(1099511627776,)"),
+                          f"from gpt2_engine.formats.vectors import read_vector; read_vector({str(tmp / 'v.npy')!r})")[1],
+             "SteeringError", r"v.npy: not a readable .npy file \(mmap length is greater than file size\)$"),
     CallCase("steering-coef-1e308", lambda tmp: "import torch; from gpt2_engine.interp.steering import Steering; "
                                                 "Steering('blocks.0.hook_resid_pre', torch.ones(64), 1e308)",
              "SteeringError", r"steering at blocks.0.hook_resid_pre: coef 1e\+308 adds values up to 1e\+308; at most "
