@@ -543,3 +543,26 @@ def test_an_llmc_file_is_memory_mapped_as_the_readme_says(tiny_dir: Path, tmp_pa
     assert file_mapping(tensors["h.0.attn.c_attn.weight"], tmp_path / "m.bin") is None
     official = named_tensors(load_weights(tiny_dir, GPT2Config.from_json(tiny_dir / "config.json")))
     assert tensors.keys() == official.keys() and all(torch.equal(tensors[n], t) for n, t in official.items())
+
+
+# --- the command line's bounds: what ran out of memory as an internal error ----------------------------------------
+
+
+def test_a_batch_or_prefix_cache_larger_than_memory_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    score = ["score", str(text), "--weights", str(tiny_dir)]
+    one_line_error(*run_cli([*score, "--batch-size", "1000000", "--stride", "1"]),
+                   r"--batch-size 1000000 x --context \d+ needs ~[\d,.]+ GB for a forward pass's activations; this "
+                   r"process has [\d.]+ GB available: at most --batch-size \d+ fits$")
+    one_line_error(*run_cli([*score, "--prefix-cache-mb", "1e12"]),
+                   r"--prefix-cache-mb 1e\+12 is more than the [\d,]+ MB of memory this process has available$")
+
+
+def test_more_threads_than_four_a_core_is_refused_by_the_parser(tiny_dir: Path) -> None:
+    cores = os.cpu_count() or 1
+    for command in (["generate", "hi", "-n", "2"], ["finetune", "x.txt", "--out", "run"]):
+        code, err = run_cli([*command, "--threads", "1000000", "--weights", str(tiny_dir)])
+        assert code == 2 and err.splitlines()[-1] == (
+            f"gpt2 {command[0]}: error: argument --threads: 1000000 threads; at most {4 * cores} (4 per CPU core; "
+            f"this machine has {cores})"), err[-2000:]
