@@ -50,6 +50,14 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse names the type in its error: "invalid positive integer value"
 
 
+def seed_value(text: str) -> int:
+    """--seed: an integer in [0, 2^63), what torch's and numpy's generators take (a larger one overflowed inside them)."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text}: expected an integer in [0, 2^63)")
+    return value
+
+
 def thread_count(text: str) -> int:
     """--threads: a positive integer, at most 4 per CPU core (torch starts each thread with its stack; a million of
     them ran out of memory inside torch.set_num_threads)."""

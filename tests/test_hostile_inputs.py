@@ -566,3 +566,10 @@ def test_more_threads_than_four_a_core_is_refused_by_the_parser(tiny_dir: Path) 
         assert code == 2 and err.splitlines()[-1] == (
             f"gpt2 {command[0]}: error: argument --threads: 1000000 threads; at most {4 * cores} (4 per CPU core; "
             f"this machine has {cores})"), err[-2000:]
+
+
+def test_a_seed_past_2_63_is_refused_by_the_parser(tiny_dir: Path) -> None:
+    """finetune's and eval's --seed as generate's: [0, 2^63) (finetune's overflowed inside torch, an internal error)."""
+    code, err = run_cli(["finetune", "x.txt", "--out", "run", "--seed", str(10**23), "--weights", str(tiny_dir)])
+    assert code == 2 and err.splitlines()[-1] == (
+        f"gpt2 finetune: error: argument --seed: {10**23}: expected an integer in [0, 2^63)"), err[-2000:]
