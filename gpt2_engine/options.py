@@ -7,6 +7,7 @@ nothing here imports them.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,25 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse names the type in its error: "invalid positive integer value"
 
 
+def seed_value(text: str) -> int:
+    """--seed: an integer in [0, 2^63), what torch's and numpy's generators take (a larger one overflowed inside them)."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text}: expected an integer in [0, 2^63)")
+    return value
+
+
+def thread_count(text: str) -> int:
+    """--threads: a positive integer, at most 4 per CPU core (torch starts each thread with its stack; a million of
+    them ran out of memory inside torch.set_num_threads)."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > 4 * cores:
+        raise argparse.ArgumentTypeError(f"{value} threads; at most {4 * cores} (4 per CPU core; this machine has "
+                                         f"{cores})")
+    return value
+
+
 def add_weights_option(p: argparse.ArgumentParser) -> None:
     """--weights DIR; the CLI resolves its default (weights/, else the demo model) with `core.weights.weights_directory`."""
     p.add_argument("--weights", type=Path, metavar="DIR",
@@ -83,7 +103,7 @@ def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
                    help="quantize the projections at load time to blockwise int8 or int4 (the head to int8, or "
                         "6 bits with int4): "
                         "faster decoding, a little less accurate (see docs/benchmarks.md)")
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--weight-layout", choices=["auto", "plain", "packed"], default="auto",
                    help="how float32/bfloat16 weights are kept for decoding on the CPU: packed exponents (0.875x / "
                         "0.75x the bytes, the same logits to the bit), plain, or auto: packed where this CPU reads "

@@ -12,8 +12,10 @@ returns the command's arguments or the call to make), the expected line and the 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import pickle
 import re
 import resource
 import socket
@@ -164,6 +166,11 @@ class Payload:
         return (print, ("this ran",))
 
 
+def nanogpt_raw(tmp: Path, ckpt: object) -> list[str]:
+    torch.save(ckpt, tmp / "ckpt.pt")
+    return ["convert", str(tmp / "ckpt.pt"), str(tmp / "out.bin"), "--to", "llmc"]
+
+
 def deflated(tmp: Path) -> list[str]:
     """A nanoGPT checkpoint whose zip entries are deflated: 100 MB of zeros in a file of 100 KB, which torch.load would inflate."""
     import zipfile
@@ -228,6 +235,10 @@ CLI_CASES = [
          r"a key at byte 32 needs 4,611,686,018,427,387,904 bytes, and 48 are left"),
     Case("gguf-2^63-key-values", gguf_file("a.gguf", gguf(n_kv=1 << 63, tail=bytes(100))),
          r"the key-value count declares 9,223,372,036,854,775,808 of at least 13 bytes each, and 100 bytes are left"),
+    Case("gguf-a-million-key-values",  # each fits in the file; gguf-py's fields for them took 3 GB and a minute
+         gguf_file("a.gguf", gguf(b"".join(gguf_string(f"k{i:07}") + struct.pack("<IB", 0, 1) for i in range(1 << 20)),
+                                  n_kv=1 << 20)),
+         r"not a GGUF the engine reads: 1,048,576 key-values \(a GPT-2's GGUF has about 20; the engine reads at most 4,096\)$"),
     Case("gguf-2^40-tensors", gguf_file("a.gguf", gguf(n_tensors=1 << 40)), r"1,099,511,627,776 tensors \(a GPT-2 has at most 65,536\)"),
     Case("gguf-tensor-past-the-end", gguf_file("a.gguf", gguf(tensors=gguf_string("token_embd.weight")
                                                               + struct.pack("<IQQIQ", 2, 768, 50257, 0, 0), n_tensors=1)),
@@ -236,9 +247,13 @@ CLI_CASES = [
          r"x is an array of arrays \(llama.cpp's reader refuses them too\)"),
     Case("gguf-unknown-value-type", gguf_file("a.gguf", gguf(gguf_string("k") + struct.pack("<I", 13) + bytes(8), 1)),
          r"k has GGUF value type 13, which is none of GGUF's \(0 to 12\)"),
-    Case("gguf-more-values-than-a-gpt2", gguf_file("a.gguf", gguf(array_kv("x", 0, (1 << 20) + 1), 1,
-                                                                  tail=bytes((1 << 20) + 1))),
-         r"1,048,577 array values in its metadata at x \(a GPT-2's metadata holds 150,514; the engine reads at most 1,048,576\)"),
+    Case("gguf-more-values-than-a-gpt2", gguf_file("a.gguf", gguf(array_kv("x", 0, (1 << 18) + 1), 1,
+                                                                  tail=bytes((1 << 18) + 1))),
+         r"262,145 array values in its metadata at x \(a GPT-2's metadata holds 150,514; the engine reads at most 262,144\)"),
+    Case("gguf-a-million-empty-strings", gguf_file("a.gguf", gguf(array_kv("tokenizer.ggml.tokens", 8, 1 << 20), 1,
+                                                                  tail=bytes(8 << 20))),
+         r"1,048,576 array values in its metadata at tokenizer.ggml.tokens \(a GPT-2's metadata holds 150,514; the "
+         r"engine reads at most 262,144\)"),
     Case("gguf-5-dimensions", gguf_file("a.gguf", gguf(tensors=gguf_string("t") + struct.pack("<I5QIQ", 5, 1, 1, 1, 1, 1, 0, 0),
                                                        n_tensors=1)), r"tensor t has 5 dimensions \(expected 1 to 4\)"),
     Case("gguf-unknown-ggml-type", gguf_file("a.gguf", gguf(tensors=gguf_string("t") + struct.pack("<IQIQ", 1, 32, 999, 0),
@@ -296,11 +311,26 @@ CLI_CASES = [
     Case("hf-pickle-in-pytorch_model.bin", lambda tmp: hf_dir(tmp, TINY, pickled_bin),
          r"pytorch_model.bin: not a readable PyTorch checkpoint \(its pickle asks for print, code that loading "
          r"weights only never runs\)"),
+    Case("hf-protocol-4-pickle-in-pytorch_model.bin",  # torch's warning about the protocol is not a second line
+         lambda tmp: hf_dir(tmp, TINY, lambda d: (d / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Payload()}, protocol=4))),
+         r"pytorch_model.bin: not a readable PyTorch checkpoint \(its pickle holds opcode 0x95, which loading weights "
+         r"only does not read \(torch.save writes pickle protocol 2\)\)$"),
+    Case("hf-gzipped-pytorch_model.bin",
+         lambda tmp: hf_dir(tmp, TINY, lambda d: (d / "pytorch_model.bin").write_bytes(gzip.compress(pickle.dumps({"x": Payload()})))),
+         r"pytorch_model.bin: not a readable PyTorch checkpoint \(a gzip-compressed file; torch.load reads "
+         r"torch.save's files as they are \(gunzip it\)\)$"),
+    Case("nanogpt-model_args-a-list", lambda tmp: nanogpt_raw(tmp, {"model": {}, "model_args": [1, 2]}),
+         r"expected nanoGPT's checkpoint \(a dict with 'model' and 'model_args', as its train.py saves\), found a dict "
+         r"of 'model': dict, 'model_args': list$"),
     # outputs that are not files (item 3)
     Case("convert-to-a-socket", lambda tmp: ["convert", str(tmp / "ckpt"), str(bound_socket(tmp)), "--to", "gguf"],
          r"s.sock: a socket; expected a file to write \(or a character device or FIFO to write into\)"),
     Case("convert-hf-onto-a-device", lambda tmp: ["convert", str(tmp / "ckpt"), str(null_device(tmp)), "--to", "hf"],
          r"null: a character device; a Hugging Face checkpoint is a directory"),
+    Case("convert-gguf-into-a-fifo", lambda tmp: (os.mkfifo(tmp / "pipe"), ["convert", str(tmp / "ckpt"), str(tmp / "pipe"),
+                                                                            "--to", "gguf"])[1],
+         r"pipe: a FIFO that cannot seek, and gguf-py's writer asks the file for its position to align the tensor data; "
+         r"write to a file, then copy it$"),  # refused before it is opened: no reader is needed, none is half-fed
     Case("convert-into-proc", lambda tmp: ["convert", str(tmp / "ckpt"), "/proc/gpt2.gguf", "--to", "gguf"],
          r"cannot write /proc/gpt2.gguf: "),
 ]
@@ -350,6 +380,12 @@ def adapter_dir(tmp: Path, config: str) -> Path:
     return d
 
 
+def npy_header(path: Path, shape: str) -> None:
+    """A .npy file of float32 whose header declares `shape` and which holds no data."""
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}".ljust(117).encode() + b"\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header)
+
+
 def sae_load(path: Path) -> str:
     return f"from gpt2_engine.interp.sae import SAE; SAE.load({str(path)!r}, hook_name='blocks.0.hook_resid_pre')"
 
@@ -380,6 +416,10 @@ CALL_CASES = [
                          f"config import GPT2Config; d = {str(adapter_dir(tmp, NESTED))!r}; assert recorded_base(d) == ''; "
                          "load_adapter(d, GPT2Config())",
              "LoraError", r"adapter_config.json: not readable JSON \(its values nest too deeply\)$"),
+    CallCase("steering-npy-of-2^40-floats",  # its header's shape against the file's size, before numpy allocates 4 TiB
+             lambda tmp: (npy_header(tmp / "v.npy", "(1099511627776,)"),
+                          f"from gpt2_engine.formats.vectors import read_vector; read_vector({str(tmp / 'v.npy')!r})")[1],
+             "SteeringError", r"v.npy: not a readable .npy file \(mmap length is greater than file size\)$"),
     CallCase("steering-coef-1e308", lambda tmp: "import torch; from gpt2_engine.interp.steering import Steering; "
                                                 "Steering('blocks.0.hook_resid_pre', torch.ones(64), 1e308)",
              "SteeringError", r"steering at blocks.0.hook_resid_pre: coef 1e\+308 adds values up to 1e\+308; at most "
@@ -401,6 +441,19 @@ def shard(path: Path, tokens: list[int]) -> Path:
     header[:3] = [20240520, 1, len(tokens)]
     path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
     return path
+
+
+def test_a_shard_larger_than_the_address_space_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """A sparse shard of 2^31 - 1 tokens (4 GiB) cannot be mapped in a child capped at 3 GiB: one line, not an
+    internal error from mmap's ENOMEM."""
+    path = shard(tmp_path / "x.bin", [])
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, 2**31 - 1]
+    path.write_bytes(header.tobytes())
+    os.truncate(path, 1024 + 2 * (2**31 - 1))
+    one_line_error(*run_cli(["score", str(path), "--weights", str(tiny_dir)]),
+                   r"x.bin: cannot map its 2,147,483,647 tokens \(4.0 GiB\) into memory: more address space than this "
+                   r"process may use$")
 
 
 @pytest.mark.parametrize("tokens, pattern", [
@@ -490,3 +543,33 @@ def test_an_llmc_file_is_memory_mapped_as_the_readme_says(tiny_dir: Path, tmp_pa
     assert file_mapping(tensors["h.0.attn.c_attn.weight"], tmp_path / "m.bin") is None
     official = named_tensors(load_weights(tiny_dir, GPT2Config.from_json(tiny_dir / "config.json")))
     assert tensors.keys() == official.keys() and all(torch.equal(tensors[n], t) for n, t in official.items())
+
+
+# --- the command line's bounds: what ran out of memory as an internal error ----------------------------------------
+
+
+def test_a_batch_or_prefix_cache_larger_than_memory_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    score = ["score", str(text), "--weights", str(tiny_dir)]
+    one_line_error(*run_cli([*score, "--batch-size", "1000000", "--stride", "1"]),
+                   r"--batch-size 1000000 x --context \d+ needs ~[\d,.]+ GB for a forward pass's activations; this "
+                   r"process has [\d.]+ GB available: at most --batch-size \d+ fits$")
+    one_line_error(*run_cli([*score, "--prefix-cache-mb", "1e12"]),
+                   r"--prefix-cache-mb 1e\+12 is more than the [\d,]+ MB of memory this process has available$")
+
+
+def test_more_threads_than_four_a_core_is_refused_by_the_parser(tiny_dir: Path) -> None:
+    cores = os.cpu_count() or 1
+    for command in (["generate", "hi", "-n", "2"], ["finetune", "x.txt", "--out", "run"]):
+        code, err = run_cli([*command, "--threads", "1000000", "--weights", str(tiny_dir)])
+        assert code == 2 and err.splitlines()[-1] == (
+            f"gpt2 {command[0]}: error: argument --threads: 1000000 threads; at most {4 * cores} (4 per CPU core; "
+            f"this machine has {cores})"), err[-2000:]
+
+
+def test_a_seed_past_2_63_is_refused_by_the_parser(tiny_dir: Path) -> None:
+    """finetune's and eval's --seed as generate's: [0, 2^63) (finetune's overflowed inside torch, an internal error)."""
+    code, err = run_cli(["finetune", "x.txt", "--out", "run", "--seed", str(10**23), "--weights", str(tiny_dir)])
+    assert code == 2 and err.splitlines()[-1] == (
+        f"gpt2 finetune: error: argument --seed: {10**23}: expected an integer in [0, 2^63)"), err[-2000:]

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from ..formats.checkpoints import checkpoint_kind, read_checkpoint
-from ..formats.files import what_is, written_into
-from ..formats.gguf import write_gguf
+from ..formats.files import check_seekable, what_is, written_into
+from ..formats.gguf import GGUF_SEEKS, write_gguf
 from ..formats.llmc import write_llmc
 from ..core.config import GPT2Config
 from ..core.tokenizer import load_tokenizer
@@ -51,6 +51,8 @@ def check_destination(src: Path, dst: Path, to: str, dtype: str) -> None:
     if dst.is_dir():
         raise UsageError(f"{dst}: a directory; a{'n llm.c model' if to == 'llmc' else ' GGUF'} is one file")
     written_into(dst)  # a socket or a block device is refused before the checkpoint is read
+    if to == "gguf":
+        check_seekable(dst, GGUF_SEEKS)  # a FIFO too, before the checkpoint is read and half a file is written
 
 
 def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..formats.files import atomic_write
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
-                       positive_int, steering_from_args)
+                       positive_int, seed_value, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
 
 HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (docs/evaluation.md)"
@@ -35,7 +35,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                    help="documents per task: a count, or a fraction below 1 (for quick checks, not reportable figures)")
     p.add_argument("--output", type=Path, metavar="FILE.json", help="write lm-eval's results (and samples) as JSON")
     p.add_argument("--log-samples", action="store_true", help="with --output: each document's requests and answers")
-    p.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds and the engine's sampling seed (default 1234)")
+    p.add_argument("--seed", type=seed_value, default=1234, help="lm-eval's seeds and the engine's sampling seed (default 1234)")
     p.add_argument("--prefix-cache-mb", type=float, metavar="MB",
                    help=f"memory for cached prompt blocks (default {DEFAULT_CAPACITY_MB})")
     p.add_argument("--no-prefix-cache", action="store_true", help="run every prompt from its first token")

@@ -32,7 +32,7 @@ from ..core.tokenizer import Tokenizer, load_tokenizer
 from ..core.weights import GPT2Weights
 from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
 from ..documents import expand_paths, read_documents
-from ..options import UsageError, positive_int
+from ..options import UsageError, positive_int, seed_value, thread_count
 from ..runtime.generate import two_samples
 from ..train.step import initial_weights, trainable_copy
 from ..train.trainer import (Base, Eval, Event, Output, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings,
@@ -133,8 +133,8 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
                            "memory); the adapters stay float32")
     lora.add_argument("--merge", action="store_true",
                       help="at the end, also write the base with the best adapter merged in to OUT/merged")
-    p.add_argument("--seed", type=int, default=0, help="data order, dropout masks and the adapters' init (default 0)")
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--seed", type=seed_value, default=0, help="data order, dropout masks and the adapters' init (default 0)")
+    p.add_argument("--threads", type=thread_count, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--log", type=Path, metavar="FILE.jsonl", help="append every event (steps, evaluations, ...) as JSON lines")
     p.set_defaults(run=run_finetune)
 

@@ -7,7 +7,8 @@
 - A character device (/dev/null), a FIFO or pipe, or a file reached through a descriptor's link (/dev/stdout,
   /dev/fd/N, a shell's `>(...)`): written into, as `cp` writes, and never replaced (a rename would leave a regular
   file where /dev/null was, or drop what the shell redirects into).
-- A directory, a socket or a block device: refused, in one line naming what is there.
+- A directory, a socket or a block device: refused, in one line naming what is there. So is a FIFO, pipe or
+  terminal for a writer that must seek (gguf-py's asks the file for its position), before anything is written.
 
 A failed write leaves a replaced destination as it was and no temporary file, and is an OutputError naming the
 destination ("no space left writing PATH" for a full disk).
@@ -89,6 +90,33 @@ def written_into(dest: Path) -> bool:
     return False
 
 
+def seekable(dest: Path) -> bool:
+    """Whether `dest`, written into, can report and change its position: a regular file or /dev/null can, a FIFO, a
+    pipe or a terminal cannot."""
+    kind = what_is(dest)
+    if kind == "a FIFO":
+        return False
+    if kind != "a character device":
+        return True
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return True  # the write itself reports what is wrong
+    try:
+        os.lseek(fd, 0, os.SEEK_CUR)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def check_seekable(dest: Path, why: str) -> None:
+    """OutputError where `dest` is written into and cannot seek, which the writer needs (`why`)."""
+    if written_into(dest) and not seekable(dest):
+        raise OutputError(f"{dest}: {what_is(dest)} that cannot seek, and {why}; write to a file, then copy it")
+
+
 def error_number(e: BaseException) -> int | None:
     """The OS error behind `e`: an OSError's errno, or the one safetensors' writer quotes ("... (os error 28)")."""
     if isinstance(e, OSError):
@@ -134,10 +162,13 @@ def temporary(dest: Path) -> tuple[int, Path]:
     return fd, Path(tmp)
 
 
-def atomic_write(dest: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(dest: Path, write: Callable[[Path], None], seeks: str = "") -> None:
     """`write(path)` fills a temporary file beside `dest`, which is then synced and renamed over `dest`; a device,
-    FIFO or descriptor is written into instead (`write(dest)`). OutputError where `dest` cannot be written."""
+    FIFO or descriptor is written into instead (`write(dest)`), unless the writer seeks (`seeks` says why) and it
+    cannot. OutputError where `dest` cannot be written."""
     try:
+        if seeks:
+            check_seekable(dest, seeks)
         into = written_into(dest)
         if not into:
             fd, tmp = temporary(dest)

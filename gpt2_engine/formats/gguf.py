@@ -33,6 +33,9 @@ GGUF_GLOBAL = {"wte.weight": "token_embd.weight", "wpe.weight": "position_embd.w
                "ln_f.bias": "output_norm.bias"}
 
 
+GGUF_SEEKS = "gguf-py's writer asks the file for its position to align the tensor data"
+
+
 def gguf_module():
     try:
         import gguf
@@ -118,7 +121,7 @@ def write_gguf(path: Path, config: GPT2Config, tensors: dict[str, torch.Tensor],
         w.write_tensors_to_file()
         w.close()
 
-    atomic_write(path, write)
+    atomic_write(path, write, seeks=GGUF_SEEKS)
 
 
 # The bounded walk (check_gguf) and the metadata the reader takes.
@@ -127,8 +130,10 @@ GGUF_STRING, GGUF_ARRAY, GGUF_UINT32 = 8, 9, 4
 GGUF_INTEGERS, GGUF_FLOATS = (0, 1, 2, 3, 4, 5, 10, 11), (6, 12)
 GGUF_VERSIONS = (2, 3)  # gguf-py's and llama.cpp's (version 1 is no longer read by either)
 GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
-GGUF_MAX_VALUES = 1 << 20  # array values in a file's metadata; a GPT-2's hold 150,514 (tokens, their types, merges)
+GGUF_MAX_VALUES = 1 << 18  # array values in a file's metadata; a GPT-2's hold 150,514 (tokens, their types, merges), and
+# gguf-py makes two numpy views of each string (a million empty strings, 8 MB of file, took 1.9 GB and 18 s)
 GGUF_MAX_TENSORS = 1 << 16  # GPT-2 xl has 582
+GGUF_MAX_KVS = 1 << 12  # the engine writes 17; gguf-py builds a field of numpy views for each, ~1.5 KB apiece
 GGUF_DEFAULT_ALIGNMENT = 32
 
 # key -> (what it means to the engine, the GGUF value types it may have; an array's are its element types)
@@ -195,6 +200,9 @@ class GGUFWalk:
         if tensors > GGUF_MAX_TENSORS:
             raise self.fail(f"{tensors:,} tensors (a GPT-2 has at most {GGUF_MAX_TENSORS:,})")
         self.count(kvs, 13, "the key-value count")  # a key's length, a type and one byte
+        if kvs > GGUF_MAX_KVS:
+            raise self.fail(f"{kvs:,} key-values (a GPT-2's GGUF has about 20; the engine reads at most "
+                            f"{GGUF_MAX_KVS:,})")
         return tensors, kvs
 
     def value(self, kind: int, key: str) -> None:

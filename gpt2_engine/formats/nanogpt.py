@@ -20,6 +20,14 @@ COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper adds to every key
 NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # GPTConfig's, ints all
 
 
+def found(ckpt: object) -> str:
+    """What a checkpoint that is not nanoGPT's holds: its type, and for a dict its keys and their values' types."""
+    if not isinstance(ckpt, dict):
+        return type(ckpt).__name__
+    keys = sorted(ckpt, key=str)[:6]
+    return "a dict of " + ", ".join(f"{str(k)!r}: {type(ckpt[k]).__name__}" for k in keys)
+
+
 def load_nanogpt(path: Path) -> dict:
     """The checkpoint's dict, read without running code, with `model` (a state dict) and `model_args` checked."""
     try:
@@ -28,7 +36,7 @@ def load_nanogpt(path: Path) -> dict:
         raise WeightsError(f"{path}: not a readable nanoGPT checkpoint ({e})") from None
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or not isinstance(ckpt.get("model_args"), dict):
         raise WeightsError(f"{path}: expected nanoGPT's checkpoint (a dict with 'model' and 'model_args', as its "
-                           f"train.py saves), found {type(ckpt).__name__} with keys {sorted(map(str, ckpt))[:6] if isinstance(ckpt, dict) else '-'}")
+                           f"train.py saves), found {found(ckpt)}")
     args = ckpt["model_args"]
     for key in NANOGPT_ARGS:
         if key not in args:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ def refusal(e: BaseException) -> str:
     asked = re.search(r"GLOBAL ([\w.]+)", text)
     if asked:
         return f"its pickle asks for {asked.group(1)}, code that loading weights only never runs"
+    opcode = re.search(r"Unsupported operand (\d+)", text)
+    if opcode:  # a pickle of a newer protocol than torch.save's 2, or bytes that are no pickle at all
+        return (f"its pickle holds opcode {int(opcode.group(1)):#04x}, which loading weights only does not read "
+                f"(torch.save writes pickle protocol 2)")
     detail = re.search(r"WeightsUnpickler error: (.*?)(\. |$)", text)
     if detail:
         return f"its pickle holds more than tensors and plain values ({detail.group(1)[:160]})"
@@ -46,7 +51,15 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
     except (zipfile.BadZipFile, OSError) as e:
         raise ValueError(f"not a readable zip archive ({e})") from None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with open(path, "rb") as f:
+            if f.read(2) == b"\x1f\x8b":
+                raise ValueError("a gzip-compressed file; torch.load reads torch.save's files as they are (gunzip it)")
+    except OSError as e:
+        raise ValueError(f"not readable ({e.strerror})") from None
+    try:
+        with warnings.catch_warnings():  # torch warns of a pickle protocol other than its own, then refuses it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise ValueError(refusal(e)) from None
     except RuntimeError as e:

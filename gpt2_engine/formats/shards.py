@@ -7,7 +7,9 @@ A shard is 256 int32 of header (magic 20240520, version 1, the token count), the
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -52,7 +54,12 @@ def read_shard(path: Path) -> np.ndarray:
                          f"({'truncated' if size < HEADER_INTS * 4 + 2 * n else 'bytes left over'})")
     if n == 0:
         return np.zeros(0, dtype="<u2")  # numpy cannot map nothing
-    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    try:
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    except OSError as e:
+        why = ("more address space than this process may use" if e.errno == errno.ENOMEM
+               else os.strerror(e.errno) if e.errno else str(e))
+        raise ShardError(f"{path}: cannot map its {n:,} tokens ({2 * n / 2**30:.1f} GiB) into memory: {why}") from None
     check_ids(tokens, path)
     return tokens
 

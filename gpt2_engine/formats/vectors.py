@@ -26,7 +26,7 @@ def read_vector(path: str | Path) -> torch.Tensor:
         raise SteeringError(f"steering vector {path}: no such file")
     try:
         if p.suffix == ".npy":
-            found: Any = np.load(p, allow_pickle=False)
+            found: Any = np.array(np.load(p, mmap_mode="r", allow_pickle=False))  # mapped: a shape past the file is refused
         elif p.suffix == ".safetensors":
             from safetensors.torch import load_file
 

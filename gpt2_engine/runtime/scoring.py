@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.config import GPT2Config
+from ..core.config import GPT2Config, memory_limit
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, residual_stream
+from ..core.pages import available_memory
 from ..interp.spec import Steering, check_steering
 from ..interp.steering import batch_tap, check_scoring
 from ..core.weights import GPT2Weights
@@ -106,8 +107,25 @@ class ScoreSettings:
             raise GPT2EngineError(f"batch size must be at least 1, got {self.batch_size}")
         if self.prefix_cache_mb is not None and self.prefix_cache_mb <= 0:
             raise GPT2EngineError(f"prefix cache size must be a positive number of MB, got {self.prefix_cache_mb}")
+        self.check_memory(config)
         check_steering(self.steering, config)
         check_scoring(self.steering)
+
+    def check_memory(self, config: GPT2Config) -> None:
+        """Refuse, before anything is allocated, a batch of windows or a prefix cache larger than the memory this
+        process has: a forward pass of `batch_size` windows holds, per token, the residual stream, q, k, v and the
+        MLP's hidden layer (about 12 x n_embd floats) and a row of attention scores per head."""
+        room = min(available_memory(), memory_limit())
+        if self.prefix_cache_mb is not None and self.prefix_cache_mb * 2**20 > room:
+            raise GPT2EngineError(f"--prefix-cache-mb {self.prefix_cache_mb:g} is more than the {room / 2**20:,.0f} MB "
+                                  f"of memory this process has available")
+        window = 4 * self.context * (12 * config.n_embd + config.n_head * self.context)  # bytes
+        if self.batch_size * window > room:
+            fits = room // window
+            raise GPT2EngineError(f"--batch-size {self.batch_size} x --context {self.context} needs "
+                                  f"~{self.batch_size * window / 1e9:,.1f} GB for a forward pass's activations; this "
+                                  f"process has {room / 1e9:.1f} GB available: "
+                                  f"{f'at most --batch-size {fits} fits' if fits else 'lower --context'}")
 
 
 @dataclass
