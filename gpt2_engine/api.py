@@ -21,7 +21,7 @@ from .core.lora import LoraAdapter, LoraSettings, attach
 from .formats.peft import check_base, load_adapter
 from .core.model import forward
 from .core.packing import LayoutError, Packing, check_layout, pack_weights, use_packed
-from .core.pages import HugeArena, file_mapping, huge_pages_available
+from .core.pages import HugeArena, check_batch_fits, file_mapping, huge_pages_available
 from .core.weights import matrices_on_huge_pages
 from .core.quantize import FORMATS, quantize_weights
 from .interp.sae import SAE, SAEMetrics, Spliced, check_saes, sae_point_names
@@ -191,6 +191,7 @@ class GPT2:
         Three passes per batch: plain, spliced and ablated. `progress(n)` is told each batch's window count."""
         sae = check_saes(sae, self.config)[0].to(self.device)
         self.check_ids(ids)
+        check_batch_fits(min(batch_size, ids.shape[0]), ids.shape[-1], self.config, extra_per_token=3 * sae.d_sae)
         metrics = SAEMetrics(sae.d_in, sae.d_sae)
         keep = {f"{sae.hook_name}.{p}" for p in ("hook_sae_input", "hook_sae_acts_post", "hook_sae_output")}
         for i in range(0, ids.shape[0], batch_size):

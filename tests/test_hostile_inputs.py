@@ -298,10 +298,12 @@ CLI_CASES = [
          r"config: n_layer must be a positive integer up to 4,096, got 1000000000.0$"),
     Case("hf-n_head-a-bool", lambda tmp: hf_dir(tmp, {**TINY, "n_head": True}), r"config: n_head must be a positive integer up to 4,096, got True$"),
     Case("hf-epsilon-nan-string", lambda tmp: hf_dir(tmp, {**TINY, "layer_norm_epsilon": "nan"}),
-         r"config: layer_norm_epsilon must be a finite positive number, got 'nan'$"),
+         r"config: layer_norm_epsilon must be a number in \(0, 1\), got 'nan'$"),
     Case("hf-epsilon-abc", lambda tmp: hf_dir(tmp, {**TINY, "layer_norm_epsilon": "abc"}), r"got 'abc'$"),
     Case("hf-epsilon-negative", lambda tmp: hf_dir(tmp, {**TINY, "layer_norm_epsilon": -1}),
-         r"config: layer_norm_epsilon must be a finite positive number, got -1$"),
+         r"config: layer_norm_epsilon must be a number in \(0, 1\), got -1$"),
+    Case("hf-epsilon-1e300", lambda tmp: hf_dir(tmp, {**TINY, "layer_norm_epsilon": 1e300}),  # inf in float32
+         r"config: layer_norm_epsilon must be a number in \(0, 1\), got 1e\+300$"),
     Case("hf-epsilon-NaN-literal", lambda tmp: hf_dir(tmp, json.dumps({**TINY, "layer_norm_epsilon": float("nan")})), r"got nan$"),
     Case("hf-config-nested-100000-deep", lambda tmp: hf_dir(tmp, NESTED), r"config.json: not a readable JSON config \(its values nest too deeply\)"),
     Case("hf-xl-config-in-a-small-file", lambda tmp: hf_dir(tmp, {**TINY, "n_layer": 48, "n_head": 25, "n_embd": 1600,
@@ -559,6 +561,19 @@ def test_a_batch_or_prefix_cache_larger_than_memory_is_one_line(tiny_dir: Path, 
                    r"--prefix-cache-mb 1e\+12 is more than the [\d,]+ MB of memory this process has available$")
 
 
+def test_an_sae_batch_larger_than_memory_is_one_line(trained_dir: Path, saes_dir: Path, tmp_path: Path) -> None:
+    """gpt2 sae eval and dashboard check a batch's activations and latents against memory as score does (eval's
+    --batch-size 1000000 was an internal error from torch's allocator)."""
+    text = tmp_path / "a.txt"
+    text.write_text("Return the number of items in the list. " * 40_000)  # 360,000 tokens: 703 windows of 512
+    common = ["--sae", str(saes_dir / "standard-resid"), "--weights", str(trained_dir), "--context", "512",
+              "--batch-size", "1000000", "--quiet"]
+    needs = (r"--batch-size \d+ x --context 512 needs ~[\d,.]+ GB for a forward pass's activations; this process has "
+             r"[\d.]+ GB available: at most --batch-size \d+ fits$")
+    one_line_error(*run_cli(["sae", "eval", str(text), "--max-windows", "100000", *common]), needs)
+    one_line_error(*run_cli(["sae", "dashboard", str(text), "--out", str(tmp_path / "d"), *common]), needs)
+
+
 def test_more_threads_than_four_a_core_is_refused_by_the_parser(tiny_dir: Path) -> None:
     cores = os.cpu_count() or 1
     for command in (["generate", "hi", "-n", "2"], ["finetune", "x.txt", "--out", "run"]):
@@ -566,6 +581,14 @@ def test_more_threads_than_four_a_core_is_refused_by_the_parser(tiny_dir: Path) 
         assert code == 2 and err.splitlines()[-1] == (
             f"gpt2 {command[0]}: error: argument --threads: 1000000 threads; at most {4 * cores} (4 per CPU core; "
             f"this machine has {cores})"), err[-2000:]
+
+
+def test_an_update_or_a_run_without_end_is_refused_by_the_parser(tiny_dir: Path) -> None:
+    """--accumulate 1e9 and --epochs 1e9 started a run of one update of 64e9 tokens over 1,902."""
+    for flag, value, limit in (("--accumulate", "1000000000", "4,096"), ("--epochs", "1e9", "10,000")):
+        code, err = run_cli(["finetune", "x.txt", "--out", "run", flag, value, "--weights", str(tiny_dir)])
+        assert code == 2 and err.splitlines()[-1] == (
+            f"gpt2 finetune: error: argument {flag}: {value}: at most {limit}"), err[-2000:]
 
 
 def test_a_seed_past_2_63_is_refused_by_the_parser(tiny_dir: Path) -> None:

@@ -71,6 +71,21 @@ def positive_float(text: str) -> float:
 
 positive_float.__name__ = "positive number"
 
+MAX_ACCUMULATE = 4096  # micro-batches an update: past this, one update outlasts any run a CPU finishes
+MAX_EPOCHS = 10_000
+
+
+def at_most(parse: Callable[[str], float], limit: int) -> Callable[[str], float]:
+    """A flag's parser that also refuses values above `limit`, saying so (1e9 epochs started a run without end)."""
+    def bounded(text: str) -> float:
+        value = parse(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text}: at most {limit:,}")
+        return value
+
+    bounded.__name__ = parse.__name__
+    return bounded
+
 
 def add_finetune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -91,11 +106,11 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where checkpoints go")
     p.add_argument("--context", type=positive_int, metavar="N", help="tokens a window (default min(512, n_positions))")
     p.add_argument("--batch-size", type=positive_int, default=4, metavar="B", help="windows a micro-batch (default 4)")
-    p.add_argument("--accumulate", type=positive_int, default=1, metavar="K",
+    p.add_argument("--accumulate", type=at_most(positive_int, MAX_ACCUMULATE), default=1, metavar="K",
                    help="micro-batches an update (gradient accumulation; default 1)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=positive_int, metavar="N", help="updates to train for")
-    length.add_argument("--epochs", type=positive_float, metavar="E", help="passes over the data (default 1)")
+    length.add_argument("--epochs", type=at_most(positive_float, MAX_EPOCHS), metavar="E", help="passes over the data (default 1)")
     p.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (default 1e-4)")
     p.add_argument("--min-lr", type=non_negative_float, help="learning rate at the end of the cosine decay (default lr/10)")
     p.add_argument("--warmup", type=int, metavar="N", help="updates of linear warmup (default 5%% of them, at most 100)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 from dataclasses import dataclass, fields, replace
@@ -50,8 +49,8 @@ class GPT2Config:
         if self.n_embd % self.n_head:
             raise ValueError(f"config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         eps = self.layer_norm_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"config: layer_norm_epsilon must be a finite positive number, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:  # GPT-2's is 1e-5
+            raise ValueError(f"config: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
         if self.activation_function not in ACTIVATIONS:
             raise ValueError(f"config: activation_function {self.activation_function!r} is not supported (expected "
                              f"{' or '.join(map(repr, ACTIVATIONS))})")

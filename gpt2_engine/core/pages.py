@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .config import GPT2Config, memory_limit
+from .errors import GPT2EngineError
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 LINE = 64  # bytes
@@ -60,6 +62,19 @@ def available_memory() -> int:
     except (OSError, ValueError):
         pass  # no cgroup v2 limit here
     return free
+
+
+def check_batch_fits(batch_size: int, context: int, config: GPT2Config, extra_per_token: int = 0) -> None:
+    """Refuse, before anything is allocated, a pass of `batch_size` windows of `context` tokens whose activations
+    cannot fit in the memory this process has: per token the residual stream, q, k, v and the MLP's hidden layer
+    (about 12 x n_embd floats), a row of attention scores per head, and `extra_per_token` floats (an SAE's latents)."""
+    room = min(available_memory(), memory_limit())
+    window = 4 * context * (12 * config.n_embd + config.n_head * context + extra_per_token)  # bytes
+    if batch_size * window > room:
+        fits = room // window
+        raise GPT2EngineError(f"--batch-size {batch_size} x --context {context} needs ~{batch_size * window / 1e9:,.1f} "
+                              f"GB for a forward pass's activations; this process has {room / 1e9:.1f} GB available: "
+                              f"{f'at most --batch-size {fits} fits' if fits else 'lower --context'}")
 
 
 def huge_region(nbytes: int) -> torch.Tensor:

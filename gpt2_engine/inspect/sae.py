@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..core.pages import check_batch_fits
 from ..api import GPT2
 from ..core.errors import GPT2EngineError
 from ..formats.files import atomic_write
@@ -222,6 +223,7 @@ class DashboardWorker:
 
     def __init__(self, model: GPT2, sae: SAE, settings: DashboardSettings) -> None:
         check_saes(sae, model.config)
+        check_batch_fits(settings.batch_size, settings.context, model.config, extra_per_token=sae.d_sae)
         self.model, self.sae = model, sae
         self.part = sae.select(settings.features)  # only the features shown are encoded (not possible for topk)
         self.dash = Dashboard(settings)

@@ -21,7 +21,7 @@ import torch
 from ..core.config import GPT2Config, memory_limit
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, residual_stream
-from ..core.pages import available_memory
+from ..core.pages import available_memory, check_batch_fits
 from ..interp.spec import Steering, check_steering
 from ..interp.steering import batch_tap, check_scoring
 from ..core.weights import GPT2Weights
@@ -119,13 +119,7 @@ class ScoreSettings:
         if self.prefix_cache_mb is not None and self.prefix_cache_mb * 2**20 > room:
             raise GPT2EngineError(f"--prefix-cache-mb {self.prefix_cache_mb:g} is more than the {room / 2**20:,.0f} MB "
                                   f"of memory this process has available")
-        window = 4 * self.context * (12 * config.n_embd + config.n_head * self.context)  # bytes
-        if self.batch_size * window > room:
-            fits = room // window
-            raise GPT2EngineError(f"--batch-size {self.batch_size} x --context {self.context} needs "
-                                  f"~{self.batch_size * window / 1e9:,.1f} GB for a forward pass's activations; this "
-                                  f"process has {room / 1e9:.1f} GB available: "
-                                  f"{f'at most --batch-size {fits} fits' if fits else 'lower --context'}")
+        check_batch_fits(self.batch_size, self.context, config)
 
 
 @dataclass
