@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import logging
 import time
 from pathlib import Path
@@ -83,7 +84,8 @@ def test_a_ray_dashboard_equals_the_local_one(cluster, capsys, trained_dir: Path
     assert spread == local and local["windows"] > 10 and local["features"][0]["top"]
     code, _, err = run(capsys, "sae", "dashboard", *common, "--out", str(tmp_path / "big"), "--ray", "--workers", "5",
                        "--threads", "1")
-    assert code == 2 and "--workers 5 x --threads 1 need 5 CPUs; the Ray cluster has 2 free" in err, err
+    # the count free is 2 once the actors above are gone; Ray returns a killed actor's CPUs asynchronously
+    assert code == 2 and re.search(r"--workers 5 x --threads 1 need 5 CPUs; the Ray cluster has [0-2] free", err), err
 
 
 @pytest.mark.parametrize("args, message", [

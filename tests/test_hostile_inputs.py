@@ -160,10 +160,11 @@ def nanogpt(tmp: Path, **args: object) -> list[str]:
 
 
 class Payload:
-    """A pickle that calls print when loaded: what a hostile checkpoint would do with os.system."""
+    """A pickle that runs code when loaded (print, through exec): what a hostile checkpoint would do with os.system.
+    exec rather than print itself: where Ray has been imported in this process, `print` is Ray's own function."""
 
     def __reduce__(self):
-        return (print, ("this ran",))
+        return (exec, ("print('this ran')",))
 
 
 def nanogpt_raw(tmp: Path, ckpt: object) -> list[str]:
@@ -290,7 +291,7 @@ CLI_CASES = [
          r"not a readable nanoGPT checkpoint \(its zip entry plain/data/0 is compressed \([\d,]+ bytes for "
          r"100,000,000\); torch.save stores its entries as they are\)"),
     Case("nanogpt-pickle-with-code", with_code,
-         r"not a readable nanoGPT checkpoint \(its pickle asks for print, code that loading weights only never runs\)"),
+         r"not a readable nanoGPT checkpoint \(its pickle asks for exec, code that loading weights only never runs\)"),
     # Hugging Face config.json (items 5 and 6)
     Case("hf-n_layer-1e9", lambda tmp: hf_dir(tmp, {**TINY, "n_layer": 10**9}),
          r"config: n_layer must be a positive integer up to 4,096, got 1000000000$"),
@@ -311,7 +312,7 @@ CLI_CASES = [
          r"model.safetensors: its config \(n_layer 48, n_embd 1600, vocab_size 50257, n_positions 1024\) means "
          r"1,557,611,200 parameters, and the file holds \d+ bytes"),
     Case("hf-pickle-in-pytorch_model.bin", lambda tmp: hf_dir(tmp, TINY, pickled_bin),
-         r"pytorch_model.bin: not a readable PyTorch checkpoint \(its pickle asks for print, code that loading "
+         r"pytorch_model.bin: not a readable PyTorch checkpoint \(its pickle asks for exec, code that loading "
          r"weights only never runs\)"),
     Case("hf-protocol-4-pickle-in-pytorch_model.bin",  # torch's warning about the protocol is not a second line
          lambda tmp: hf_dir(tmp, TINY, lambda d: (d / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Payload()}, protocol=4))),
@@ -411,7 +412,7 @@ CALL_CASES = [
              "SAEError", r"sae_weights.safetensors: W_enc holds 512 NaN/Inf values, expected finite weights$"),
     CallCase("sae-openai-pickle-with-code", lambda tmp: (torch.save({"encoder.weight": Payload()}, tmp / "sae.pt"),
                                                          sae_load(tmp / "sae.pt"))[1],
-             "SAEError", r"not a state dict torch can read safely \(its pickle asks for print, code that "
+             "SAEError", r"not a state dict torch can read safely \(its pickle asks for exec, code that "
                          r"loading weights only never runs\)$"),
     CallCase("adapter-config-nested-100000-deep",
              lambda tmp: "from gpt2_engine.formats.peft import load_adapter, recorded_base; from gpt2_engine.core."

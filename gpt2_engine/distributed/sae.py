@@ -74,5 +74,7 @@ def dashboard_on_ray(args: argparse.Namespace, model, sae: SAE, paths: list[str]
         part = Dashboard(settings)
         part.restore(state)
         dash.absorb(part)
+    for a in actors:  # their CPUs go back to the cluster now, not when the driver exits
+        ray.kill(a)
     return dash
 
