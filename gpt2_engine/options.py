@@ -46,6 +46,8 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError
+    if value >= 2**63:  # past a C long: islice, torch's sizes and range() refuse it deep inside a command
+        raise argparse.ArgumentTypeError(f"{text}: at most 2^63 - 1")
     return value
 
 

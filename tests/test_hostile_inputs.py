@@ -211,6 +211,19 @@ def pickled_bin(d: Path) -> None:
     torch.save({"wte.weight": torch.zeros(2), "h.0.ln_1.weight": Payload()}, d / "pytorch_model.bin")
 
 
+def legacy_tar(d: Path) -> None:
+    """pytorch_model.bin in torch's pre-zip tar layout, its pickles asking for exec."""
+    import io
+    import tarfile
+
+    with tarfile.open(d / "pytorch_model.bin", "w") as archive:
+        for name in ("sys_info", "pickle", "storages", "tensors"):
+            data = pickle.dumps({"x": Payload()}, protocol=2)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
 NESTED = "[" * 100_000 + "]" * 100_000
 
 
@@ -322,6 +335,9 @@ CLI_CASES = [
          lambda tmp: hf_dir(tmp, TINY, lambda d: (d / "pytorch_model.bin").write_bytes(gzip.compress(pickle.dumps({"x": Payload()})))),
          r"pytorch_model.bin: not a readable PyTorch checkpoint \(a gzip-compressed file; torch.load reads "
          r"torch.save's files as they are \(gunzip it\)\)$"),
+    Case("hf-legacy-tar-pytorch_model.bin", lambda tmp: hf_dir(tmp, TINY, legacy_tar),  # torch's message: retry unsafely
+         r"pytorch_model.bin: not a readable PyTorch checkpoint \(torch's legacy tar format, which loading weights only "
+         r"does not read \(re-save it with a current torch.save from a source you trust\)\)$"),
     Case("nanogpt-model_args-a-list", lambda tmp: nanogpt_raw(tmp, {"model": {}, "model_args": [1, 2]}),
          r"expected nanoGPT's checkpoint \(a dict with 'model' and 'model_args', as its train.py saves\), found a dict "
          r"of 'model': dict, 'model_args': list$"),
@@ -423,6 +439,10 @@ CALL_CASES = [
              lambda tmp: (npy_header(tmp / "v.npy", "(1099511627776,)"),
                           f"from gpt2_engine.formats.vectors import read_vector; read_vector({str(tmp / 'v.npy')!r})")[1],
              "SteeringError", r"v.npy: not a readable .npy file \(mmap length is greater than file size\)$"),
+    CallCase("steering-npy-complex",  # the cast to float32 dropped the imaginary part with only a warning
+             lambda tmp: (np.save(tmp / "v.npy", np.ones(64, np.complex64)),
+                          f"from gpt2_engine.formats.vectors import read_vector; read_vector({str(tmp / 'v.npy')!r})")[1],
+             "SteeringError", r"v.npy: expected real numbers, got ndarray of complex64$"),
     CallCase("steering-coef-1e308", lambda tmp: "import torch; from gpt2_engine.interp.steering import Steering; "
                                                 "Steering('blocks.0.hook_resid_pre', torch.ones(64), 1e308)",
              "SteeringError", r"steering at blocks.0.hook_resid_pre: coef 1e\+308 adds values up to 1e\+308; at most "
@@ -597,3 +617,20 @@ def test_a_seed_past_2_63_is_refused_by_the_parser(tiny_dir: Path) -> None:
     code, err = run_cli(["finetune", "x.txt", "--out", "run", "--seed", str(10**23), "--weights", str(tiny_dir)])
     assert code == 2 and err.splitlines()[-1] == (
         f"gpt2 finetune: error: argument --seed: {10**23}: expected an integer in [0, 2^63)"), err[-2000:]
+
+
+def test_absurd_sizes_and_a_nan_cache_are_refused(trained_dir: Path, saes_dir: Path, tmp_path: Path) -> None:
+    """A count past 2^63 (islice and torch's sizes raised deep inside), a dashboard --top of 1e9 (an 800 GB tensor) and
+    --prefix-cache-mb nan (past every comparison) were internal errors."""
+    text = tmp_path / "a.txt"
+    text.write_text("Return the number of items in the list. " * 50)
+    sae = ["--sae", str(saes_dir / "standard-resid"), "--weights", str(trained_dir), "--quiet"]
+    for args, line in (
+            (["sae", "eval", str(text), *sae, "--max-windows", str(10**20)],
+             f"gpt2 sae eval: error: argument --max-windows: {10**20}: at most 2^63 - 1"),
+            (["sae", "dashboard", str(text), *sae, "--out", str(tmp_path / "d"), "--top", "1000000000"],
+             "gpt2 sae dashboard: error: argument --top: 1000000000: at most 1,000")):
+        code, err = run_cli(args)
+        assert code == 2 and err.splitlines()[-1] == line, err[-2000:]
+    one_line_error(*run_cli(["score", str(text), "--weights", str(trained_dir), "--prefix-cache-mb", "nan"]),
+                   r"prefix cache size must be a positive number of MB, got nan$")

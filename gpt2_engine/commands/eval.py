@@ -51,7 +51,7 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     if importlib.util.find_spec("lm_eval") is None:
         raise UsageError("gpt2 eval needs lm-eval, which is not installed: pip install 'gpt2-engine[eval]'")
     for bad, message in (
-            (args.prefix_cache_mb is not None and args.prefix_cache_mb <= 0,
+            (args.prefix_cache_mb is not None and not args.prefix_cache_mb > 0,  # NaN too
              f"--prefix-cache-mb must be a positive number of MB, got {args.prefix_cache_mb}"),
             (args.num_fewshot is not None and args.num_fewshot < 0,
              f"--num-fewshot must be at least 0, got {args.num_fewshot}"),

@@ -19,6 +19,17 @@ from ..inspect.sae import (DashboardSettings, build_dashboard, corpus_windows, d
 from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
 
 
+MAX_TOP = 1000  # contexts kept per feature: the dashboard holds features x top of them in memory
+
+
+def dashboard_top(text: str) -> int:
+    """--top: a positive integer up to MAX_TOP (1e9 asked for a tensor of 800 GB)."""
+    value = positive_int(text)
+    if value > MAX_TOP:
+        raise argparse.ArgumentTypeError(f"{text}: at most {MAX_TOP:,}")
+    return value
+
+
 def load(args: argparse.Namespace):
     sae = SAE.load(args.sae, hook_name=args.hook)
     model = load_model(ModelOptions.from_args(args))
@@ -157,7 +168,8 @@ def add_sae(sub: argparse._SubParsersAction) -> None:
     add_sae_options(d)
     d.add_argument("--out", type=Path, required=True, metavar="DIR", help="where dashboard.json/.html and the state go")
     d.add_argument("--features", default="0-99", metavar="LIST", help="'all' or e.g. '0,5,10-19' (default 0-99)")
-    d.add_argument("--top", type=positive_int, default=20, help="top activating contexts per feature (default 20)")
+    d.add_argument("--top", type=dashboard_top, default=20,
+                   help=f"top activating contexts per feature, at most {MAX_TOP:,} (default 20)")
     d.add_argument("--context", type=positive_int, default=128, help="tokens per window (default 128)")
     d.add_argument("--batch-size", type=positive_int, default=8, help="windows per pass (default 8)")
     d.add_argument("--quiet", action="store_true", help="no progress bar or summary")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import tarfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -54,6 +55,9 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
         with open(path, "rb") as f:
             if f.read(2) == b"\x1f\x8b":
                 raise ValueError("a gzip-compressed file; torch.load reads torch.save's files as they are (gunzip it)")
+        if tarfile.is_tarfile(path):  # torch's own message here asks to retry with weights_only=False, which runs it
+            raise ValueError("torch's legacy tar format, which loading weights only does not read (re-save it with "
+                             "a current torch.save from a source you trust)")
     except OSError as e:
         raise ValueError(f"not readable ({e.strerror})") from None
     try:

@@ -53,9 +53,12 @@ def as_vector(v: Any, what: str) -> torch.Tensor:
         t = v.detach()
     elif isinstance(v, (np.ndarray, list, tuple)):
         try:
-            t = torch.as_tensor(np.asarray(v, dtype=np.float32))
+            a = np.asarray(v)
         except (TypeError, ValueError):
             raise SteeringError(f"{what}: expected numbers, got {type(v).__name__} that is not numeric") from None
+        if a.dtype.kind not in "biuf":  # complex would lose its imaginary part in the cast to float32, silently
+            raise SteeringError(f"{what}: expected real numbers, got {type(v).__name__} of {a.dtype}")
+        t = torch.as_tensor(a.astype(np.float32))
     else:
         raise SteeringError(f"{what}: expected a tensor, an array or a list of numbers, got {type(v).__name__}")
     if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):

@@ -105,7 +105,7 @@ class ScoreSettings:
             raise GPT2EngineError(f"stride must be in 1..context-1 = 1..{self.context - 1}, got {self.stride}")
         if self.batch_size < 1:
             raise GPT2EngineError(f"batch size must be at least 1, got {self.batch_size}")
-        if self.prefix_cache_mb is not None and self.prefix_cache_mb <= 0:
+        if self.prefix_cache_mb is not None and not self.prefix_cache_mb > 0:  # NaN too
             raise GPT2EngineError(f"prefix cache size must be a positive number of MB, got {self.prefix_cache_mb}")
         self.check_memory(config)
         check_steering(self.steering, config)
