@@ -456,6 +456,13 @@ def test_a_hostile_file_is_one_exception(case: CallCase, tmp_path: Path) -> None
     assert kind == case.exception and "\n" not in message and re.search(case.pattern, message), (kind, message)
 
 
+def test_a_steering_vector_whose_shape_overflows_is_one_line_without_numpys_warning(tiny_dir: Path, tmp_path: Path) -> None:
+    npy_header(tmp_path / "v.npy", "(4294967296, 4294967296)")
+    one_line_error(*run_cli(["generate", "Hi", "-n", "2", "--weights", str(tiny_dir), "--steer",
+                             f"vector={tmp_path / 'v.npy'},hook=blocks.0.hook_resid_pre,coef=1"]),
+                   r"v.npy: not a readable .npy file \(array is too big")
+
+
 # --- token shards (item 6) -----------------------------------------------------------------------------------------
 
 

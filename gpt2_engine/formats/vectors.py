@@ -3,6 +3,7 @@ so no code runs), .safetensors (one tensor) or .npy file (allow_pickle off)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ def read_vector(path: str | Path) -> torch.Tensor:
         raise SteeringError(f"steering vector {path}: no such file")
     try:
         if p.suffix == ".npy":
-            found: Any = np.array(np.load(p, mmap_mode="r", allow_pickle=False))  # mapped: a shape past the file is refused
+            with warnings.catch_warnings():  # a shape whose size overflows warns before it fails: the failure says it
+                warnings.simplefilter("ignore", RuntimeWarning)
+                found: Any = np.array(np.load(p, mmap_mode="r", allow_pickle=False))  # mapped: a shape past the file is refused
         elif p.suffix == ".safetensors":
             from safetensors.torch import load_file
 
