@@ -336,39 +336,13 @@ class GPT2:
         (steps, epochs, lr, batch_size, context, ...); `out`: checkpoints as `gpt2 finetune --out` writes them
         (None: none). `lora` (a rank, or LoraSettings): train a LoRA adapter on the frozen weights instead, float32
         or quantized (QLoRA); afterwards the model carries it (model.lora). Same code as `gpt2 finetune`."""
-        if self.runner_kind == "torch":
-            raise GPT2EngineError(f"finetune trains with the engine's CPU backward and optimizer; load the model on "
-                                  f"the native CPU runner (not device={str(self.device)!r} / runner='torch') to train")
-        if lora is not None:
-            if self.lora is not None:
-                raise GPT2EngineError("finetune(lora=...): the model already carries an adapter; load the base "
-                                      "without lora= to train a new one")
-            if self.dtype != torch.float32:
-                raise GPT2EngineError("finetune(lora=...) trains on a float32 or quantized base, not bfloat16")
-            lora = LoraSettings(r=lora) if isinstance(lora, int) else lora
-        elif self.quantize or self.dtype != torch.float32:
-            raise GPT2EngineError("finetune trains float32 weights; load the model without quantize= or dtype= (or "
-                                  "train a LoRA adapter on it: lora=R)")
-
-        def texts(items: Sequence[str | Path]) -> list[str]:
-            if isinstance(items, (str, Path)):
-                raise GPT2EngineError("texts_or_paths: expected a list of texts or paths, got one (wrap it in a list)")
-            found = []
-            for item in items:
-                if isinstance(item, Path):
-                    found += [text for _, text in read_documents(expand_paths([str(item)]), sys.stdin.buffer)]
-                elif isinstance(item, str):
-                    found.append(item)
-                else:
-                    raise GPT2EngineError(f"texts_or_paths: expected str or Path items, got {type(item).__name__}")
-            return found
-
+        lora = self._trainable(lora)
         weights = self.weights if lora is not None else trainable_copy(self.weights, self.config)
         # the base, as gpt2 finetune records it: for the resume check, and in an adapter's files
         fingerprint = weights_fingerprint(self.source) if self.source is not None and self.lora is None else ""
         base = fingerprint + (f":{self.quantize}" if fingerprint and self.quantize else "")
-        trainer = Trainer(weights, self.config, self.tokenizer, texts(texts_or_paths), TrainSettings(**settings),
-                          val_texts=None if val is None else texts(val),
+        trainer = Trainer(weights, self.config, self.tokenizer, training_texts(texts_or_paths), TrainSettings(**settings),
+                          val_texts=None if val is None else training_texts(val),
                           base=Base(base, lora, str(self.source.resolve()) if lora and self.source else "",
                                     fingerprint if lora else ""),
                           output=Output(None if out is None else Path(out), resume, overwrite),
@@ -384,6 +358,24 @@ class GPT2:
         else:
             self.source = None  # the weights are no longer the directory's
         return trainer.result(history)
+
+    def _trainable(self, lora: LoraSettings | int | None) -> LoraSettings | None:
+        """finetune's checks of what this model can train (full weights: float32; an adapter: float32 or quantized,
+        none already attached); the adapter's settings."""
+        if self.runner_kind == "torch":
+            raise GPT2EngineError(f"finetune trains with the engine's CPU backward and optimizer; load the model on "
+                                  f"the native CPU runner (not device={str(self.device)!r} / runner='torch') to train")
+        if lora is not None:
+            if self.lora is not None:
+                raise GPT2EngineError("finetune(lora=...): the model already carries an adapter; load the base "
+                                      "without lora= to train a new one")
+            if self.dtype != torch.float32:
+                raise GPT2EngineError("finetune(lora=...) trains on a float32 or quantized base, not bfloat16")
+            return LoraSettings(r=lora) if isinstance(lora, int) else lora
+        if self.quantize or self.dtype != torch.float32:
+            raise GPT2EngineError("finetune trains float32 weights; load the model without quantize= or dtype= (or "
+                                  "train a LoRA adapter on it: lora=R)")
+        return None
 
     def check_ids(self, ids: torch.Tensor) -> None:
         """Raise GPT2EngineError unless `ids` is a [B, T] integer tensor of valid tokens that fits the context."""
@@ -477,13 +469,7 @@ def native_weights(directory: Path, config: GPT2Config, converted: dict[str, tor
     panels = cpu().panels and (dtype == torch.bfloat16 or in_place) and not packed
     # the panels are written straight onto huge pages (core/pages.py), not made and then moved
     arena = HugeArena(panel_bytes(config, dtype)) if panels and huge_pages_available() else None
-    alloc = None if arena is None else arena.take
-    if converted is not None:
-        weights = weights_from_tensors(converted, config, directory, dtype, panels=panels, alloc=alloc)
-    else:
-        weights = load_weights(directory, config, dtype, resident=in_place, panels=panels, alloc=alloc)
-    if quantize:
-        weights = quantize_weights(weights, quantize, file)
+    weights = read_native(directory, config, converted, dtype, quantize, file, panels, arena)
     if packed:  # the units go onto huge pages as they are written (packing.pack_weights)
         return pack_weights(weights, config, file_mapping(weights.wte, file) if in_place else None)
     # what the loader made onto huge pages (core/pages.py); float32 read in place stays in the file but for the
@@ -493,6 +479,19 @@ def native_weights(directory: Path, config: GPT2Config, converted: dict[str, tor
     elif panels:
         matrices_on_huge_pages(weights, file, arena)
     return weights, None
+
+
+def read_native(directory: Path, config: GPT2Config, converted: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+                quantize: str | None, file: Path | None, panels: bool, arena: HugeArena | None) -> GPT2Weights:
+    """The weights read (or made from a converted checkpoint's tensors) in `dtype`, panels written into `arena`,
+    quantized where asked; float32 read in place (`file`, not quantized) stays resident in the file."""
+    alloc = None if arena is None else arena.take
+    if converted is not None:
+        weights = weights_from_tensors(converted, config, directory, dtype, panels=panels, alloc=alloc)
+    else:
+        in_place = file is not None and not quantize and dtype == torch.float32
+        weights = load_weights(directory, config, dtype, resident=in_place, panels=panels, alloc=alloc)
+    return quantize_weights(weights, quantize, file) if quantize else weights
 
 
 def parse_dtype(dtype: torch.dtype | str, runner: str = "native") -> torch.dtype:
@@ -542,3 +541,18 @@ def warn_tf32(device: torch.device, dtype: torch.dtype) -> None:
         warnings.warn("torch.backends.cuda.matmul.allow_tf32 is on: float32 matmuls round their inputs to TF32 "
                       "(10-bit mantissas), so the logits are not float32's; set it to False for float32 parity",
                       stacklevel=3)
+
+
+def training_texts(items: Sequence[str | Path]) -> list[str]:
+    """finetune's texts: strings as they are, Paths read as documents (text, .jsonl, folders)."""
+    if isinstance(items, (str, Path)):
+        raise GPT2EngineError("texts_or_paths: expected a list of texts or paths, got one (wrap it in a list)")
+    found = []
+    for item in items:
+        if isinstance(item, Path):
+            found += [text for _, text in read_documents(expand_paths([str(item)]), sys.stdin.buffer)]
+        elif isinstance(item, str):
+            found.append(item)
+        else:
+            raise GPT2EngineError(f"texts_or_paths: expected str or Path items, got {type(item).__name__}")
+    return found

@@ -234,14 +234,20 @@ def head_logits(x2: torch.Tensor, head: torch.Tensor | QuantizedMatrix | PackedM
         if native is not None:
             return native.dot_packed(x2, head.units, head.side, head.rows, head.bits, cpu().avx512)
         head = head.matrix()  # wte itself (kept as `plain`): what longer inputs read
-    M, C = x2.shape
-    V = head.shape[0]
     if x2.device.type != "cpu":  # wte (V, C) as the matrix of x @ wte^T, in cuBLAS
         return x2 @ head.t() if head.dtype == torch.float32 else (x2.to(head.dtype) @ head.t()).float()
-    grad = x2.requires_grad
-    native = decode_kernels() if M <= DECODE_ROWS and not grad else None
+    native = decode_kernels() if x2.shape[0] <= DECODE_ROWS and not x2.requires_grad else None
     if native is not None and head.dtype in NATIVE_DTYPES and head.is_contiguous():
         return native.dot_rows(x2, head, cpu().avx512)
+    return torch_head(x2, head)
+
+
+def torch_head(x2: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """[M, C] -> [M, V] through wte (V, C) on torch's CPU kernels: longer inputs, training, and where no native
+    kernel runs."""
+    M, C = x2.shape
+    V = head.shape[0]
+    grad = x2.requires_grad
     if head.dtype != torch.float32:  # bfloat16: widened a block of rows at a time
         return torch.cat([x2 @ head_rows(head, slice(r, r + HEAD_BLOCK)).t() for r in range(0, V, HEAD_BLOCK)], dim=1)
     chunks = torch.get_num_threads()

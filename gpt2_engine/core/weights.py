@@ -271,17 +271,21 @@ def matrices_on_huge_pages(w: GPT2Weights, file: Path | None = None, arena: Huge
     1.016x, docs/benchmarks.md)."""
     if not huge_pages_available():
         return
+    tensors = tensors_to_place(w, file, arena)
+    if not tensors or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return
+    pages = None if file is None or not isinstance(w.head, torch.Tensor) else file_pages(w.head, file)
+    move_to_huge_pages(list({id(t): t for t in tensors}.values()), None if pages is None else {id(w.head): pages})
+
+
+def tensors_to_place(w: GPT2Weights, file: Path | None, arena: HugeArena | None) -> list[torch.Tensor]:
+    """What matrices_on_huge_pages moves: the block matrices' stored tensors (with `file`, only what is not a plain
+    matrix of the file) and the head's, less those the loader wrote into `arena`."""
     matrices = [getattr(b, name).weight for b in w.blocks for name in ("c_attn", "attn_c_proj", "c_fc", "mlp_c_proj")]
     tensors = [t for m in matrices if file is None or not isinstance(m, torch.Tensor) for t in stored_tensors(m)]
     # GPT-2's head is wte itself (tied), or its quantized transpose, or its packed units
     tensors += stored_tensors(w.head)
-    tensors = [t for t in tensors if arena is None or not arena.holds(t)]  # placed there by the loader already
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return
-    if not tensors:
-        return
-    pages = None if file is None or not isinstance(w.head, torch.Tensor) else file_pages(w.head, file)
-    move_to_huge_pages(list({id(t): t for t in tensors}.values()), None if pages is None else {id(w.head): pages})
+    return [t for t in tensors if arena is None or not arena.holds(t)]  # placed there by the loader already
 
 
 def on_device(w: GPT2Weights, device: torch.device, dtype: torch.dtype | None = None) -> GPT2Weights:

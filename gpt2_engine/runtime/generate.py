@@ -22,7 +22,7 @@ from ..core.weights import GPT2Weights
 from .drafters import Speculation
 from .constraints import GrammarError, Grammars, grammar_failure
 from .loop import EngineLoop
-from .plan import Finished
+from .plan import Event, Finished
 from .requests import GenerationSettings, RequestSet, build_requests
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -43,6 +43,16 @@ class Completion:
     logprobs: list[float]  # log p(token) under the model's raw distribution (before temperature and filters)
     finish_reason: str
     prompt_tokens: int
+
+
+def check_event(e: Event) -> None:
+    """Raise for an event that ends its sequence with an error: the input's fault (a grammar over a limit) or the
+    engine's."""
+    if e.finish_reason != "error":
+        return
+    if (grammar := grammar_failure(e.error or "")) is not None:
+        raise GrammarError(grammar)  # the constraint went over a limit: the input's fault
+    raise RuntimeError(f"generation failed: {e.error}")  # the engine failed, not the input
 
 
 @dataclass
@@ -113,10 +123,7 @@ class Generation:
             for outputs in loop.step():
                 for ref, e in outputs:
                     b = ref.index
-                    if e.finish_reason == "error" and (grammar := grammar_failure(e.error or "")) is not None:
-                        raise GrammarError(grammar)  # the constraint went over a limit: the input's fault
-                    if e.finish_reason == "error":  # the engine failed, not the input
-                        raise RuntimeError(f"generation failed: {e.error}")
+                    check_event(e)
                     if e.token is not None and e.token != self.tokenizer.eot_id:
                         logprobs[b].append(e.logprob)
                         self.stats.new_tokens += 1
