@@ -33,6 +33,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.trained)
 
 
+def trained_only(request: pytest.FixtureRequest, name: str) -> str:
+    """`name`, unless this run leaves the trained tests out (make test-fast) and a test not marked `trained` asked for
+    it anyway (through request.getfixturevalue, which the marking above cannot see): then that test fails here rather
+    than train a checkpoint in the quick tier. A parameter that names a trained fixture is marked as
+    pytest.param("trained_model", marks=pytest.mark.trained)."""
+    if "not trained" in (request.config.getoption("markexpr") or ""):
+        pytest.fail(f"a test not marked `trained` asked for the {name} checkpoint under -m "
+                    f"{request.config.getoption('markexpr')!r}: mark it (or its parameter) trained")
+    return name
+
+
 def make_fixture(directory: Path, *args: str) -> Path:
     """Run scripts/make_fixture.py as a user would."""
     subprocess.run([sys.executable, str(SCRIPTS / "make_fixture.py"), str(directory), *args], check=True,
@@ -86,9 +97,9 @@ def small_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def trained_dir() -> Path:
+def trained_dir(request: pytest.FixtureRequest) -> Path:
     """The small GPT-2 trained on the standard library's docstrings (scripts/train_fixture.py). Read-only."""
-    return fixtures.ensure("trained")
+    return fixtures.ensure(trained_only(request, "trained"))
 
 
 @pytest.fixture(scope="session")
@@ -182,9 +193,9 @@ def saes_dir(trained_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def induction_dir() -> Path:
+def induction_dir(request: pytest.FixtureRequest) -> Path:
     """The 2-layer GPT-2 trained to copy a repeated token run (scripts/train_induction.py). Read-only."""
-    return fixtures.ensure("induction")
+    return fixtures.ensure(trained_only(request, "induction"))
 
 
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")

@@ -37,36 +37,36 @@ def test_version_and_a_misspelt_flag(capsys) -> None:
     assert err.rstrip().endswith("gpt2 score: error: unrecognized arguments: --strdie 3")
 
 
-def test_generate_streams_the_text_and_reports_stats(capsys, small_dir: Path, model: GPT2) -> None:
-    code, out, err = run(capsys, "generate", "Hello, my dog is", "-n", "12", "--seed", "0", "--weights", str(small_dir))
+def test_generate_streams_the_text_and_reports_stats(capsys, tiny_dir: Path, tiny_model: GPT2) -> None:
+    code, out, err = run(capsys, "generate", "Hello, my dog is", "-n", "12", "--seed", "0", "--weights", str(tiny_dir))
     assert code == 0
-    assert out == model.generate("Hello, my dog is", max_new_tokens=12, seed=0) + "\n"
+    assert out == tiny_model.generate("Hello, my dog is", max_new_tokens=12, seed=0) + "\n"
     assert err.count("\n") == 1 and "prompt 5 tokens | 12 new tokens | prefill" in err and "decode" in err and "seed 0" in err
 
 
-def test_generate_json(capsys, small_dir: Path, model: GPT2) -> None:
-    code, out, err = run(capsys, "generate", "Hi", "-n", "4", "--temperature", "0", "--json", "--weights", str(small_dir))
+def test_generate_json(capsys, tiny_dir: Path, tiny_model: GPT2) -> None:
+    code, out, err = run(capsys, "generate", "Hi", "-n", "4", "--temperature", "0", "--json", "--weights", str(tiny_dir))
     assert err.rstrip().endswith("| greedy") and "seed" not in err  # no seed is printed where it changes nothing
     doc = json.loads(out)
-    [c] = model.complete(["Hi"], max_new_tokens=4, temperature=0)
+    [c] = tiny_model.complete(["Hi"], max_new_tokens=4, temperature=0)
     assert code == 0 and set(doc) == {"index", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens",
                                       "seed"}
     assert (doc["text"], doc["token_ids"], doc["finish_reason"]) == (c.text, c.token_ids, "length")
     assert doc["logprobs"] == pytest.approx(c.logprobs, abs=1e-5)
 
 
-def test_generate_several_samples_as_json(capsys, small_dir: Path) -> None:
+def test_generate_several_samples_as_json(capsys, tiny_dir: Path) -> None:
     code, out, _ = run(capsys, "generate", "Hi", "-n", "3", "--num-samples", "2", "--seed", "1", "--json",
-                       "--weights", str(small_dir))
+                       "--weights", str(tiny_dir))
     docs = [json.loads(line) for line in out.splitlines()]  # JSON Lines: one sample per line, as with one sample
     assert code == 0 and [d["index"] for d in docs] == [0, 1] and all(d["seed"] == 1 for d in docs)
     assert all(set(d) == {"index", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "seed"}
                for d in docs)
 
 
-def test_generate_reads_the_prompt_from_a_file_and_from_stdin(capsys, monkeypatch, tmp_path: Path, small_dir: Path) -> None:
+def test_generate_reads_the_prompt_from_a_file_and_from_stdin(capsys, monkeypatch, tmp_path: Path, tiny_dir: Path) -> None:
     (tmp_path / "p.txt").write_text("Hello, my dog is", encoding="utf-8")
-    args = ("-n", "5", "--temperature", "0", "--weights", str(small_dir))
+    args = ("-n", "5", "--temperature", "0", "--weights", str(tiny_dir))
     _, from_file, _ = run(capsys, "generate", "-f", str(tmp_path / "p.txt"), *args)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello, my dog is")))
     _, from_stdin, _ = run(capsys, "generate", "-", *args)
@@ -74,23 +74,23 @@ def test_generate_reads_the_prompt_from_a_file_and_from_stdin(capsys, monkeypatc
     assert from_file == from_stdin == from_arg
 
 
-def test_generate_stop_string_with_escape(capsys, small_dir: Path, model: GPT2) -> None:
-    full = model.generate("Hi", max_new_tokens=20, temperature=0, ignore_eos=True)
+def test_generate_stop_string_with_escape(capsys, tiny_dir: Path, tiny_model: GPT2) -> None:
+    full = tiny_model.generate("Hi", max_new_tokens=20, temperature=0, ignore_eos=True)
     code, out, _ = run(capsys, "generate", "Hi", "-n", "20", "--temperature", "0", "--ignore-eos", "--stop", full[5:8],
-                       "--weights", str(small_dir))
+                       "--weights", str(tiny_dir))
     assert code == 0 and out == full[: full.find(full[5:8])] + "\n"
 
 
-def test_generate_json_under_a_stop_string(capsys, small_dir: Path, model: GPT2) -> None:
+def test_generate_json_under_a_stop_string(capsys, tiny_dir: Path, tiny_model: GPT2) -> None:
     """token_ids and logprobs hold every generated token, the stop's included; text ends before the stop string."""
-    full = model.generate("Hi", max_new_tokens=20, temperature=0, ignore_eos=True)
+    full = tiny_model.generate("Hi", max_new_tokens=20, temperature=0, ignore_eos=True)
     stop = full[5:8]
     code, out, _ = run(capsys, "generate", "Hi", "-n", "20", "--temperature", "0", "--ignore-eos", "--stop", stop,
-                       "--json", "--weights", str(small_dir))
+                       "--json", "--weights", str(tiny_dir))
     doc = json.loads(out)
     assert code == 0 and doc["finish_reason"] == "stop" and doc["text"] == full[: full.find(stop)]
-    assert model.tokenizer.decode(doc["token_ids"]).startswith(doc["text"] + stop)
-    assert not model.tokenizer.decode(doc["token_ids"][:-1]).startswith(doc["text"] + stop)  # the last completed it
+    assert tiny_model.tokenizer.decode(doc["token_ids"]).startswith(doc["text"] + stop)
+    assert not tiny_model.tokenizer.decode(doc["token_ids"][:-1]).startswith(doc["text"] + stop)  # the last completed it
     assert len(doc["logprobs"]) == len(doc["token_ids"])
 
 
@@ -122,11 +122,11 @@ def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> Non
         (["generate", "Hi", "-n", "2", "--num-samples", "1000000"],
          "gpt2 generate: error: --num-samples must be an integer in [1, 10000], got 1000000\n"),
         (["generate", "Hi", "-n", "100000"], "gpt2 generate: error: --max-new-tokens: asking for 100000 new tokens "
-                                             "exceeds the context of 1024 tokens (at most 1024)\n"),
+                                             "exceeds the context of 128 tokens (at most 128)\n"),
     ],
 )
-def test_generate_bad_input_is_one_line_and_exit_2(capsys, small_dir: Path, argv: list[str], message: str) -> None:
-    code, out, err = run(capsys, *argv, "--weights", str(small_dir))
+def test_generate_bad_input_is_one_line_and_exit_2(capsys, tiny_dir: Path, argv: list[str], message: str) -> None:
+    code, out, err = run(capsys, *argv, "--weights", str(tiny_dir))
     assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
 
 
@@ -253,7 +253,7 @@ def test_compare_rtol_zero_fails_on_rounding(capsys, trained_dir: Path) -> None:
     assert code == 1 and json.loads(out)["passed"] is False
 
 
-def test_generate_reports_an_engine_failure_as_an_internal_error(capsys, monkeypatch, small_dir: Path) -> None:
+def test_generate_reports_an_engine_failure_as_an_internal_error(capsys, monkeypatch, tiny_dir: Path) -> None:
     """A fault inside the engine is not bad input: exit 1 with the internal-error line, not exit 2."""
     from gpt2_engine.runtime.runner import ModelRunner
 
@@ -261,6 +261,6 @@ def test_generate_reports_an_engine_failure_as_an_internal_error(capsys, monkeyp
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(ModelRunner, "open", broken)
-    code, out, err = run(capsys, "generate", "Hi", "-n", "3", "--weights", str(small_dir))
+    code, out, err = run(capsys, "generate", "Hi", "-n", "3", "--weights", str(tiny_dir))
     assert code == 1 and err.count("\n") == 1
     assert err.startswith("gpt2 generate: internal error: RuntimeError: generation failed: RuntimeError: kernel exploded")

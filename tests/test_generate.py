@@ -45,6 +45,7 @@ def test_cached_decoding_equals_full_recompute(model: GPT2) -> None:
     assert torch.equal(cached.argmax(-1), full.argmax(-1))
 
 
+@pytest.mark.slow
 def test_cached_batch_decoding_equals_full_recompute(model: GPT2) -> None:
     """The same for a batch of 3 sequences sharing the cache's batch dimension."""
     batch, steps, prompt_len = 3, 50, 12
@@ -61,7 +62,7 @@ def test_cached_batch_decoding_equals_full_recompute(model: GPT2) -> None:
     assert torch.equal(cached.argmax(-1), full.argmax(-1))
 
 
-@pytest.mark.parametrize("which", ["model", "trained_model"])
+@pytest.mark.parametrize("which", [pytest.param("model", marks=pytest.mark.slow), pytest.param("trained_model", marks=pytest.mark.trained)])
 def test_the_reading_paths_greedy_equals_the_engine(which: str, request: pytest.FixtureRequest) -> None:
     """runtime/greedy.py's 40-line loop gives the token ids of GPT2.generate at temperature 0, <|endoftext|> included."""
     m = request.getfixturevalue(which)

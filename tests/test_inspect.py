@@ -151,7 +151,7 @@ def test_left_padded_rows_equal_their_prompts_alone(trained_model: GPT2) -> None
         assert cache["blocks.2.attn.hook_pattern"][row, :, pad:, :pad].abs().sum() == 0  # nothing attends to padding
 
 
-@pytest.mark.parametrize("fixture", ["model", "trained_model"])
+@pytest.mark.parametrize("fixture", ["model", pytest.param("trained_model", marks=pytest.mark.trained)])
 def test_direct_logit_attribution_adds_up(fixture: str, request) -> None:
     model = request.getfixturevalue(fixture)
     logits, cache = model.run_with_cache(ids_of(model))

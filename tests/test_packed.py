@@ -199,7 +199,7 @@ def fixture_matrices(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-@pytest.mark.parametrize("which", ["small", "trained"])
+@pytest.mark.parametrize("which", ["small", pytest.param("trained", marks=pytest.mark.trained)])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
 def test_every_matrix_of_the_fixtures_gives_the_plain_bits(native, request, threads: int, which: str,
                                                            dtype: torch.dtype) -> None:
@@ -246,7 +246,7 @@ def test_kernels_reject_what_they_do_not_handle(native) -> None:
 
 # ---- a packed model ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which", ["trained", "small"])
+@pytest.mark.parametrize("which", [pytest.param("trained", marks=pytest.mark.trained), "small"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_packed_model_gives_the_plain_models_logits_and_tokens(request, threads: int, which: str, dtype: str) -> None:
     """GPT2.from_pretrained(weight_layout="packed") against "plain" on the same checkpoint: the same logits bits for a

@@ -262,6 +262,7 @@ def chi_square_p(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_speculative_sampling_has_the_targets_distribution(drafter: str) -> None:
     target, draft = tiny(1), tiny(2)

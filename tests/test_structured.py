@@ -409,6 +409,7 @@ def test_a_small_model_finishes_schema_constrained_json_at_temperature_1(trained
         assert not re.search(r"\s", outside_strings(o.text)), o.text
 
 
+@pytest.mark.slow
 def test_flexible_whitespace_never_finishes_where_compact_json_always_does(tiny_model: GPT2) -> None:
     """Item 7's failure: random weights sample near-uniformly among the allowed tokens, and GPT-2 has many tokens of
     whitespace, so with flexible whitespace 0 of 20 completions finish in 96 tokens (the issue's count on its

@@ -93,7 +93,7 @@ def test_a_half_width_projection_off_the_cpu_path() -> None:
     assert torch.equal(device_project(x, w, bias), torch.addmm(bias, x, w))
 
 
-@pytest.mark.parametrize("fixture", ["trained_dir", "small_dir"])
+@pytest.mark.parametrize("fixture", [pytest.param("trained_dir", marks=pytest.mark.trained), pytest.param("small_dir", marks=pytest.mark.slow)])
 def test_a_pass_and_a_prefill_give_the_native_runners_logits(fixture, request) -> None:
     """Decode rows at several positions, a verify segment of 3 rows, a short prompt riding along and a slot left
     idle: every output row within PASS_TOL of the native runner's, the same argmax."""
@@ -326,6 +326,7 @@ def test_the_command_line_takes_device_and_runner(trained_dir, capsys) -> None:
         assert code == 2 and "sees no CUDA GPU" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_check_cuda_runs_its_cpu_side_checks() -> None:
     """scripts/check_cuda.py --cpu --quick: the torch runner against the native one and transformers, one table."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_cuda.py"), "--cpu", "--quick"],

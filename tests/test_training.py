@@ -116,7 +116,7 @@ def test_every_gradient_matches_autograd_in_float64(B: int, T: int, unscored: in
             head_rows=5)  # 5 rows a chunk: the head's row chunks, and a last short one, are exercised
 
 
-@pytest.mark.parametrize("which", ["small", "trained"])
+@pytest.mark.parametrize("which", [pytest.param("small", marks=pytest.mark.slow), pytest.param("trained", marks=pytest.mark.trained)])
 def test_gradients_match_autograd_in_float32_on_the_fixtures(which: str, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue("model" if which == "small" else "trained_model")
     config = model.config

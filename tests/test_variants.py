@@ -78,6 +78,7 @@ def variants(small_dir: Path) -> dict[str, GPT2]:
 AGREEMENT = {"int8": (0.94, 0.006), "bfloat16": (0.975, 0.001), "int4": (0.38, 1.4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int8", "int4", "bfloat16"])
 def test_agreement_with_the_float32_engine(model: GPT2, variants: dict[str, GPT2], name: str) -> None:
     ids = torch.tensor([model.tokenizer.encode(long_prompt())])
@@ -192,6 +193,7 @@ def test_float32_projections_are_kept_in_panels_on_amd_beside_the_files_matrices
         PanelMatrix.of(torch.zeros(256, 64, dtype=torch.bfloat16), torch.float32, keep=True)
 
 
+@pytest.mark.slow
 def test_float32_in_panels_gives_the_bits_of_the_plain_matrices(f32_both: tuple[GPT2, GPT2]) -> None:
     """A prompt's logits (MKL on the file's matrices), greedy decoding one row and batched (the native kernels on
     the panels), the numpy reference on the named tensors and an int4 self-speculation drafter quantized from the

@@ -264,6 +264,7 @@ def _present_pages(start: int, end: int) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(),
                     reason="resident pages are counted through /proc/self/pagemap, which only Linux has")
+@pytest.mark.slow
 def test_a_quantized_model_keeps_no_float32_embedding_pages(small_dir: Path) -> None:
     """A quantized model reads wte only for the embedding; each lookup maps the page-cache folios around its rows
     (about 0.9 MB each on a kernel with large folios), and embed() drops them again, with the file's values."""
