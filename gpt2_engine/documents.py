@@ -8,6 +8,7 @@ takes text, so input that is not UTF-8 is refused, at the first invalid byte, wh
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from collections.abc import Iterator
@@ -20,6 +21,13 @@ class InputError(GPT2EngineError):
     """An input file that cannot be read as documents."""
 
 
+# The most one input may hold, checked before it is read (a sparse file, /dev/zero or an endless pipe would otherwise
+# be read whole: tokenizing takes ~30 bytes of memory per byte of text). A prompt, a schema or a prompts file is far
+# below PROMPT_BYTES (the context is 1,024 tokens, ~4 KB of text); one document of a corpus below DOCUMENT_BYTES.
+PROMPT_BYTES = 16 << 20
+DOCUMENT_BYTES = 256 << 20
+
+
 def decode_utf8(data: bytes, name: str, base: int = 0) -> str:
     """`data` as text; invalid UTF-8 is an InputError that names the file and the byte offset."""
     try:
@@ -28,13 +36,29 @@ def decode_utf8(data: bytes, name: str, base: int = 0) -> str:
         raise InputError(f"{name}: invalid UTF-8 at byte offset {base + e.start} (expected UTF-8 text)") from None
 
 
-def read_bytes(path: str, stdin: IO[bytes], name: str | None = None) -> bytes:
-    """The bytes of a file, or of stdin for `-`; errors name the file as `name` (default: its path)."""
-    if path == "-":
-        return stdin.read()
+def too_long(name: str, limit: int) -> InputError:
+    hint = ("; split a corpus into documents (a .jsonl file, one per line)" if limit == DOCUMENT_BYTES else "")
+    return InputError(f"{name}: more than {limit >> 20} MiB of text, expected at most {limit >> 20} MiB{hint}")
+
+
+def read_bytes(path: str, stdin: IO[bytes], name: str | None = None, limit: int = PROMPT_BYTES) -> bytes:
+    """The bytes of a file, or of stdin for `-`, at most `limit` of them; errors name the file as `name` (default:
+    its path)."""
     name = name or path
+    if path == "-":
+        data = stdin.read(limit + 1)
+        if len(data) > limit:
+            raise too_long(name, limit)
+        return data
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as f:
+            size = Path(path).stat().st_size  # 0 for a device or a pipe: read() below stops at limit + 1 anyway
+            if size > limit:
+                raise too_long(name, limit)
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise too_long(name, limit)
+        return data
     except FileNotFoundError:
         raise InputError(f"{name}: no such file") from None
     except IsADirectoryError:
@@ -43,12 +67,12 @@ def read_bytes(path: str, stdin: IO[bytes], name: str | None = None) -> bytes:
         raise InputError(f"{name}: cannot read ({e.strerror or e})") from None
 
 
-def read_text(path: str | Path, stdin: IO[bytes], flag: str = "") -> str:
-    """One whole input as text: a UTF-8 file, or stdin for `-`. Errors name it as `FLAG PATH` (`flag`: the option that
-    gave the path, if one did), or as stdin."""
+def read_text(path: str | Path, stdin: IO[bytes], flag: str = "", limit: int = PROMPT_BYTES) -> str:
+    """One whole input as text, at most `limit` bytes: a UTF-8 file, or stdin for `-`. Errors name it as `FLAG PATH`
+    (`flag`: the option that gave the path, if one did), or as stdin."""
     path = str(path)
     name = "stdin" if path == "-" else f"{flag} {path}".lstrip()
-    return decode_utf8(read_bytes(path, stdin, name), name)
+    return decode_utf8(read_bytes(path, stdin, name, limit), name)
 
 
 def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:
@@ -61,7 +85,7 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
     one document's memory (gpt2 tokenize)."""
     for path in paths:
         if not path.endswith(".jsonl") or path == "-":
-            yield path, read_text(path, stdin)
+            yield path, read_text(path, stdin, limit=DOCUMENT_BYTES)
             continue
         try:
             f = open(path, "rb")
@@ -71,8 +95,10 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
             raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
         with f:
             offset = 0
-            for n, line in enumerate(f, start=1):
+            for n, line in enumerate(iter(functools.partial(f.readline, DOCUMENT_BYTES + 1), b""), start=1):
                 where, base, offset = f"{path}:{n}", offset, offset + len(line)
+                if len(line) > DOCUMENT_BYTES:
+                    raise too_long(where, DOCUMENT_BYTES)
                 if not line.strip():
                     continue
                 try:

@@ -137,7 +137,7 @@ def add_steer_option(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--steer", action="append", default=[], metavar="SPEC",
                    help=f"steer the model while it runs (repeatable, applied in order): {SPEC_GRAMMAR}. SAE is an "
-                        "SAELens directory or OpenAI .pt file; coef adds coef x the feature's decoder row (or the "
+                        "SAELens directory or OpenAI .pt file (with hook=, which it does not record); coef adds coef x the feature's decoder row (or the "
                         "vector), clamp sets the feature (or the component along the vector) to VALUE. Or the path of "
                         "an lm-evaluation-harness steered-model .pt file. "
                         "E.g. --steer sae=saes/res6,feature=123,coef=8 or "
@@ -171,15 +171,16 @@ def steering_from_args(specs: list[dict[str, str] | Path], config) -> tuple:
     from .interp.spec import check_steering, from_fields
     from .interp.steering import load_lm_eval
 
-    saes: dict[str, SAE] = {}
+    saes: dict[tuple[str, str | None], SAE] = {}
 
-    def sae(path: str) -> SAE:
-        if path not in saes:
-            try:
-                saes[path] = SAE.load(path)
-            except SAEError as e:  # the loader speaks of --sae, gpt2 serve's flag
-                raise SteeringError(f"--steer sae={path}: {unprefixed(str(e), '--sae ')}") from None
-        return saes[path]
+    def sae(path: str, hook: str | None) -> SAE:
+        if (path, hook) not in saes:
+            try:  # hook=: where an OpenAI .pt file reads (it does not record it); SAELens's cfg.json names its own
+                saes[path, hook] = SAE.load(path, hook)
+            except SAEError as e:  # the loader speaks of --sae, gpt2 serve's flag, and of hook_name, the API's
+                message = unprefixed(str(e), "--sae ").replace("pass hook_name", "add hook=HOOK")
+                raise SteeringError(f"--steer sae={path}: {message}") from None
+        return saes[path, hook]
 
     def vector(path: str):
         try:

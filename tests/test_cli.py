@@ -115,7 +115,7 @@ def test_generate_truncate_left_says_so_on_stderr(capsys, tiny_dir: Path) -> Non
         (["generate", "Hi", "--top-p", "0"], "gpt2 generate: error: --top-p must be in (0, 1]"),
         (["generate", "Hi", "--top-k", "-3"], "gpt2 generate: error: --top-k must be an integer >= 0"),
         (["generate", "Hi", "-n", "-2"], "gpt2 generate: error: --max-new-tokens must be an integer >= 0"),
-        (["generate", "Hi", "--repetition-penalty", "0"], "gpt2 generate: error: --repetition-penalty must be a finite number > 0"),
+        (["generate", "Hi", "--repetition-penalty", "0"], "gpt2 generate: error: --repetition-penalty must be in [0.01, 100] (1 disables it), got 0.0"),
         (["generate"], "gpt2 generate: error: no prompt: give PROMPT, '-' for stdin, or -f FILE"),
         (["generate", "-f", "/nonexistent/prompt.txt"], "gpt2 generate: error: -f /nonexistent/prompt.txt: no such file"),
         # the limits of runtime/requests.py, which the Python API shares, named by the flag

@@ -575,6 +575,92 @@ def test_an_llmc_file_is_memory_mapped_as_the_readme_says(tiny_dir: Path, tmp_pa
     assert tensors.keys() == official.keys() and all(torch.equal(tensors[n], t) for n, t in official.items())
 
 
+# --- the fourth attack: sampling's arithmetic, unbounded reads, files that are not plain tensors ------------------
+
+
+def test_a_temperature_below_1e_5_is_greedy_and_an_overflowing_penalty_is_refused(capsys, tiny_dir: Path) -> None:
+    """--temperature 1e-40 divided the logits into inf ("probability tensor contains inf", an internal error);
+    below 1e-5 a draw is greedy, as vLLM reads it. A repetition penalty of 1e-300 overflowed the same way."""
+    common = ["-n", "6", "--ignore-eos", "--weights", str(tiny_dir)]
+    runs = []
+    for temperature in ("0", "1e-40", "5e-324"):
+        code, err = cli("generate", "hi", "--temperature", temperature, "--seed", "1", *common)
+        runs.append((code, capsys.readouterr().out))
+        assert code == 0, err
+    assert runs[0] == runs[1] == runs[2] and runs[0][1].strip()
+    code, err = cli("generate", "hi", "--repetition-penalty", "1e-300", *common)
+    assert code == 2 and err == ("gpt2 generate: error: --repetition-penalty must be in [0.01, 100] (1 disables it), "
+                                 "got 1e-300\n")
+
+
+def test_a_prompt_past_16_mib_is_refused_before_it_is_read(tiny_dir: Path, tmp_path: Path) -> None:
+    """A 4 GB sparse prompt file and /dev/zero were read whole (22 GB before the OOM killer); stdin is bounded the
+    same way. A corpus document is bounded at 256 MiB."""
+    sparse = tmp_path / "sparse.txt"
+    with open(sparse, "wb") as f:
+        f.truncate(4 << 30)
+    for args in (["generate", "-f", str(sparse)], ["generate", "-f", "/dev/zero"]):
+        one_line_error(*run_cli([*args, "-n", "2", "--weights", str(tiny_dir)]),
+                       r": more than 16 MiB of text, expected at most 16 MiB$")
+    with open("/dev/zero", "rb") as zero:
+        done = subprocess.run([sys.executable, "-m", "gpt2_engine", "generate", "-", "-n", "2", "--weights",
+                               str(tiny_dir)], stdin=zero, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    one_line_error(done.returncode, done.stderr, r"stdin: more than 16 MiB of text, expected at most 16 MiB$")
+    one_line_error(*run_cli(["score", str(sparse), "--weights", str(tiny_dir)]),
+                   r"sparse.txt: more than 256 MiB of text, expected at most 256 MiB; split a corpus into documents "
+                   r"\(a .jsonl file, one per line\)$")
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: torch.ones(64).to_sparse(), "expected a dense tensor of values, got a sparse_coo one"),
+    (lambda: torch.ones(64, device="meta"), "expected a dense tensor of values, got a meta one"),
+    (lambda: torch.full((64,), 1e300, dtype=torch.float64), "values up to 1e\\+300 do not fit float32 \\(at most 3.4e38\\)"),
+    (lambda: torch.quantize_per_tensor(torch.ones(64), 0.1, 0, torch.qint8), "expected floating-point values, got torch.qint8"),
+], ids=["sparse", "meta", "float64-past-float32", "qint8"])
+def test_a_steering_vector_that_is_not_a_dense_float_tensor_is_one_line(make, pattern: str, tiny_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    torch.save(make(), tmp_path / "v.pt")
+    code, err = run_cli(["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--steer",
+                         f"vector={tmp_path / 'v.pt'},hook=blocks.0.hook_resid_pre,coef=1"])
+    one_line_error(code, err, pattern)
+
+
+def test_an_openai_sae_steers_with_the_hook_given(capsys, trained_dir: Path, saes_dir: Path) -> None:
+    """--help offered `sae=` an OpenAI .pt file, which does not record its hook; hook= was refused beside sae=."""
+    sae = saes_dir / "openai-topk.pt"
+    common = ["-n", "6", "--temperature", "0", "--ignore-eos", "--weights", str(trained_dir)]
+    code, err = cli("generate", "The", *common, "--steer", f"sae={sae},feature=1,coef=1")
+    assert code == 2 and "OpenAI's format does not record its hook point; add hook=HOOK" in err and err.count("\n") == 1
+    code, err = cli("generate", "The", *common, "--steer", f"sae={sae},feature=1,coef=200,hook=blocks.3.hook_resid_mid")
+    steered = capsys.readouterr().out
+    assert code == 0, err
+    code, _ = cli("generate", "The", *common)
+    assert code == 0 and capsys.readouterr().out != steered
+    code, err = cli("generate", "The", *common, "--steer", f"sae={sae},feature=1,head=2,hook=blocks.3.hook_resid_mid")
+    assert code == 2 and err == "gpt2 generate: error: --steer: an SAE steers at its own head; leave out head=\n"
+
+
+def test_the_command_lines_tolerances_and_sizes_are_bounded(tiny_dir: Path, tmp_path: Path) -> None:
+    """compare --rtol nan passed a real mismatch (every comparison with NaN is false); inspect --ig-steps 1e9 took
+    16 GB; serve's --api-key "" served without a key, and --prefix-cache-mb inf, --parallel 1e8, --queue-timeout nan
+    and --model-name "" were an internal error, a raw OSError or accepted."""
+    weights = ["--weights", str(tiny_dir)]
+    rtol = "a finite number >= 0 \\(0: the same bits\\)"
+    for flag, value, must in (("--rtol", "nan", rtol), ("--rtol", "-1", rtol),
+                              ("--min-top1", "2", "a fraction in \\[0, 1\\]"),
+                              ("--max-ppl-change", "nan", "a finite number >= 0 \\(a fraction: 0.01 is 1%\\)")):
+        one_line_error(*cli("compare", *weights, "--reference", str(tiny_dir), flag, value),
+                       f"{flag} must be {must}, got {value}")
+    for flag, value, pattern in (
+            ("--api-key", "", r"--api-key is empty: give a key, or leave the flag out to serve without one$"),
+            ("--prefix-cache-mb", "inf", r"--prefix-cache-mb must be a positive, finite number of MB, got inf"),
+            ("--parallel", "100000000", r"--parallel 100,000,000 needs a [\d,.]+ GB KV cache \(\d+ MB a slot\); this "
+                                        r"machine has [\d.]+ GB available, room for [\d,]+ slots$"),
+            ("--queue-timeout", "nan", r"--queue-timeout must be a positive number of seconds, got nan$"),
+            ("--model-name", " ", r"--model-name is empty")):
+        one_line_error(*run_cli(["serve", *weights, "--port", "0", flag, value]), pattern)  # bounded, should it serve
+
+
 # --- the command line's bounds: what ran out of memory as an internal error ----------------------------------------
 
 

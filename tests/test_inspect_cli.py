@@ -75,7 +75,8 @@ def test_inspect_json_to_stdout(capsys, trained_dir: Path, tmp_path: Path, monke
     (["--target", " the file"], "--target ' the file' is 2 tokens"),
     (["--layers", "7"], "--layers '7': this model's layers are 0..3"),
     (["--layers", "one"], "--layers 'one': expected 'all' or a list like '0,3,5-7'"),
-    (["--ig-steps", "0"], "--ig-steps: expected a positive integer, got 0"),
+    (["--ig-steps", "0"], "--ig-steps: expected an integer in [1, 1024], got 0"),
+    (["--ig-steps", "1000000000"], "--ig-steps: expected an integer in [1, 1024], got 1000000000"),
 ])
 def test_inspect_errors_are_one_line_and_exit_2(capsys, trained_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:
     code, out, err = run(capsys, "inspect", PROMPT, *args, "--out", str(tmp_path / "o"), "--weights", str(trained_dir))

@@ -139,6 +139,9 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
     ({"prompt": [], "max_tokens": 1}, 400, "prompt", "must not be an empty list"),
     ({"prompt": [70000]}, 400, "prompt", "token ids must be in [0, 50257)"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias", "keys must be token ids (decimal digits 0-9)"),
+    ({"prompt": "x", "logit_bias": {"١٢": 1}}, 400, "logit_bias", "keys must be token ids (decimal digits 0-9)"),
+    ({"prompt": "x", "repetition_penalty": 1e-300}, 400, "repetition_penalty", "must be in [0.01, 100]"),
     ({"prompt": "x " * 600, "max_tokens": 100}, 400, "prompt", "exceeds the context of 512 tokens"),
     ({"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens",
      "max_tokens (3) and max_completion_tokens (4) disagree"),
@@ -315,9 +318,23 @@ def test_api_key_guards_every_route_but_health(trained_model: GPT2) -> None:
 
 
 def test_a_body_over_the_limit_is_413(trained_model: GPT2) -> None:
+    """By Content-Length, and as a chunked body streams in (FastAPI turned that one into a 400 about JSON)."""
+    body = json.dumps({"model": "gpt2", "prompt": "x" * (2 << 20)}).encode()
     with live(trained_model) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
-        r = c.post("/v1/completions", json={"model": "gpt2", "prompt": "x" * (2 << 20)})
-        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        for content in (body, iter([body[i : i + 65536] for i in range(0, len(body), 65536)])):  # the second chunked
+            r = c.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+
+def test_a_temperature_below_1e_5_is_greedy(server: str) -> None:
+    """1e-40 divided the logits into inf: a 500 ("probability tensor contains inf")."""
+    texts = []
+    for temperature in (0, 1e-40):
+        r = httpx.post(f"{server}/v1/completions", json={"model": "gpt2", "prompt": "The", "max_tokens": 6,
+                                                          "temperature": temperature, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1] and texts[0]
 
 
 def test_health_is_503_while_loading() -> None:

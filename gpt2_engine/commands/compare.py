@@ -198,6 +198,7 @@ def judgement_from_args(args: argparse.Namespace) -> Judgement:
     engines = ["torch", "numpy"] if args.engine == "all" else [args.engine]
     variant = args.quantize or (args.dtype if args.dtype != "float32" else None)
     check_checkable(args, engines, variant)
+    check_bounds(args)
     rtols = {e: args.rtol if args.rtol is not None or variant else DEFAULT_RTOL[e] for e in engines}
     return Judgement(engines, variant, rtols, given_or(args.min_top1, DEFAULT_MIN_TOP1.get(variant or "")),
                      given_or(args.max_ppl_change, DEFAULT_MAX_PPL_CHANGE.get(variant or "")))
@@ -216,6 +217,20 @@ def check_checkable(args: argparse.Namespace, engines: list[str], variant: str |
     if args.weights is not None and args.weights.is_file():
         raise GPT2EngineError(f"{args.weights}: gpt2 compare holds the engine to transformers, which reads a Hugging "
                               f"Face directory; convert the file first (gpt2 convert {args.weights} DIR --to hf)")
+
+
+# The tolerances a user may set: (flag, attribute, whether a value is allowed, what it must be). A NaN would pass every
+# comparison it takes part in, so a mismatch would pass.
+BOUNDS = (("--rtol", "rtol", lambda v: 0 <= v < math.inf, "a finite number >= 0 (0: the same bits)"),
+          ("--min-top1", "min_top1", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+          ("--max-ppl-change", "max_ppl_change", lambda v: 0 <= v < math.inf, "a finite number >= 0 (a fraction: 0.01 is 1%)"))
+
+
+def check_bounds(args: argparse.Namespace) -> None:
+    for flag, name, allowed, must in BOUNDS:
+        value = getattr(args, name)
+        if value is not None and not allowed(value):
+            raise GPT2EngineError(f"{flag} must be {must}, got {value}")
 
 
 def given_or(value: float | None, default: float | None) -> float | None:

@@ -41,12 +41,12 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
                    help=f"tokens to generate at most (default {g.max_new_tokens})")
     p.add_argument("--temperature", type=float, default=s.temperature, metavar="T",
-                   help=f"softmax temperature; 0 is greedy (default {s.temperature})")
+                   help=f"softmax temperature in [0, 2]; 0 (or below 1e-5) is greedy (default {s.temperature})")
     p.add_argument("--top-k", type=int, default=s.top_k, metavar="K", help=f"keep the K most likely tokens; 0 keeps all (default {s.top_k})")
     p.add_argument("--top-p", type=float, default=s.top_p, metavar="P",
                    help=f"nucleus sampling: keep the most likely tokens holding P of the mass; 1 keeps all (default {s.top_p})")
     p.add_argument("--repetition-penalty", type=float, default=s.repetition_penalty, metavar="R",
-                   help=f"penalise tokens already in the text; 1 is off (default {s.repetition_penalty})")
+                   help=f"penalise tokens already in the text, in [0.01, 100]; 1 is off (default {s.repetition_penalty})")
     p.add_argument("--seed", type=int, help="random seed for a reproducible run (default: random, printed on stderr)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop before this string (repeatable; escapes like \\n are understood)")

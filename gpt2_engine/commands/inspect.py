@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..documents import read_text
 from ..interp.sae import SAE
+from ..inspect.analysis import IG_MAX_STEPS
 from ..inspect.report import ReportSettings, build_report, parse_layers, write_report
 from ..inspect.sae import feature_attribution
 from ..options import ModelOptions, UsageError, add_model_options, load_model
@@ -20,8 +21,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     prompt = read_text("-", sys.stdin.buffer) if args.prompt == "-" else args.prompt
     if not prompt:
         raise UsageError("the prompt is empty; expected text (or '-' to read it from stdin)")
-    if args.ig_steps < 1:
-        raise UsageError(f"--ig-steps: expected a positive integer, got {args.ig_steps}")
+    if not 1 <= args.ig_steps <= IG_MAX_STEPS:  # the most attribution() doubles its steps to
+        raise UsageError(f"--ig-steps: expected an integer in [1, {IG_MAX_STEPS}], got {args.ig_steps}")
     return prompt
 
 

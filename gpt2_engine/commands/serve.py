@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import signal
 import socket
 import sys
 from pathlib import Path
 
+from ..core.config import GPT2Config
+from ..core.pages import available_memory
 from ..formats.checkpoints import checkpoint_config
 from ..interp.steering import SteeringRegistry
 from ..options import ModelOptions, add_force_option, add_model_options, load_model
@@ -21,8 +24,10 @@ from ..serve.chat import load_template, plain_template
 def read_api_key(args: argparse.Namespace) -> str | None:
     if args.api_key and args.api_key_file:
         raise ServeError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None and not args.api_key.strip():  # an unset $KEY would serve without one, silently
+        raise ServeError("--api-key is empty: give a key, or leave the flag out to serve without one")
     if args.api_key_file is None:
-        return args.api_key or None
+        return args.api_key
     try:
         key = args.api_key_file.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
@@ -37,14 +42,18 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
     for name in ("parallel", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ServeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.queue_timeout <= 0:
+    if not args.queue_timeout > 0:  # nan too
         raise ServeError(f"--queue-timeout must be a positive number of seconds, got {args.queue_timeout}")
+    if not args.model_name.strip():
+        raise ServeError("--model-name is empty: expected the name clients ask for (default gpt2)")
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.exists():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights`, or `make demo` offline, or pass --weights DIR)")
     check_prefix_cache(args)
     check_speculation(args)
+    if args.weights.is_file() or (args.weights / "config.json").is_file():
+        check_slots(args.parallel, checkpoint_config(args.weights))
     template = load_template(args.chat_template) if args.chat_template is not None else plain_template()
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
                           args.max_body_bytes, chat_template=template, steering=steering_registry(args))
@@ -55,9 +64,9 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
     from ..formats.hf import CONFIG
 
     mb = args.prefix_cache_mb
-    if mb is not None and mb <= 0:
-        raise ServeError(f"--prefix-cache-mb must be a positive number of MB, got {mb} (--no-prefix-cache turns the "
-                         "cache off)")
+    if mb is not None and not 0 < mb < math.inf:  # nan too
+        raise ServeError(f"--prefix-cache-mb must be a positive, finite number of MB, got {mb} (--no-prefix-cache "
+                         "turns the cache off)")
     if mb is not None and args.no_prefix_cache:
         raise ServeError("--prefix-cache-mb and --no-prefix-cache contradict each other: give one")
     if mb is not None and (args.weights.is_file() or (args.weights / CONFIG).is_file()):
@@ -65,6 +74,17 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
         if mb < need:
             raise ServeError(f"--prefix-cache-mb {mb} holds no block: a block of {BLOCK_TOKENS} tokens of this model "
                              f"takes {need:.2f} MB")
+
+
+def check_slots(parallel: int, config: GPT2Config) -> None:
+    """That --parallel slots of a whole context's KV cache fit in the memory this machine has (the cache is allocated
+    whole when the model loads)."""
+    per_slot = 2 * config.n_layer * config.n_positions * config.n_embd * 4  # keys and values, float32
+    available = available_memory()
+    if parallel * per_slot > available:
+        raise ServeError(f"--parallel {parallel:,} needs a {parallel * per_slot / 1e9:,.1f} GB KV cache ({per_slot / 1e6:.0f} "
+                         f"MB a slot); this machine has {available / 1e9:.1f} GB available, room for "
+                         f"{available // per_slot:,} slots")
 
 
 def check_speculation(args: argparse.Namespace) -> None:

@@ -35,7 +35,9 @@ def read_vector(path: str | Path) -> torch.Tensor:
 
             found = load_file(p)
         else:
-            found = load_pickle(p)  # weights only: nothing in it runs
+            with warnings.catch_warnings():  # torch warns about quantized tensors' deprecation: the dtype check says it
+                warnings.simplefilter("ignore")
+                found = load_pickle(p)  # weights only: nothing in it runs
     except ValueError as e:  # load_pickle's one line
         raise SteeringError(f"steering vector {path}: not a readable {p.suffix} file ({e})") from None
     except Exception as e:  # noqa: BLE001 - any unreadable .npy or .safetensors file is one line naming it
@@ -53,6 +55,9 @@ def read_vector(path: str | Path) -> torch.Tensor:
 def as_vector(v: Any, what: str) -> torch.Tensor:
     """A float32 tensor from a tensor, an array or a list; one-line errors for anything else."""
     if isinstance(v, torch.Tensor):
+        if v.layout != torch.strided or v.device.type != "cpu":  # sparse, or meta (no values at all)
+            kind = v.device.type if v.device.type != "cpu" else str(v.layout).removeprefix("torch.")
+            raise SteeringError(f"{what}: expected a dense tensor of values, got a {kind} one")
         t = v.detach()
     elif isinstance(v, (np.ndarray, list, tuple)):
         try:
@@ -61,11 +66,15 @@ def as_vector(v: Any, what: str) -> torch.Tensor:
             raise SteeringError(f"{what}: expected numbers, got {type(v).__name__} that is not numeric") from None
         if a.dtype.kind not in "biuf":  # complex would lose its imaginary part in the cast to float32, silently
             raise SteeringError(f"{what}: expected real numbers, got {type(v).__name__} of {a.dtype}")
-        t = torch.as_tensor(a.astype(np.float32))
+        t = torch.as_tensor(a.astype(np.float64 if a.dtype == np.float64 else np.float32))
     else:
         raise SteeringError(f"{what}: expected a tensor, an array or a list of numbers, got {type(v).__name__}")
     if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
         raise SteeringError(f"{what}: expected floating-point values, got {t.dtype}")
+    if t.dtype == torch.float64 and t.numel() and bool(torch.isfinite(t).all()):
+        top = t.abs().max().item()
+        if top > torch.finfo(torch.float32).max:
+            raise SteeringError(f"{what}: values up to {top:.3g} do not fit float32 (at most 3.4e38)")
     t = t.float().contiguous()
     if t.numel() == 0 or not bool(torch.isfinite(t).all()):
         raise SteeringError(f"{what}: expected finite values, got {'nothing' if t.numel() == 0 else 'inf or nan'}")

@@ -203,8 +203,8 @@ def attribution(model: GPT2, ids: torch.Tensor | list[int], target: int,
     unembedding(model, target)  # range check
     if method not in ("grad_x_input", "integrated_gradients"):
         raise GPT2EngineError(f"method: expected 'grad_x_input' or 'integrated_gradients', got {method!r}")
-    if steps < 1:
-        raise GPT2EngineError(f"steps: expected a positive integer, got {steps}")
+    if not 1 <= steps <= IG_MAX_STEPS:  # each step is a forward and a backward pass of the prompt
+        raise GPT2EngineError(f"steps: expected an integer in [1, {IG_MAX_STEPS}], got {steps}")
     emb = embed(model.weights, ids)  # [T, C]
     head = float64_head(model.weights)
     with torch.inference_mode(False), torch.enable_grad():

@@ -234,7 +234,7 @@ def between_blocks(hook: str) -> bool:
 SPEC_KEYS = ("sae", "feature", "coef", "clamp", "vector", "hook", "positions", "head")
 
 
-SPEC_GRAMMAR = ("sae=SAE,feature=N[,coef=X | ,clamp=VALUE] or vector=FILE,hook=HOOK[,coef=X | ,clamp=VALUE] "
+SPEC_GRAMMAR = ("sae=SAE,feature=N[,hook=HOOK][,coef=X | ,clamp=VALUE] or vector=FILE,hook=HOOK[,coef=X | ,clamp=VALUE] "
                 "[,positions=all|prompt|generated][,head=H]")
 
 
@@ -252,10 +252,11 @@ def parse_spec(text: str) -> dict[str, str]:
     return fields
 
 
-def from_fields(fields: Mapping[str, Any], sae: Callable[[str], SAE], vector: Callable[[str], torch.Tensor],
-                where: str = "--steer") -> Steering:
+def from_fields(fields: Mapping[str, Any], sae: Callable[[str, str | None], SAE],
+                vector: Callable[[str], torch.Tensor], where: str = "--steer") -> Steering:
     """A Steering from a spec's fields (strings from the command line, JSON values from a request): `sae` and
-    `vector` resolve the names they give (a directory or a registered name; a file or a registered name)."""
+    `vector` resolve the names they give (a directory or a registered name, with the hook= given if any: OpenAI's SAE
+    files do not record theirs; a file or a registered name)."""
     if unknown := sorted(set(fields) - set(SPEC_KEYS)):
         raise SteeringError(f"{where}: unknown field {unknown[0]!r}; expected {SPEC_GRAMMAR}")
     if ("sae" in fields) == ("vector" in fields):
@@ -279,11 +280,11 @@ def from_fields(fields: Mapping[str, Any], sae: Callable[[str], SAE], vector: Ca
     positions = str(fields.get("positions", "all"))
     head = number("head", int)
     if "sae" in fields:
-        if "hook" in fields or "head" in fields:
-            raise SteeringError(f"{where}: an SAE steers at its own hook (and head); leave out hook= and head=")
+        if "head" in fields:
+            raise SteeringError(f"{where}: an SAE steers at its own head; leave out head=")
         if "feature" not in fields:
             raise SteeringError(f"{where}: sae= needs feature=N (which latent)")
-        model = sae(str(fields["sae"]))
+        model = sae(str(fields["sae"]), str(fields["hook"]) if "hook" in fields else None)
         feature = number("feature", int)
         if "clamp" in fields:
             return Steering.clamp(model, feature, number("clamp", float), positions)

@@ -227,10 +227,13 @@ class SteeringRegistry:
     saes: Mapping[str, SAE] = field(default_factory=dict)
     vectors: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
-    def sae(self, name: str) -> SAE:
+    def sae(self, name: str, hook: str | None = None) -> SAE:
         if name not in self.saes:
             raise SteeringError(f"steering: no SAE named {name!r} on this server (it serves "
                                 f"{', '.join(map(repr, self.saes)) or 'none: start it with --sae NAME=DIR'})")
+        if hook is not None and hook != self.saes[name].hook_name:
+            raise SteeringError(f"steering: the SAE {name!r} reads {self.saes[name].hook_name}, not {hook}; "
+                                "leave out hook= (a served SAE steers at its own hook)")
         return self.saes[name]
 
     def vector(self, name: str) -> torch.Tensor:

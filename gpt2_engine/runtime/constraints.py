@@ -151,6 +151,7 @@ class GrammarLimits:
     compile_seconds: float = 5.0  # one compile, first mask included (a schema takes about a millisecond)
     step_seconds: float = 1.0  # one token's mask and advance (tens of microseconds for a schema)
     lexer_fuel: int = 50_000  # llguidance's initial_lexer_fuel (its default is 1,000,000)
+    step_fuel: int = 20_000  # llguidance's step_lexer_fuel: one token's lexer work (its default is 200,000)
 
     def check(self, constraint: Constraint) -> None:
         """GrammarError naming the limit a constraint's text goes over, before any compile. A literal costs
@@ -241,7 +242,8 @@ class CompileWorker:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         bufsize=0)
         setup = {"encoding": self.tokenizer.encoding, "n_vocab": self.tokenizer.n_vocab,
-                 "eos": self.tokenizer.eot_id, "lexer_fuel": self.limits.lexer_fuel, "stack_bytes": WORKER_STACK}
+                 "eos": self.tokenizer.eot_id, "lexer_fuel": self.limits.lexer_fuel, "step_fuel": self.limits.step_fuel,
+                 "stack_bytes": WORKER_STACK}
         try:
             self.send(pickle.dumps(setup))
             self.receive(WORKER_START_SECONDS)
@@ -341,7 +343,7 @@ class Grammars:
             grammar, error = self.worker.compile(constraint)
         if error:
             raise GrammarError(f"{constraint.describe()}: {error}")
-        limits = grammar_worker.parser_limits(self.limits.lexer_fuel)
+        limits = grammar_worker.parser_limits(self.limits.lexer_fuel, self.limits.step_fuel)
         matcher, error = on_own_stack(lambda: grammar_worker.check(self.lltokenizer(), grammar, limits), BUILD_STACK)
         if error:  # not expected: the compile process did the same, first mask included
             raise GrammarError(f"{constraint.describe()}: {error}")
@@ -406,8 +408,7 @@ class Guide:
         t0 = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         self._check_time(time.perf_counter() - t0, "compute the allowed tokens")
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar failed after {self.tokens} tokens: {matcher_error(self.matcher)}")
+        self._check_matcher(f"the grammar failed after {self.tokens} tokens")
         allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
         if len(allowed) < logits.shape[-1]:  # a padded vocabulary: the padding rows are never allowed
             allowed = np.pad(allowed, (0, logits.shape[-1] - len(allowed)))
@@ -419,9 +420,19 @@ class Guide:
         consumed = self.matcher.consume_token(token)
         self._check_time(time.perf_counter() - t0, f"take token {token}")
         if not consumed:
-            raise GrammarError(f"the grammar failed at token {token} (after {self.tokens}): "
-                               f"{matcher_error(self.matcher)}")
+            self._check_matcher(f"the grammar failed at token {token} (after {self.tokens})")
+            raise GrammarError(f"the grammar failed at token {token} (after {self.tokens})")
         self.tokens += 1
+
+    def _check_matcher(self, where: str) -> None:
+        """GrammarError if the matcher failed; one that ran out of a token's lexer fuel (limits.step_fuel) is refused
+        from then on, as a step past the time budget is: it would fail the same way again."""
+        if not self.matcher.is_error():
+            return
+        error = f"{where}: {matcher_error(self.matcher)}"
+        if "lexer fuel" in error:
+            self.compiled.refused = f"{self.compiled.constraint.describe()}: {error}"
+        raise GrammarError(error)
 
     def _check_time(self, seconds: float, what: str) -> None:
         budget = self.compiled.step_seconds

@@ -54,12 +54,14 @@ def definition(kind: str, spec: str, whitespace_flexible: bool = False) -> str:
     raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def parser_limits(lexer_fuel: int) -> Any:
-    """llguidance's limits for every matcher: its lexer fuel lowered (1,000,000 by default; counted repetitions such as
-    `(a{1000}){1000}` spend it quadratically, for minutes), and errors without its dump of the parser's state."""
+def parser_limits(lexer_fuel: int, step_fuel: int) -> Any:
+    """llguidance's limits for every matcher: its lexer fuel lowered, at the start (1,000,000 by default; counted
+    repetitions such as `(a{1000}){1000}` spend it quadratically, for minutes) and for each token (200,000 by default:
+    about a second of lexer work on `(a|aa)*b{720000}` once a `b` is taken, where 20,000 is about 10 ms), so a grammar
+    that would stall the engine loop fails its sequence instead; and errors without its dump of the parser's state."""
     import llguidance
 
-    return llguidance.LLParserLimits(initial_lexer_fuel=lexer_fuel, verbose_errors=False)
+    return llguidance.LLParserLimits(initial_lexer_fuel=lexer_fuel, step_lexer_fuel=step_fuel, verbose_errors=False)
 
 
 def check(lltokenizer: Any, grammar: str, limits: Any, probe: int = 0, step_seconds: float = float("inf")
@@ -133,7 +135,7 @@ def main() -> None:
     from llguidance.tiktoken import lltokenizer_from_encoding
 
     lltokenizer = lltokenizer_from_encoding(setup["encoding"], n_vocab=setup["n_vocab"], eos_token=setup["eos"])
-    limits = parser_limits(setup["lexer_fuel"])
+    limits = parser_limits(setup["lexer_fuel"], setup["step_fuel"])
     threading.stack_size(setup["stack_bytes"])  # smaller than the parent's compile thread: what passes here passes there
     write_frame(stdout, b'{"ready": true}')
     while (frame := read_frame(stdin)) is not None:

@@ -10,7 +10,6 @@ from the torch.Generator the caller passes in.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,12 @@ import torch
 from ..core.errors import GenerationError
 
 MAX_TEMPERATURE = 2  # OpenAI's bound; GPT-2's text past it is noise
+# Temperatures below this are greedy, as vLLM reads them (its _SAMPLING_EPS): a draw at 1e-5 picks the argmax unless
+# two logits are within ~1e-4 of each other, and below ~1e-37 logits / temperature overflows float32 to inf.
+GREEDY_BELOW = 1e-5
+# The repetition penalty divides or multiplies a seen token's logit: within these bounds a logit stays finite after
+# it and after the smallest sampling temperature (|logit| * 100 / 1e-5 is far from float32's 3e38).
+REPETITION_PENALTY = (0.01, 100)
 
 
 def is_number(v: Any) -> bool:
@@ -33,11 +38,12 @@ def penalty(v: Any) -> bool:
 
 # SamplingParams' fields: (name, whether a value is allowed, what the error says it must be)
 CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("temperature", lambda v: is_number(v) and 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE}] (0 is greedy)"),
+    ("temperature", lambda v: is_number(v) and 0 <= v <= MAX_TEMPERATURE,
+     f"in [0, {MAX_TEMPERATURE}] (0, or below {GREEDY_BELOW:g}, is greedy)"),
     ("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 disables it)"),
     ("top_p", lambda v: is_number(v) and 0 < v <= 1, "in (0, 1] (1 disables it)"),
-    ("repetition_penalty", lambda v: is_number(v) and math.isfinite(v) and v > 0,
-     "a finite number > 0 (1 disables it)"),
+    ("repetition_penalty", lambda v: is_number(v) and REPETITION_PENALTY[0] <= v <= REPETITION_PENALTY[1],
+     f"in [{REPETITION_PENALTY[0]:g}, {REPETITION_PENALTY[1]:g}] (1 disables it)"),
     ("presence_penalty", penalty, "a number in [-2, 2]"),
     ("frequency_penalty", penalty, "a number in [-2, 2]"),
 )
@@ -72,7 +78,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

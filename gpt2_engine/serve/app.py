@@ -93,17 +93,26 @@ class Gate:
         if (refused := self.refusal(scope, headers)) is not None:
             return await error_response(refused)(scope, receive, send)
         too_large = APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
-        seen = 0
+        seen, over = 0, False
 
         async def limited() -> dict:
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:
+                over = True
                 raise too_large
             return message
 
-        await self.app(scope, limited, send)
+        async def answer(message: dict) -> None:
+            # a body without Content-Length (chunked) goes over as it streams in, where FastAPI turns the raise
+            # above into its own 400 about parsing: the 413 is sent in its place
+            if not over:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await error_response(too_large)(scope, receive, send)
+
+        await self.app(scope, limited, answer)
 
     def tagged(self, send: Callable) -> Callable:
         """`send`, adding which replica answered to each response's headers (for clients and tests of a Ray

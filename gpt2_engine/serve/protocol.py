@@ -95,8 +95,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit()):  # str.isdigit() is true of "²" and "١٢" too
+                raise ValueError(f"logit_bias keys must be token ids (decimal digits 0-9), got {key!r}")
         return v
 
     @model_validator(mode="after")
