@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import resource
+import shutil
 import socket
 import stat
 import struct
@@ -641,3 +642,104 @@ def test_absurd_sizes_and_a_nan_cache_are_refused(trained_dir: Path, saes_dir: P
         assert code == 2 and err.splitlines()[-1] == line, err[-2000:]
     one_line_error(*run_cli(["score", str(text), "--weights", str(trained_dir), "--prefix-cache-mb", "nan"]),
                    r"prefix cache size must be a positive number of MB, got nan$")
+
+
+# --- the fourth attack: a corrupt resume state, adapters and checkpoints that overflow, convert onto its source ------
+
+RUN = ["--context", "32", "--batch-size", "2", "--steps", "4", "--save-every", "2", "--eval-every", "2",
+       "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the text, the folder of a run of 4 updates of the tiny model on it): its last/ is what --resume reads."""
+    d = tmp_path_factory.mktemp("run")
+    text = d / "ft.txt"
+    text.write_text("Return the value of the key in the mapping. " * 300)
+    code, err = cli("finetune", str(text), "--weights", str(tiny_dir), "--out", str(d / "out"), *RUN)
+    assert code == 0, err[-2000:]
+    return text, d / "out"
+
+
+def edit_state(**fields: object) -> Callable[[Path], None]:
+    def edit(last: Path) -> None:
+        state = json.loads((last / "trainer_state.json").read_text())
+        (last / "trainer_state.json").write_text(json.dumps({**state, **fields}))
+    return edit
+
+
+def edit_moments(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    def edit_file(last: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        moments = load_file(str(last / "optimizer.safetensors"))
+        edit(moments)
+        save_file(moments, str(last / "optimizer.safetensors"))
+    return edit_file
+
+
+def truncate(name: str, size: Callable[[int], int]) -> Callable[[Path], None]:
+    def edit(last: Path) -> None:
+        path = last / name
+        os.truncate(path, size(path.stat().st_size))
+    return edit
+
+
+GENERATOR = "expected a list of 5,056 bytes (integers in [0, 255]): torch's CPU generator state"
+STEP = "expected an integer in [1, 4] (the updates done, of this run's 4)"
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda last: (last / "trainer_state.json").write_text("[]"),
+     "{state}: expected a JSON object (the training state gpt2 finetune writes), found []"),
+    (edit_state(trajectory=None), "{state}: trajectory is null, expected a JSON object (the run's settings, data and "
+                                  "base, as gpt2 finetune writes them)"),
+    (edit_state(generator=[1, 2, 3]), "{state}: generator is [1, 2, 3], " + GENERATOR),
+    (edit_state(generator=[999] * 5056),
+     "{state}: generator is [999, 999, 999, 999, 999, 999, 999, 999,... (list of 5,056), " + GENERATOR),
+    (edit_state(generator="abc"), '{state}: generator is "abc", ' + GENERATOR),
+    (edit_state(step=-5), "{state}: step is -5, " + STEP),
+    (edit_state(step="4"), '{state}: step is "4", ' + STEP),
+    (edit_state(step=10**12), "{state}: step is 1000000000000, " + STEP),  # was accepted: "trained in 1e12 updates"
+    (edit_state(step=4.5), "{state}: step is 4.5, " + STEP),
+    (edit_state(best=[float("nan"), 4]), "{state}: best is [NaN, 4], expected null or [validation loss, step]: a "
+                                         "finite loss >= 0 and a step in [0, 4]"),
+    (truncate("optimizer.safetensors", lambda size: 1000),
+     "{optimizer}: not a readable safetensors file (Error while deserializing header: invalid header length)"),
+    (truncate("optimizer.safetensors", lambda size: size // 2),
+     "{optimizer}: not a readable safetensors file (Error while deserializing header: incomplete metadata, file not "
+     "fully covered)"),
+    (edit_moments(lambda m: m.update({"m.wte.weight": torch.zeros(3)})),
+     "{optimizer}: m.wte.weight is float32 of shape [3], expected float32 of shape [50257, 64]"),
+    (edit_moments(lambda m: m.update({"v.wpe.weight": m["v.wpe.weight"].half()})),
+     "{optimizer}: v.wpe.weight is float16 of shape [128, 64], expected float32 of shape [128, 64]"),
+    # a NaN moment resumed, then ended in "the loss became nan ... the last good checkpoint is in OUT/last (try a
+    # lower --lr)": neither was true
+    (edit_moments(lambda m: m["v.h.1.ln_2.bias"].__setitem__(5, float("nan"))),
+     "{optimizer}: v.h.1.ln_2.bias holds 1 NaN/Inf values, expected a finite optimizer state"),
+    (edit_moments(lambda m: m["v.h.1.ln_2.bias"].__setitem__(5, -1.0)),
+     "{optimizer}: v.h.1.ln_2.bias holds negative values, expected a second moment (a mean of squares) >= 0"),
+], ids=["state-a-list", "trajectory-null", "generator-3-bytes", "generator-999s", "generator-a-string", "step-negative",
+        "step-a-string", "step-1e12", "step-4.5", "best-nan", "optimizer-1000-bytes", "optimizer-half",
+        "optimizer-tensor-shape", "optimizer-float16", "optimizer-nan", "optimizer-negative-v"])
+def test_a_corrupt_resume_state_is_one_line_naming_its_field(edit: Callable[[Path], None], line: str,
+                                                              finished_run: tuple[Path, Path], tiny_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """finetune --resume checks last/'s trainer_state.json field by field and the optimizer's moments by name, shape,
+    dtype and value before restoring any of them (each case was an internal error, or a resume that went wrong)."""
+    text, run = finished_run
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    edit(out / "last")
+    code, err = cli("finetune", str(text), "--weights", str(tiny_dir), "--out", str(out), *RUN, "--resume")
+    expected = line.format(state=out / "last" / "trainer_state.json", optimizer=out / "last" / "optimizer.safetensors")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 finetune: error: {expected}"]), err[-3000:]
+
+
+def test_the_finished_run_itself_resumes(finished_run: tuple[Path, Path], tiny_dir: Path, tmp_path: Path) -> None:
+    """The checks refuse none of what a run writes: resuming it untouched is a run with nothing left to do."""
+    text, run = finished_run
+    shutil.copytree(run, tmp_path / "out")
+    code, err = cli("finetune", str(text), "--weights", str(tiny_dir), "--out", str(tmp_path / "out"), *RUN, "--resume")
+    assert code == 0 and "resuming at update 4" in err, err[-3000:]
+
