@@ -743,3 +743,19 @@ def test_the_finished_run_itself_resumes(finished_run: tuple[Path, Path], tiny_d
     code, err = cli("finetune", str(text), "--weights", str(tiny_dir), "--out", str(tmp_path / "out"), *RUN, "--resume")
     assert code == 0 and "resuming at update 4" in err, err[-3000:]
 
+
+def test_convert_refuses_to_write_over_a_file_of_its_source(tiny_dir: Path, tmp_path: Path) -> None:
+    """A destination that is an existing file or folder inside the source directory was overwritten (convert tiny
+    tiny/config.json --to gguf exited 0 with the source's config a GGUF); a new file beside them is still written."""
+    src = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, src)
+    before = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    (src / "last").mkdir()
+    for dst, to, kind in ((src / "config.json", "gguf", "file"), (src / "model.safetensors", "llmc", "file"),
+                          (src / "sub" / ".." / "vocab.json", "gguf", "file"), (src / "last", "hf", "folder")):
+        code, err = cli("convert", str(src), str(dst), "--to", to)
+        assert (code, err.strip().splitlines()) == (2, [
+            f"gpt2 convert: error: {dst}: an existing {kind} of the source checkpoint {src}, which writing would "
+            "destroy; write the converted checkpoint somewhere else (or to a new file)"]), err[-3000:]
+    assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
+    assert cli("convert", str(src), str(src / "model.gguf"), "--to", "gguf")[0] == 0
