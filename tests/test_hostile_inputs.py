@@ -759,3 +759,35 @@ def test_convert_refuses_to_write_over_a_file_of_its_source(tiny_dir: Path, tmp_
             "destroy; write the converted checkpoint somewhere else (or to a new file)"]), err[-3000:]
     assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
     assert cli("convert", str(src), str(src / "model.gguf"), "--to", "gguf")[0] == 0
+
+
+def hf_variant(tiny_dir: Path, d: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
+    """A copy of the tiny checkpoint (safetensors only) with its tensors edited."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_dir, d, ignore=shutil.ignore_patterns("pytorch_model.bin"))
+    if edit is not None:
+        tensors = load_file(str(d / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda t: t.update({"ln_f.weight": t["ln_f.weight"].to(torch.float8_e4m3fn)}),  # torch has no isfinite for it
+     "{weights}: tensor ln_f.weight has dtype float8_e4m3fn, expected one of float32, float16, bfloat16, float64"),
+    (lambda t: t["wte.weight"].fill_(1e38),  # finite, so the NaN check passed, and every logit was NaN
+     "{weights}: tensor wte.weight holds values up to 1e+38 in magnitude, expected at most 10000 (trained GPT-2 "
+     "weights are of order 1; larger ones overflow float32 activations)"),
+    (None, "{vocab}: expected a JSON object of token -> integer id (GPT-2's vocabulary), found list"),
+], ids=["float8-ln_f", "wte-1e38", "vocab-a-list"])
+def test_a_checkpoint_the_engine_cannot_compute_with_is_one_line(edit: Callable | None, line: str, tiny_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """Hugging Face checkpoints that were internal errors: a float8 tensor, weights that overflow, a vocab.json that is
+    not a mapping."""
+    d = hf_variant(tiny_dir, tmp_path / "model", edit)
+    if edit is None:
+        (d / "vocab.json").write_text("[1, 2]")
+    code, err = cli("generate", "hi", "-n", "3", "--temperature", "0", "--weights", str(d))
+    expected = line.format(weights=d / "model.safetensors", vocab=d / "vocab.json")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
