@@ -791,3 +791,48 @@ def test_a_checkpoint_the_engine_cannot_compute_with_is_one_line(edit: Callable 
     code, err = cli("generate", "hi", "-n", "3", "--temperature", "0", "--weights", str(d))
     expected = line.format(weights=d / "model.safetensors", vocab=d / "vocab.json")
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
+
+
+def lora_dir(tiny_dir: Path, d: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> Path:
+    """An adapter of rank 4 (lora_alpha 8) on every projection of the tiny model, B as trained ones are (not zero),
+    its tensors (PEFT's names and orientation) and config edited."""
+    from safetensors.torch import load_file, save_file
+
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.core.lora import LoraAdapter, LoraSettings, new_adapter
+    from gpt2_engine.formats.peft import save_adapter
+
+    config = GPT2Config.from_json(tiny_dir / "config.json")
+    fresh = new_adapter(config, LoraSettings(r=4, alpha=8.0), torch.Generator().manual_seed(0))
+    tensors = {n: torch.full_like(t, 0.01) if n.endswith("lora_B") else t for n, t in fresh.tensors.items()}
+    save_adapter(d, LoraAdapter(fresh.settings, tensors))
+    weights, cfg = load_file(str(d / "adapter_model.safetensors")), json.loads((d / "adapter_config.json").read_text())
+    edit(weights, cfg)
+    save_file(weights, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+PEFT = "base_model.model.transformer."
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda t, c: t[PEFT + "h.1.mlp.c_fc.lora_B.weight"].fill_(float("nan")),
+     "{weights}: tensor " + PEFT + "h.1.mlp.c_fc.lora_B.weight holds 1024 NaN/Inf values, expected finite weights"),
+    (lambda t, c: [x.fill_(1e30) for x in t.values()],  # finite, and every logit NaN
+     "{adapter}: its update to h.0.attn.c_attn (lora_A x lora_B x the scale 2, from lora_alpha 8 and r 4) holds "
+     "values up to 8e+60, expected at most 10000 like any weight (larger ones overflow float32 activations)"),
+    (lambda t, c: c.update(lora_alpha=1e308),
+     "{config}: lora_alpha 1e+308 over r 4 scales the update by 2.5e+307, expected at most 10000 (a scale this large "
+     "overflows float32 activations)"),
+    (lambda t, c: c.update(lora_alpha=float("nan")), "{config}: lora_alpha: expected a finite number > 0, got nan"),
+    (lambda t, c: t.update({PEFT + "h.0.attn.c_attn.lora_A.weight": torch.zeros(3, 3)}),  # said "expected [3, 64]"
+     "{weights}: " + PEFT + "h.0.attn.c_attn.lora_A.weight has shape [3, 3], expected [4, 64] for this model"),
+], ids=["nan-tensor", "tensors-1e30", "alpha-1e308", "alpha-nan", "shape-names-r"])
+def test_an_adapter_that_overflows_is_one_line(edit: Callable, line: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """generate --lora with adapter weights that made NaN logits (an internal error): checked at load as a
+    checkpoint's weights are, finite and each projection's update within the same bound."""
+    d = lora_dir(tiny_dir, tmp_path / "adapter", edit)
+    code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(tiny_dir), "--lora", str(d))
+    expected = line.format(adapter=d, weights=d / "adapter_model.safetensors", config=d / "adapter_config.json")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
