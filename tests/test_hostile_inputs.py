@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import resource
+import shutil
 import socket
 import stat
 import struct
@@ -727,3 +728,197 @@ def test_absurd_sizes_and_a_nan_cache_are_refused(trained_dir: Path, saes_dir: P
         assert code == 2 and err.splitlines()[-1] == line, err[-2000:]
     one_line_error(*run_cli(["score", str(text), "--weights", str(trained_dir), "--prefix-cache-mb", "nan"]),
                    r"prefix cache size must be a positive number of MB, got nan$")
+
+
+# --- the fourth attack: a corrupt resume state, adapters and checkpoints that overflow, convert onto its source ------
+
+RUN = ["--context", "32", "--batch-size", "2", "--steps", "4", "--save-every", "2", "--eval-every", "2",
+       "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the text, the folder of a run of 4 updates of the tiny model on it): its last/ is what --resume reads."""
+    d = tmp_path_factory.mktemp("run")
+    text = d / "ft.txt"
+    text.write_text("Return the value of the key in the mapping. " * 300)
+    code, err = cli("finetune", str(text), "--weights", str(tiny_dir), "--out", str(d / "out"), *RUN)
+    assert code == 0, err[-2000:]
+    return text, d / "out"
+
+
+def edit_state(**fields: object) -> Callable[[Path], None]:
+    def edit(last: Path) -> None:
+        state = json.loads((last / "trainer_state.json").read_text())
+        (last / "trainer_state.json").write_text(json.dumps({**state, **fields}))
+    return edit
+
+
+def edit_moments(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    def edit_file(last: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        moments = load_file(str(last / "optimizer.safetensors"))
+        edit(moments)
+        save_file(moments, str(last / "optimizer.safetensors"))
+    return edit_file
+
+
+def truncate(name: str, size: Callable[[int], int]) -> Callable[[Path], None]:
+    def edit(last: Path) -> None:
+        path = last / name
+        os.truncate(path, size(path.stat().st_size))
+    return edit
+
+
+GENERATOR = "expected a list of 5,056 bytes (integers in [0, 255]): torch's CPU generator state"
+STEP = "expected an integer in [1, 4] (the updates done, of this run's 4)"
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda last: (last / "trainer_state.json").write_text("[]"),
+     "{state}: expected a JSON object (the training state gpt2 finetune writes), found []"),
+    (edit_state(trajectory=None), "{state}: trajectory is null, expected a JSON object (the run's settings, data and "
+                                  "base, as gpt2 finetune writes them)"),
+    (edit_state(generator=[1, 2, 3]), "{state}: generator is [1, 2, 3], " + GENERATOR),
+    (edit_state(generator=[999] * 5056),
+     "{state}: generator is [999, 999, 999, 999, 999, 999, 999, 999,... (list of 5,056), " + GENERATOR),
+    (edit_state(generator="abc"), '{state}: generator is "abc", ' + GENERATOR),
+    (edit_state(step=-5), "{state}: step is -5, " + STEP),
+    (edit_state(step="4"), '{state}: step is "4", ' + STEP),
+    (edit_state(step=10**12), "{state}: step is 1000000000000, " + STEP),  # was accepted: "trained in 1e12 updates"
+    (edit_state(step=4.5), "{state}: step is 4.5, " + STEP),
+    (edit_state(best=[float("nan"), 4]), "{state}: best is [NaN, 4], expected null or [validation loss, step]: a "
+                                         "finite loss >= 0 and a step in [0, 4]"),
+    (truncate("optimizer.safetensors", lambda size: 1000),
+     "{optimizer}: not a readable safetensors file (Error while deserializing header: invalid header length)"),
+    (truncate("optimizer.safetensors", lambda size: size // 2),
+     "{optimizer}: not a readable safetensors file (Error while deserializing header: incomplete metadata, file not "
+     "fully covered)"),
+    (edit_moments(lambda m: m.update({"m.wte.weight": torch.zeros(3)})),
+     "{optimizer}: m.wte.weight is float32 of shape [3], expected float32 of shape [50257, 64]"),
+    (edit_moments(lambda m: m.update({"v.wpe.weight": m["v.wpe.weight"].half()})),
+     "{optimizer}: v.wpe.weight is float16 of shape [128, 64], expected float32 of shape [128, 64]"),
+    # a NaN moment resumed, then ended in "the loss became nan ... the last good checkpoint is in OUT/last (try a
+    # lower --lr)": neither was true
+    (edit_moments(lambda m: m["v.h.1.ln_2.bias"].__setitem__(5, float("nan"))),
+     "{optimizer}: v.h.1.ln_2.bias holds 1 NaN/Inf values, expected a finite optimizer state"),
+    (edit_moments(lambda m: m["v.h.1.ln_2.bias"].__setitem__(5, -1.0)),
+     "{optimizer}: v.h.1.ln_2.bias holds negative values, expected a second moment (a mean of squares) >= 0"),
+], ids=["state-a-list", "trajectory-null", "generator-3-bytes", "generator-999s", "generator-a-string", "step-negative",
+        "step-a-string", "step-1e12", "step-4.5", "best-nan", "optimizer-1000-bytes", "optimizer-half",
+        "optimizer-tensor-shape", "optimizer-float16", "optimizer-nan", "optimizer-negative-v"])
+def test_a_corrupt_resume_state_is_one_line_naming_its_field(edit: Callable[[Path], None], line: str,
+                                                              finished_run: tuple[Path, Path], tiny_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """finetune --resume checks last/'s trainer_state.json field by field and the optimizer's moments by name, shape,
+    dtype and value before restoring any of them (each case was an internal error, or a resume that went wrong)."""
+    text, run = finished_run
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    edit(out / "last")
+    code, err = cli("finetune", str(text), "--weights", str(tiny_dir), "--out", str(out), *RUN, "--resume")
+    expected = line.format(state=out / "last" / "trainer_state.json", optimizer=out / "last" / "optimizer.safetensors")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 finetune: error: {expected}"]), err[-3000:]
+
+
+def test_the_finished_run_itself_resumes(finished_run: tuple[Path, Path], tiny_dir: Path, tmp_path: Path) -> None:
+    """The checks refuse none of what a run writes: resuming it untouched is a run with nothing left to do."""
+    text, run = finished_run
+    shutil.copytree(run, tmp_path / "out")
+    code, err = cli("finetune", str(text), "--weights", str(tiny_dir), "--out", str(tmp_path / "out"), *RUN, "--resume")
+    assert code == 0 and "resuming at update 4" in err, err[-3000:]
+
+
+def test_convert_refuses_to_write_over_a_file_of_its_source(tiny_dir: Path, tmp_path: Path) -> None:
+    """A destination that is an existing file or folder inside the source directory was overwritten (convert tiny
+    tiny/config.json --to gguf exited 0 with the source's config a GGUF); a new file beside them is still written."""
+    src = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, src)
+    before = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    (src / "last").mkdir()
+    for dst, to, kind in ((src / "config.json", "gguf", "file"), (src / "model.safetensors", "llmc", "file"),
+                          (src / "sub" / ".." / "vocab.json", "gguf", "file"), (src / "last", "hf", "folder")):
+        code, err = cli("convert", str(src), str(dst), "--to", to)
+        assert (code, err.strip().splitlines()) == (2, [
+            f"gpt2 convert: error: {dst}: an existing {kind} of the source checkpoint {src}, which writing would "
+            "destroy; write the converted checkpoint somewhere else (or to a new file)"]), err[-3000:]
+    assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
+    assert cli("convert", str(src), str(src / "model.gguf"), "--to", "gguf")[0] == 0
+
+
+def hf_variant(tiny_dir: Path, d: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
+    """A copy of the tiny checkpoint (safetensors only) with its tensors edited."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_dir, d, ignore=shutil.ignore_patterns("pytorch_model.bin"))
+    if edit is not None:
+        tensors = load_file(str(d / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda t: t.update({"ln_f.weight": t["ln_f.weight"].to(torch.float8_e4m3fn)}),  # torch has no isfinite for it
+     "{weights}: tensor ln_f.weight has dtype float8_e4m3fn, expected one of float32, float16, bfloat16, float64"),
+    (lambda t: t["wte.weight"].fill_(1e38),  # finite, so the NaN check passed, and every logit was NaN
+     "{weights}: tensor wte.weight holds values up to 1e+38 in magnitude, expected at most 10000 (trained GPT-2 "
+     "weights are of order 1; larger ones overflow float32 activations)"),
+    (None, "{vocab}: expected a JSON object of token -> integer id (GPT-2's vocabulary), found list"),
+], ids=["float8-ln_f", "wte-1e38", "vocab-a-list"])
+def test_a_checkpoint_the_engine_cannot_compute_with_is_one_line(edit: Callable | None, line: str, tiny_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """Hugging Face checkpoints that were internal errors: a float8 tensor, weights that overflow, a vocab.json that is
+    not a mapping."""
+    d = hf_variant(tiny_dir, tmp_path / "model", edit)
+    if edit is None:
+        (d / "vocab.json").write_text("[1, 2]")
+    code, err = cli("generate", "hi", "-n", "3", "--temperature", "0", "--weights", str(d))
+    expected = line.format(weights=d / "model.safetensors", vocab=d / "vocab.json")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
+
+
+def lora_dir(tiny_dir: Path, d: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> Path:
+    """An adapter of rank 4 (lora_alpha 8) on every projection of the tiny model, B as trained ones are (not zero),
+    its tensors (PEFT's names and orientation) and config edited."""
+    from safetensors.torch import load_file, save_file
+
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.core.lora import LoraAdapter, LoraSettings, new_adapter
+    from gpt2_engine.formats.peft import save_adapter
+
+    config = GPT2Config.from_json(tiny_dir / "config.json")
+    fresh = new_adapter(config, LoraSettings(r=4, alpha=8.0), torch.Generator().manual_seed(0))
+    tensors = {n: torch.full_like(t, 0.01) if n.endswith("lora_B") else t for n, t in fresh.tensors.items()}
+    save_adapter(d, LoraAdapter(fresh.settings, tensors))
+    weights, cfg = load_file(str(d / "adapter_model.safetensors")), json.loads((d / "adapter_config.json").read_text())
+    edit(weights, cfg)
+    save_file(weights, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+PEFT = "base_model.model.transformer."
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda t, c: t[PEFT + "h.1.mlp.c_fc.lora_B.weight"].fill_(float("nan")),
+     "{weights}: tensor " + PEFT + "h.1.mlp.c_fc.lora_B.weight holds 1024 NaN/Inf values, expected finite weights"),
+    (lambda t, c: [x.fill_(1e30) for x in t.values()],  # finite, and every logit NaN
+     "{adapter}: its update to h.0.attn.c_attn (lora_A x lora_B x the scale 2, from lora_alpha 8 and r 4) holds "
+     "values up to 8e+60, expected at most 10000 like any weight (larger ones overflow float32 activations)"),
+    (lambda t, c: c.update(lora_alpha=1e308),
+     "{config}: lora_alpha 1e+308 over r 4 scales the update by 2.5e+307, expected at most 10000 (a scale this large "
+     "overflows float32 activations)"),
+    (lambda t, c: c.update(lora_alpha=float("nan")), "{config}: lora_alpha: expected a finite number > 0, got nan"),
+    (lambda t, c: t.update({PEFT + "h.0.attn.c_attn.lora_A.weight": torch.zeros(3, 3)}),  # said "expected [3, 64]"
+     "{weights}: " + PEFT + "h.0.attn.c_attn.lora_A.weight has shape [3, 3], expected [4, 64] for this model"),
+], ids=["nan-tensor", "tensors-1e30", "alpha-1e308", "alpha-nan", "shape-names-r"])
+def test_an_adapter_that_overflows_is_one_line(edit: Callable, line: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """generate --lora with adapter weights that made NaN logits (an internal error): checked at load as a
+    checkpoint's weights are, finite and each projection's update within the same bound."""
+    d = lora_dir(tiny_dir, tmp_path / "adapter", edit)
+    code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(tiny_dir), "--lora", str(d))
+    expected = line.format(adapter=d, weights=d / "adapter_model.safetensors", config=d / "adapter_config.json")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]

@@ -43,6 +43,14 @@ def check_destination(src: Path, dst: Path, to: str, dtype: str) -> None:
         raise UsageError(f"--type {dtype}: a {to} checkpoint is written as {' or '.join(TARGETS[to])}")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UsageError(f"{dst}: is the source itself; write the converted checkpoint somewhere else")
+    # An existing path inside a source directory is one of its files (config.json, the weights, the BPE files) or
+    # folders: writing there would destroy what is being read. A new file beside them (model.gguf next to
+    # model.safetensors, as Hugging Face repositories keep several formats) replaces nothing and is allowed.
+    target = dst.resolve()  # through links and `..`, also past a folder not made yet (src/new/../config.json)
+    if target.exists() and src.is_dir() and target.is_relative_to(src.resolve()):
+        raise UsageError(f"{dst}: an existing {'folder' if target.is_dir() else 'file'} of the source checkpoint {src}, "
+                         "which writing would destroy; write the converted checkpoint somewhere else (or to a new "
+                         "file)")
     if to == "hf":
         if dst.exists() and not dst.is_dir():
             raise UsageError(f"{dst}: {'a file' if dst.is_file() else what_is(dst)}; a Hugging Face checkpoint is a "

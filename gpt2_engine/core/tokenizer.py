@@ -163,6 +163,13 @@ def _build(vocab_path: Path, merges_path: Path) -> Tokenizer:
         merges = merges_bytes.decode("utf-8")
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{vocab_path.parent}: BPE files are not valid JSON / UTF-8 ({e})") from None
+    except RecursionError:
+        raise TokenizerError(f"{vocab_path}: not valid JSON (its values nest too deeply)") from None
+    if not isinstance(encoder, dict) or not all(type(v) is int for v in encoder.values()):
+        found = type(encoder).__name__ if not isinstance(encoder, dict) else \
+            next(f"{k!r}: {v!r}"[:80] for k, v in encoder.items() if type(v) is not int)
+        raise TokenizerError(f"{vocab_path}: expected a JSON object of token -> integer id (GPT-2's vocabulary), "
+                             f"found {found}")
     ranks = _mergeable_ranks(encoder, merges, check=not official, where=vocab_path.parent)
     special = {ENDOFTEXT: encoder.get(ENDOFTEXT, len(ranks))}
     try:

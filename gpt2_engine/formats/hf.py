@@ -10,6 +10,7 @@ file, the tensor, the expected and the found shape.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -316,22 +317,46 @@ def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weig
 
 CHECK_CHUNK = 1 << 20  # elements checked for NaN/Inf at a time
 
+# The dtypes a checkpoint's tensors are read in (torch's float8 types, for one, have no isfinite, and no GPT-2
+# checkpoint is stored in them).
+READ_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+
+# The largest |weight| a checkpoint may hold. A finite weight near float32's limit (wte all 1e38) passes the NaN check
+# and turns every logit into NaN at the first matmul; trained weights are nowhere near: the largest in the trained
+# and random fixtures is 2.3 (ln_f.weight), and a layer norm's gain or a projection in the thousands would already
+# be a model of overflowing activations. 1e4 leaves three orders of magnitude above any trained weight and refuses
+# what is not one, by name, at load; checking it costs the same single pass as the NaN check (the chunk's max |w|).
+WEIGHT_LIMIT = 1e4
+
+
+def check_values(path: Path, name: str, tensor: torch.Tensor, limit: float | None = WEIGHT_LIMIT,
+                 release: Path | None = None) -> None:
+    """A checkpoint tensor's dtype one the engine reads and its values finite and (with `limit`) at most `limit` in
+    magnitude, in one pass over chunks; with `release` (the mapped file), each chunk's pages are released once read."""
+    if tensor.dtype not in READ_DTYPES:
+        kind = str(tensor.dtype).removeprefix("torch.")
+        raise WeightsError(f"{path}: tensor {name} has dtype {kind}, expected one of {', '.join(READ_DTYPES.values())}")
+    # in chunks: a check over all of wte at once holds temporaries of its size (about 250 MB more at the peak)
+    flat, largest = tensor.reshape(-1), 0.0
+    pages = None if release is None else file_pages(flat, release)
+    for i in range(0, flat.numel(), CHECK_CHUNK):
+        chunk = float(flat[i : i + CHECK_CHUNK].abs().amax())  # NaN where the chunk holds one
+        if math.isnan(chunk) or chunk > largest:  # and no later chunk replaces a NaN
+            largest = chunk
+        if pages is not None:
+            pages.release(flat[i : i + CHECK_CHUNK])
+    if not math.isfinite(largest):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise WeightsError(f"{path}: tensor {name} holds {bad} NaN/Inf values, expected finite weights")
+    if limit is not None and largest > limit:
+        raise WeightsError(f"{path}: tensor {name} holds values up to {largest:.3g} in magnitude, expected at most "
+                           f"{limit:g} (trained GPT-2 weights are of order 1; larger ones overflow float32 activations)")
+
 
 def _check_tensor(path: Path, name: str, tensor: torch.Tensor, shape: tuple[int, ...],
                   release: Path | None = None) -> None:
-    """Shape, dtype and finite values; with `release` (the mapped file), each chunk's pages are released once read."""
+    """Shape, then check_values: the dtype, finite values of a plausible size."""
     if tuple(tensor.shape) != shape:
         raise WeightsError(f"{path}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)}")
-    if not tensor.dtype.is_floating_point:
-        raise WeightsError(f"{path}: tensor {name} has dtype {tensor.dtype}, expected a floating-point dtype")
-    # in chunks: isfinite over all of wte at once holds temporaries of its size (about 250 MB more at the peak)
-    flat, finite = tensor.reshape(-1), True
-    pages = None if release is None else file_pages(flat, release)
-    for i in range(0, flat.numel(), CHECK_CHUNK):
-        finite = finite and bool(torch.isfinite(flat[i : i + CHECK_CHUNK]).all())
-        if pages is not None:
-            pages.release(flat[i : i + CHECK_CHUNK])
-    if not finite:
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise WeightsError(f"{path}: tensor {name} holds {bad} NaN/Inf values, expected finite weights")
+    check_values(path, name, tensor, WEIGHT_LIMIT, release)
 

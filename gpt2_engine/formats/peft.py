@@ -17,7 +17,7 @@ from ..core.config import GPT2Config, read_json
 from ..core.errors import GPT2EngineError
 from ..core.lora import ALL_TARGETS, TARGETS, LoraAdapter, LoraError, LoraSettings, module_name, target_shape
 from .files import atomic_write, output_directory
-from .hf import read_tensors, weights_fingerprint
+from .hf import WEIGHT_LIMIT, check_values, read_tensors, weights_fingerprint
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -116,8 +116,9 @@ def read_adapter_config(directory: Path) -> dict:
 
 
 def adapter_tensor(key: str, t: torch.Tensor, modules: dict[str, str], config: GPT2Config,
-                   path: Path) -> tuple[str, str, int]:
-    """(engine name, target, rank) of one tensor of the file, its name and shape checked against the model."""
+                   path: Path, rank: int | None = None) -> tuple[str, str, int]:
+    """(engine name, target, rank) of one tensor of the file, its name, shape and values checked against the model;
+    `rank` (adapter_config.json's r, where it is one) is the rank an expected shape names."""
     name = key.removeprefix(PEFT_PREFIX).replace(".default.", ".")
     stem, _, kind = name.removesuffix(".weight").rpartition(".")
     if not key.startswith(PEFT_PREFIX) or stem not in modules or kind not in ("lora_A", "lora_B") \
@@ -127,17 +128,25 @@ def adapter_tensor(key: str, t: torch.Tensor, modules: dict[str, str], config: G
     if t.dim() == 0:
         raise LoraError(f"{path}: {key} is a scalar, expected a matrix")
     fan_in, fan_out = target_shape(config, modules[stem])
-    r = t.shape[0] if kind == "lora_A" else t.shape[-1]
+    r = t.shape[0] if kind == "lora_A" else t.shape[-1]  # a rank other than r's is load_adapter's to name
     want = (r, fan_in) if kind == "lora_A" else (fan_out, r)
     if t.dim() != 2 or tuple(t.shape) != want:
+        named = rank or r
+        want = (named, fan_in) if kind == "lora_A" else (fan_out, named)
         raise LoraError(f"{path}: {key} has shape {list(t.shape)}, expected {list(want)} for this model")
     if not t.is_floating_point():
         raise LoraError(f"{path}: {key} has dtype {t.dtype}, expected a float")
+    try:  # as a checkpoint's weights are: a NaN here makes every logit NaN
+        check_values(path, key, t, limit=None)
+    except GPT2EngineError as e:
+        raise LoraError(str(e)) from None
     return stem + "." + kind, modules[stem], r
 
 
-def adapter_tensors(path: Path, config: GPT2Config) -> tuple[dict[str, torch.Tensor], set[str], set[int]]:
-    """(A and B by engine name in Conv1D orientation, the targets they adapt, their ranks), each paired."""
+def adapter_tensors(path: Path, config: GPT2Config,
+                    rank: int | None = None) -> tuple[dict[str, torch.Tensor], set[str], set[int]]:
+    """(A and B by engine name in Conv1D orientation, the targets they adapt, their ranks), each paired; `rank` as
+    adapter_tensor's."""
     try:
         raw = read_tensors(path)
     except GPT2EngineError as e:
@@ -147,7 +156,7 @@ def adapter_tensors(path: Path, config: GPT2Config) -> tuple[dict[str, torch.Ten
     targets: set[str] = set()
     ranks: set[int] = set()
     for key, t in raw.items():
-        name, target, r = adapter_tensor(key, t, modules, config, path)
+        name, target, r = adapter_tensor(key, t, modules, config, path, rank)
         tensors[name] = t.float().t().contiguous()
         targets.add(target)
         ranks.add(r)
@@ -167,16 +176,39 @@ def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
     path = directory / ADAPTER_WEIGHTS
     if not path.is_file():
         raise LoraError(f"{directory}: no {ADAPTER_WEIGHTS} (the engine reads adapters in safetensors)")
-    tensors, targets, ranks = adapter_tensors(path, config)
     r = cfg.get("r", 8)
+    tensors, targets, ranks = adapter_tensors(path, config, r if type(r) is int and r >= 1 else None)
     if ranks != {r}:
         raise LoraError(f"{directory / ADAPTER_CONFIG}: r={r!r}, but the tensors have rank {sorted(ranks)}")
     try:
         settings = LoraSettings(r=r, alpha=float(cfg.get("lora_alpha", 8)), dropout=float(cfg.get("lora_dropout") or 0.0),
                                 targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=bool(cfg.get("use_rslora")))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, LoraError) as e:  # LoraSettings' own checks name the field, not the file
         raise LoraError(f"{directory / ADAPTER_CONFIG}: {e}") from None
+    if settings.scale > WEIGHT_LIMIT:
+        raise LoraError(f"{directory / ADAPTER_CONFIG}: lora_alpha {settings.alpha:g} over r {settings.r} scales the "
+                        f"update by {settings.scale:.3g}, expected at most {WEIGHT_LIMIT:g} (a scale this large "
+                        "overflows float32 activations)")
+    check_updates(directory, settings, tensors)
     return LoraAdapter(settings, tensors, cfg.get("base_model_name_or_path") or "", base_fingerprint(directory))
+
+
+def check_updates(directory: Path, settings: LoraSettings, tensors: dict[str, torch.Tensor]) -> None:
+    """Each projection's update scale * A B held to the bound a checkpoint's weights are (WEIGHT_LIMIT): finite
+    tensors with a huge lora_alpha (1e308) or huge values (1e30) made every logit NaN. The bound |(A B)_ij| <=
+    |A_i,:| |B_:,j| costs a norm per row and column; only an adapter past it pays for the product, to name its size."""
+    s = settings.scale
+    for name in sorted(n for n in tensors if n.endswith(".lora_A")):
+        a, b = tensors[name], tensors[name.removesuffix("lora_A") + "lora_B"]  # (in, r), (r, out)
+        bound = s * float(a.double().norm(dim=1).max()) * float(b.double().norm(dim=0).max())
+        if bound <= WEIGHT_LIMIT:
+            continue
+        largest = s * float((a.double() @ b.double()).abs().max())
+        if not largest <= WEIGHT_LIMIT:  # NaN included
+            raise LoraError(f"{directory}: its update to {name.removesuffix('.lora_A')} (lora_A x lora_B x the scale "
+                            f"{s:.3g}, from lora_alpha {settings.alpha:g} and r {settings.r}) holds values up to "
+                            f"{largest:.3g}, expected at most {WEIGHT_LIMIT:g} like any weight (larger ones overflow "
+                            "float32 activations)")
 
 
 def base_fingerprint(directory: Path) -> str:

@@ -615,46 +615,123 @@ class Trainer:
             shutil.rmtree(out / LAST, ignore_errors=True)
 
     def _load_last(self) -> None:
-        from safetensors.torch import load_file
-
         from ..formats.hf import load_weights
 
         last = self.out / LAST
-        try:
-            state = json.loads((last / STATE).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise TrainError(f"{last / STATE}: not a readable training state ({e})") from None
-        if state.get("version") != STATE_VERSION:
-            raise TrainError(f"{last / STATE}: training-state version {state.get('version')!r}, expected {STATE_VERSION}")
-        saved, mine = state["trajectory"], self.trajectory()
-        for key in ("config", "base", "lora", "train_tokens", "val_tokens"):
-            if saved.get(key) != mine[key]:
-                what = {"config": "model shape", "base": "base weights", "train_tokens": "training data",
-                        "val_tokens": "validation data", "lora": "LoRA settings (--lora, --lora-*)"}[key]
-                raise TrainError(f"--resume: the {what} differ from the run saved in {last} (resume with the same "
-                                 "data, --weights/--init and settings, or start a new run)")
-        for key, value in mine["settings"].items():
-            if saved["settings"].get(key) != value:
-                raise TrainError(f"--resume: {key} is {value!r} but the run in {last} used "
-                                 f"{saved['settings'].get(key)!r}")
+        state = read_state(last / STATE, self.trajectory(), self.total, self.generator.get_state().numel())
         try:
             loaded = named_tensors(load_weights(last, self.config)) if self.lora is None else \
                 load_adapter(last, self.config).tensors
-            moments = load_file(str(last / OPTIMIZER))
         except (WeightsError, LoraError, OSError) as e:
             raise TrainError(f"--resume: {e}") from None
         if set(loaded) != set(self.params):
             raise TrainError(f"--resume: the tensors in {last} do not match this run's parameters")
+        moments = read_moments(last / OPTIMIZER, self.optimizer.state())
         for name, p in loaded.items():
             self.params[name].copy_(p)
-        expected = set(self.optimizer.state())
-        if set(moments) != expected:
-            raise TrainError(f"{last / OPTIMIZER}: optimizer state does not match the model's parameters")
         self.optimizer.load_state(moments, state["step"])
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed"]
         self.best = tuple(state["best"]) if state["best"] else None
         self.evals_since_best = state["evals_since_best"]
         self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
+# --- the resume state: trainer_state.json and optimizer.safetensors, checked before anything is restored ------------
+
+def _json(value: object) -> str:
+    """A value of trainer_state.json as the file spells it, cut short where long (a generator state is 5,056 bytes)."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:40]}... ({type(value).__name__} of {len(value):,})"
+
+
+def _integer(value: object, low: int, high: int | None = None) -> bool:
+    return type(value) is int and low <= value and (high is None or value <= high)  # bool is not a count
+
+
+def _number(value: object) -> bool:
+    return type(value) in (int, float) and 0 <= value <= 1e15  # NaN and inf fail; an int past float's range too
+
+
+def read_state(path: Path, trajectory: dict, total: int, generator_bytes: int) -> dict:
+    """last/trainer_state.json checked against this run before any of it is used: readable, of this version, the
+    same trajectory (settings, data, base), and each field of the type and range _state() writes, so that a corrupt
+    or hand-edited file is one line naming its field."""
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise TrainError(f"{path}: not a readable training state ({e})") from None
+    if not isinstance(state, dict):
+        raise TrainError(f"{path}: expected a JSON object (the training state gpt2 finetune writes), found "
+                         f"{_json(state)}")
+    if state.get("version") != STATE_VERSION:
+        raise TrainError(f"{path}: training-state version {state.get('version')!r}, expected {STATE_VERSION}")
+    saved, last = state.get("trajectory"), path.parent
+    if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
+        field_, value = ("trajectory", saved) if not isinstance(saved, dict) else \
+            ("trajectory.settings", saved.get("settings"))
+        raise TrainError(f"{path}: {field_} is {_json(value)}, expected a JSON object (the run's settings, data and "
+                         "base, as gpt2 finetune writes them)")
+    for key in ("config", "base", "lora", "train_tokens", "val_tokens"):
+        if saved.get(key) != trajectory[key]:
+            what = {"config": "model shape", "base": "base weights", "train_tokens": "training data",
+                    "val_tokens": "validation data", "lora": "LoRA settings (--lora, --lora-*)"}[key]
+            raise TrainError(f"--resume: the {what} differ from the run saved in {last} (resume with the same "
+                             "data, --weights/--init and settings, or start a new run)")
+    for key, value in trajectory["settings"].items():
+        if saved["settings"].get(key) != value:
+            raise TrainError(f"--resume: {key} is {value!r} but the run in {last} used "
+                             f"{saved['settings'].get(key)!r}")
+    step, best, generator = state.get("step"), state.get("best"), state.get("generator")
+    checks = (  # (field, whether its value is what _state() writes, what that is), in this order: best reads step
+        ("total_steps", lambda: state.get("total_steps") == total,
+         f"{total} (this run's updates, from the same settings and data)"),
+        ("step", lambda: _integer(step, 1, total), f"an integer in [1, {total}] (the updates done, of this run's {total})"),
+        ("tokens", lambda: _integer(state.get("tokens"), 0), "an integer >= 0"),
+        ("elapsed", lambda: _number(state.get("elapsed")), "a finite number of seconds >= 0"),
+        ("best", lambda: best is None or (isinstance(best, list) and len(best) == 2 and _number(best[0])
+                                          and _integer(best[1], 0, step)),
+         f"null or [validation loss, step]: a finite loss >= 0 and a step in [0, {step}]"),
+        ("evals_since_best", lambda: _integer(state.get("evals_since_best"), 0), "an integer >= 0"),
+        ("generator", lambda: isinstance(generator, list) and len(generator) == generator_bytes
+         and all(_integer(b, 0, 255) for b in generator),
+         f"a list of {generator_bytes:,} bytes (integers in [0, 255]): torch's CPU generator state"),
+    )
+    for name, good, expected in checks:
+        if not good():
+            raise TrainError(f"{path}: {name} is {_json(state.get(name))}, expected {expected}")
+    return state
+
+
+def read_moments(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """last/optimizer.safetensors: AdamW's moments under the names, shapes and dtypes of `expected` (the optimizer's
+    own), each finite (and the second moments, means of squares, >= 0): a NaN moment would poison every update after
+    the resume, and the run would blame its learning rate."""
+    from safetensors.torch import load_file
+
+    try:
+        moments = load_file(str(path))
+    except FileNotFoundError:
+        raise TrainError(f"{path}: missing (the optimizer state --resume continues from)") from None
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise TrainError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:300]})") from None
+    if missing := [n for n in expected if n not in moments]:
+        raise TrainError(f"{path}: no tensor {missing[0]}; expected AdamW's moments m.NAME and v.NAME of each of "
+                         f"this run's {len(expected) // 2} trained tensors")
+    if extra := [n for n in moments if n not in expected]:
+        raise TrainError(f"{path}: unexpected tensor {extra[0]}; expected AdamW's moments m.NAME and v.NAME of each "
+                         f"of this run's {len(expected) // 2} trained tensors")
+    for name, want in expected.items():
+        t = moments[name]
+        if t.shape != want.shape or t.dtype != want.dtype:
+            raise TrainError(f"{path}: {name} is {str(t.dtype).removeprefix('torch.')} of shape {list(t.shape)}, "
+                             f"expected {str(want.dtype).removeprefix('torch.')} of shape {list(want.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise TrainError(f"{path}: {name} holds {bad:,} NaN/Inf values, expected a finite optimizer state")
+        if name.startswith("v.") and bool((t < 0).any()):
+            raise TrainError(f"{path}: {name} holds negative values, expected a second moment (a mean of squares) "
+                             ">= 0")
+    return moments
 
 
 def _fsync_dir(path: Path) -> None:
