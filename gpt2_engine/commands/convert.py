@@ -41,16 +41,7 @@ def check_destination(src: Path, dst: Path, to: str, dtype: str) -> None:
         raise UsageError(f"--to {to}: expected one of {', '.join(TARGETS)}")
     if dtype not in TARGETS[to]:
         raise UsageError(f"--type {dtype}: a {to} checkpoint is written as {' or '.join(TARGETS[to])}")
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise UsageError(f"{dst}: is the source itself; write the converted checkpoint somewhere else")
-    # An existing path inside a source directory is one of its files (config.json, the weights, the BPE files) or
-    # folders: writing there would destroy what is being read. A new file beside them (model.gguf next to
-    # model.safetensors, as Hugging Face repositories keep several formats) replaces nothing and is allowed.
-    target = dst.resolve()  # through links and `..`, also past a folder not made yet (src/new/../config.json)
-    if target.exists() and src.is_dir() and target.is_relative_to(src.resolve()):
-        raise UsageError(f"{dst}: an existing {'folder' if target.is_dir() else 'file'} of the source checkpoint {src}, "
-                         "which writing would destroy; write the converted checkpoint somewhere else (or to a new "
-                         "file)")
+    check_not_the_source(src, dst)
     if to == "hf":
         if dst.exists() and not dst.is_dir():
             raise UsageError(f"{dst}: {'a file' if dst.is_file() else what_is(dst)}; a Hugging Face checkpoint is a "
@@ -61,6 +52,20 @@ def check_destination(src: Path, dst: Path, to: str, dtype: str) -> None:
     written_into(dst)  # a socket or a block device is refused before the checkpoint is read
     if to == "gguf":
         check_seekable(dst, GGUF_SEEKS)  # a FIFO too, before the checkpoint is read and half a file is written
+
+
+def check_not_the_source(src: Path, dst: Path) -> None:
+    """Refuse a destination that is the source, or an existing path inside a source directory: one of its files
+    (config.json, the weights, the BPE files) or folders, which writing would destroy while it is being read. A new
+    file beside them (model.gguf next to model.safetensors, as Hugging Face repositories keep several formats)
+    replaces nothing and is allowed."""
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise UsageError(f"{dst}: is the source itself; write the converted checkpoint somewhere else")
+    target = dst.resolve()  # through links and `..`, also past a folder not made yet (src/new/../config.json)
+    if target.exists() and src.is_dir() and target.is_relative_to(src.resolve()):
+        raise UsageError(f"{dst}: an existing {'folder' if target.is_dir() else 'file'} of the source checkpoint {src}, "
+                         "which writing would destroy; write the converted checkpoint somewhere else (or to a new "
+                         "file)")
 
 
 def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:

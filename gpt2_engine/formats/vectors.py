@@ -54,21 +54,7 @@ def read_vector(path: str | Path) -> torch.Tensor:
 
 def as_vector(v: Any, what: str) -> torch.Tensor:
     """A float32 tensor from a tensor, an array or a list; one-line errors for anything else."""
-    if isinstance(v, torch.Tensor):
-        if v.layout != torch.strided or v.device.type != "cpu":  # sparse, or meta (no values at all)
-            kind = v.device.type if v.device.type != "cpu" else str(v.layout).removeprefix("torch.")
-            raise SteeringError(f"{what}: expected a dense tensor of values, got a {kind} one")
-        t = v.detach()
-    elif isinstance(v, (np.ndarray, list, tuple)):
-        try:
-            a = np.asarray(v)
-        except (TypeError, ValueError):
-            raise SteeringError(f"{what}: expected numbers, got {type(v).__name__} that is not numeric") from None
-        if a.dtype.kind not in "biuf":  # complex would lose its imaginary part in the cast to float32, silently
-            raise SteeringError(f"{what}: expected real numbers, got {type(v).__name__} of {a.dtype}")
-        t = torch.as_tensor(a.astype(np.float64 if a.dtype == np.float64 else np.float32))
-    else:
-        raise SteeringError(f"{what}: expected a tensor, an array or a list of numbers, got {type(v).__name__}")
+    t = as_tensor(v, what)
     if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
         raise SteeringError(f"{what}: expected floating-point values, got {t.dtype}")
     if t.dtype == torch.float64 and t.numel() and bool(torch.isfinite(t).all()):
@@ -79,3 +65,21 @@ def as_vector(v: Any, what: str) -> torch.Tensor:
     if t.numel() == 0 or not bool(torch.isfinite(t).all()):
         raise SteeringError(f"{what}: expected finite values, got {'nothing' if t.numel() == 0 else 'inf or nan'}")
     return t
+
+
+def as_tensor(v: Any, what: str) -> torch.Tensor:
+    """A dense CPU tensor of `v`'s values (float64 kept as float64, so that a value past float32 can be named)."""
+    if isinstance(v, torch.Tensor):
+        if v.layout != torch.strided or v.device.type != "cpu":  # sparse, or meta (no values at all)
+            kind = v.device.type if v.device.type != "cpu" else str(v.layout).removeprefix("torch.")
+            raise SteeringError(f"{what}: expected a dense tensor of values, got a {kind} one")
+        return v.detach()
+    if not isinstance(v, (np.ndarray, list, tuple)):
+        raise SteeringError(f"{what}: expected a tensor, an array or a list of numbers, got {type(v).__name__}")
+    try:
+        a = np.asarray(v)
+    except (TypeError, ValueError):
+        raise SteeringError(f"{what}: expected numbers, got {type(v).__name__} that is not numeric") from None
+    if a.dtype.kind not in "biuf":  # complex would lose its imaginary part in the cast to float32, silently
+        raise SteeringError(f"{what}: expected real numbers, got {type(v).__name__} of {a.dtype}")
+    return torch.as_tensor(a.astype(np.float64 if a.dtype == np.float64 else np.float32))

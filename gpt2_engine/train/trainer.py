@@ -665,7 +665,14 @@ def read_state(path: Path, trajectory: dict, total: int, generator_bytes: int) -
                          f"{_json(state)}")
     if state.get("version") != STATE_VERSION:
         raise TrainError(f"{path}: training-state version {state.get('version')!r}, expected {STATE_VERSION}")
-    saved, last = state.get("trajectory"), path.parent
+    _check_trajectory(path, state.get("trajectory"), trajectory)
+    _check_fields(path, state, total, generator_bytes)
+    return state
+
+
+def _check_trajectory(path: Path, saved: object, trajectory: dict) -> None:
+    """That the saved run is this one: the same model shape, base, data and settings."""
+    last = path.parent
     if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
         field_, value = ("trajectory", saved) if not isinstance(saved, dict) else \
             ("trajectory.settings", saved.get("settings"))
@@ -681,6 +688,10 @@ def read_state(path: Path, trajectory: dict, total: int, generator_bytes: int) -
         if saved["settings"].get(key) != value:
             raise TrainError(f"--resume: {key} is {value!r} but the run in {last} used "
                              f"{saved['settings'].get(key)!r}")
+
+
+def _check_fields(path: Path, state: dict, total: int, generator_bytes: int) -> None:
+    """Each field of the state of the type and range _state() writes."""
     step, best, generator = state.get("step"), state.get("best"), state.get("generator")
     checks = (  # (field, whether its value is what _state() writes, what that is), in this order: best reads step
         ("total_steps", lambda: state.get("total_steps") == total,
@@ -699,7 +710,6 @@ def read_state(path: Path, trajectory: dict, total: int, generator_bytes: int) -
     for name, good, expected in checks:
         if not good():
             raise TrainError(f"{path}: {name} is {_json(state.get(name))}, expected {expected}")
-    return state
 
 
 def read_moments(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
