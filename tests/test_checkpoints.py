@@ -231,6 +231,7 @@ def test_the_erf_gelus_backward_is_autograds(tmp_path: Path) -> None:
     assert torch.allclose(d_x, x.grad, rtol=1e-12, atol=1e-12) and torch.equal(out, F.gelu(x.detach()))
 
 
+@pytest.mark.slow
 def test_gpt2_finetune_trains_a_nanogpt_checkpoint(tmp_path: Path) -> None:
     nanogpt_checkpoint(tmp_path / "ckpt.pt")
     texts = tmp_path / "notes.txt"

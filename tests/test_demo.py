@@ -118,6 +118,7 @@ def test_official_weights_in_weights_take_precedence_over_the_demo(project: Path
     assert "demo model" not in out.stderr
 
 
+@pytest.mark.slow
 def test_without_weights_or_demo_the_error_names_both_ways(tmp_path: Path) -> None:
     root = checkout(tmp_path / "fresh")
     out = gpt2("generate", PROMPT, cwd=root, cache=tmp_path / "xdg")

@@ -90,6 +90,7 @@ def test_corrupted_bytes_of_the_right_size_are_detected_and_removed(hub: FakeHub
     assert not (dest / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_official_repo_is_checked_against_pinned_hashes(tiny_dir: Path, tmp_path: Path) -> None:
     with FakeHub(repo_from_directory("openai-community/gpt2", tiny_dir, FILES)) as h:
         line = one_line_error(download(h.endpoint, tmp_path, "--repo", "gpt2", "--dest", str(tmp_path / "w")))
@@ -98,6 +99,7 @@ def test_official_repo_is_checked_against_pinned_hashes(tiny_dir: Path, tmp_path
     assert "expected the official 0daed7749b4f02b8f76240d5444551d7b08712dab4d0adb8239c56ba823bb7b4" in line
 
 
+@pytest.mark.slow
 def test_repo_without_safetensors_gets_pytorch_bin(tiny_dir: Path, tmp_path: Path, tiny_model: GPT2) -> None:
     names = ("config.json", "pytorch_model.bin", "vocab.json", "merges.txt")
     with FakeHub(repo_from_directory(REPO, tiny_dir, names)) as h:
@@ -107,22 +109,26 @@ def test_repo_without_safetensors_gets_pytorch_bin(tiny_dir: Path, tmp_path: Pat
     assert_same_weights(GPT2.from_pretrained(tmp_path / "w").weights, tiny_model.weights)
 
 
+@pytest.mark.slow
 def test_unknown_repo(hub: FakeHub, tmp_path: Path) -> None:
     line = one_line_error(download(hub.endpoint, tmp_path, "--repo", "test-org/nope", "--dest", str(tmp_path / "w")))
     assert line == f"gpt2 download: error: repository test-org/nope not found on {hub.endpoint} (or it is private: log in first)"
 
 
+@pytest.mark.slow
 def test_unknown_revision(hub: FakeHub, tmp_path: Path) -> None:
     line = one_line_error(download(hub.endpoint, tmp_path, "--repo", REPO, "--revision", "v9", "--dest", str(tmp_path / "w")))
     assert line == f"gpt2 download: error: revision 'v9' not found in {REPO}"
 
 
+@pytest.mark.slow
 def test_missing_file_in_repo(tiny_dir: Path, tmp_path: Path) -> None:
     with FakeHub(repo_from_directory(REPO, tiny_dir, ("config.json", "model.safetensors", "vocab.json"))) as h:
         line = one_line_error(download(h.endpoint, tmp_path, "--repo", REPO, "--dest", str(tmp_path / "w")))
     assert line == f"gpt2 download: error: file merges.txt not found in {REPO}@main"
 
 
+@pytest.mark.slow
 def test_server_down(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port that nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -138,6 +144,7 @@ def test_server_down(tmp_path: Path) -> None:
     assert (tmp_path / "kept").is_dir()  # a folder the user made stays
 
 
+@pytest.mark.slow
 def test_unwritable_destination(hub: FakeHub, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")
     dest = tmp_path / "a-file" / "weights"
@@ -146,6 +153,7 @@ def test_unwritable_destination(hub: FakeHub, tmp_path: Path) -> None:
     assert hub.behaviour.requests == []  # refused before any transfer
 
 
+@pytest.mark.slow
 def test_offline_mode_uses_what_is_there_without_a_request(hub: FakeHub, tmp_path: Path) -> None:
     dest = tmp_path / "w"
     line = one_line_error(download(hub.endpoint, tmp_path, "--repo", REPO, "--dest", str(dest), offline=True))

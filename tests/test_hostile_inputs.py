@@ -527,6 +527,7 @@ def test_score_writes_its_outputs_into_a_device_and_a_fifo(tiny_dir: Path, tmp_p
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "null", "pipe", "plain.jsonl"]
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_for_each_command_and_the_old_files_survive(tiny_dir: Path, tmp_path: Path) -> None:
     text = tmp_path / "a.txt"
     text.write_text("Return the value of the key in the mapping. " * 400)  # 4,000 tokens: 8 KB of shard, 1 MB scored

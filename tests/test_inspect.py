@@ -55,7 +55,8 @@ def test_cache_equals_transformers_hidden_states_and_attentions(pair) -> None:
     assert relative_error(logits, out.logits) < 1e-5
 
 
-@pytest.mark.parametrize("length", [5, 300])  # 5 rows: the native decode kernels; 300: blocked attention
+# 5 rows: the native decode kernels; 300: blocked attention
+@pytest.mark.parametrize("length", [5, pytest.param(300, marks=pytest.mark.slow)])
 def test_cached_logits_are_the_plain_forward_bits(model: GPT2, length: int) -> None:
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(length))
     plain = model(ids)

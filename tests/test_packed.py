@@ -246,7 +246,8 @@ def test_kernels_reject_what_they_do_not_handle(native) -> None:
 
 # ---- a packed model ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which", [pytest.param("trained", marks=pytest.mark.trained), "small"])
+@pytest.mark.parametrize("which", [pytest.param("trained", marks=pytest.mark.trained),
+                                   pytest.param("small", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_packed_model_gives_the_plain_models_logits_and_tokens(request, threads: int, which: str, dtype: str) -> None:
     """GPT2.from_pretrained(weight_layout="packed") against "plain" on the same checkpoint: the same logits bits for a

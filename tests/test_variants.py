@@ -120,6 +120,7 @@ def bf16_both(small_dir: Path) -> tuple[GPT2, GPT2]:
     return load_bf16(small_dir, "AuthenticAMD"), load_bf16(small_dir, "GenuineIntel")
 
 
+@pytest.mark.slow
 def test_bfloat16_projections_are_kept_in_panels_on_amd_with_the_files_values(bf16_both: tuple[GPT2, GPT2],
                                                                               small_dir: Path) -> None:
     """On an AMD CPU the loader keeps each bfloat16 projection in panels (weights.PanelMatrix): the file's matrix
@@ -167,6 +168,7 @@ def f32_both(small_dir: Path) -> tuple[GPT2, GPT2]:
     return load_on(small_dir, "AuthenticAMD", "float32"), load_on(small_dir, "GenuineIntel", "float32")
 
 
+@pytest.mark.slow
 def test_float32_projections_are_kept_in_panels_on_amd_beside_the_files_matrices(f32_both: tuple[GPT2, GPT2],
                                                                                   small_dir: Path) -> None:
     """On an AMD CPU each float32 projection gets panels for decode and keeps the file's matrix, in place in the
