@@ -273,6 +273,11 @@ def test_an_idle_server_accepts_a_burst_of_slots_plus_queue(trained_model: GPT2)
         assert engine.held == 4
         refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        # more sequences than the server ever holds: no retry would help (it was a 429 saying "retry later")
+        never = c.post("/v1/completions", json={"prompt": ["x"] * 3, "n": 2, "max_tokens": 1})
+        assert never.status_code == 400 and never.json()["error"]["message"] == (
+            "the request asks for 6 sequences (prompts x n); this server holds at most 4 at once (--parallel plus "
+            "--max-queue)"), never.text
 
 
 def test_a_full_queue_answers_429_with_retry_after(trained_model: GPT2) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import GenerationError
 from ..core.kernels import decode_kernels
 from ..core.lora import attach
 from ..formats.peft import load_adapter
@@ -136,6 +137,10 @@ class AsyncEngine:
                 raise EngineDown(self.failure)
             if self.stopping.is_set():
                 raise QueueFull("the server is shutting down")
+            if len(requests) > self.capacity:  # would wait for room that never comes: not a matter of retrying
+                raise GenerationError(f"the request asks for {len(requests):,} sequences (prompts x n); this server "
+                                      f"holds at most {self.capacity:,} at once (--parallel plus --max-queue)",
+                                      param="prompt")
             if self.held + len(requests) > self.capacity:
                 self.metrics.requests_rejected.labels("queue_full").inc()
                 raise QueueFull(f"the server holds its {len(self.loop.scheduler.slots)} running and {self.max_queue} "
