@@ -157,3 +157,20 @@ def test_a_build_killed_mid_way_leaves_nothing_that_blocks_the_next(tiny: tuple[
     assert out == b"42\n"
     assert err.decode().splitlines() == build_lines(directory, stale=True)
     assert not (directory / "lock").exists()
+
+
+def test_two_paths_to_torch_or_two_ninjas_build_under_two_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A venv's python through a link and a console script's shebang (its real path) give torch's include flags two
+    spellings, and a venv's ninja and the system's hash command lines differently: under one name each switch rebuilt
+    every kernel (minutes), under two each builds once."""
+    import torch
+
+    source = [HERE / "decode.cpp"]
+    here = jit.cache_name("k", source)
+    assert jit.cache_name("k", source) == here
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+        assert jit.cache_name("k", source) != here
+    assert jit.cache_name("k", source) == here
+    monkeypatch.setattr(jit.shutil, "which", lambda name: f"/elsewhere/bin/{name}")
+    assert jit.cache_name("k", source) != here

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,10 +34,14 @@ def build_directory(name: str) -> Path:
 def cache_name(prefix: str, sources: Sequence[Path]) -> str:
     """`prefix` and a hash of where the sources are and of the torch and Python they are built for: torch's cache is
     per user, and two checkouts (or two environments) under one name would rebuild over each other's module at each
-    switch, or load one built for another torch."""
+    switch, or load one built for another torch. So are two spellings of torch's directory (a venv's python through
+    a link, and a console script's shebang through its real path: the build's include flags hold the spelling) and two
+    ninjas on PATH (a venv's 1.13 and the system's 1.11 hash a command line differently, so each takes the other's
+    objects for stale): under one name, each switch between them rebuilt every kernel, minutes on 2 cores."""
     import torch
 
-    where = "|".join([str(Path(sources[0]).resolve().parent), torch.__version__, sys.version])
+    where = "|".join([str(Path(sources[0]).resolve().parent), torch.__version__, str(Path(torch.__file__).parent),
+                      str(shutil.which("ninja")), sys.version])
     return f"{prefix}_{hashlib.sha1(where.encode()).hexdigest()[:10]}"
 
 
