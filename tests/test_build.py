@@ -172,5 +172,5 @@ def test_two_paths_to_torch_or_two_ninjas_build_under_two_names(monkeypatch: pyt
         m.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
         assert jit.cache_name("k", source) != here
     assert jit.cache_name("k", source) == here
-    monkeypatch.setattr(jit.shutil, "which", lambda name: f"/elsewhere/bin/{name}")
+    monkeypatch.setattr(jit, "ninja_version", lambda: "1.0.0")  # another ninja on PATH
     assert jit.cache_name("k", source) != here

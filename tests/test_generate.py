@@ -198,7 +198,7 @@ def test_several_samples_per_prompt(model: GPT2) -> None:
         (dict(top_p=1.5), "top_p must be in (0, 1]"),
         (dict(top_k=-1), "top_k must be an integer >= 0"),
         (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be in [0.01, 100] (1 disables it)"),
         (dict(max_new_tokens=1025), "asking for 1025 new tokens exceeds the context of 1024 tokens (at most 1024)"),
         (dict(max_new_tokens=1025, truncate="left"), "asking for 1025 new tokens exceeds the context of 1024 tokens"),
         (dict(stop=[""]), "stop strings must be non-empty strings"),

@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,12 +38,24 @@ def cache_name(prefix: str, sources: Sequence[Path]) -> str:
     switch, or load one built for another torch. So are two spellings of torch's directory (a venv's python through
     a link, and a console script's shebang through its real path: the build's include flags hold the spelling) and two
     ninjas on PATH (a venv's 1.13 and the system's 1.11 hash a command line differently, so each takes the other's
-    objects for stale): under one name, each switch between them rebuilt every kernel, minutes on 2 cores."""
+    objects for stale; keyed by version, not path): under one name, each switch between them rebuilt every kernel,
+    minutes on 2 cores."""
     import torch
 
     where = "|".join([str(Path(sources[0]).resolve().parent), torch.__version__, str(Path(torch.__file__).parent),
-                      str(shutil.which("ninja")), sys.version])
+                      ninja_version(), sys.version])
     return f"{prefix}_{hashlib.sha1(where.encode()).hexdigest()[:10]}"
+
+
+def ninja_version() -> str:
+    """The version of the ninja on PATH ("" if none), which torch's build runs."""
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return ""
+    try:
+        return subprocess.run([ninja, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 @contextlib.contextmanager
