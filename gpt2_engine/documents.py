@@ -14,7 +14,9 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import IO
 
+from .core.config import memory_limit
 from .core.errors import GPT2EngineError
+from .core.pages import available_memory
 
 
 class InputError(GPT2EngineError):
@@ -72,7 +74,22 @@ def read_text(path: str | Path, stdin: IO[bytes], flag: str = "", limit: int = P
     (`flag`: the option that gave the path, if one did), or as stdin."""
     path = str(path)
     name = "stdin" if path == "-" else f"{flag} {path}".lstrip()
-    return decode_utf8(read_bytes(path, stdin, name, limit), name)
+    data = read_bytes(path, stdin, name, limit)
+    check_tokenizable(name, len(data))
+    return decode_utf8(data, name)
+
+
+# tiktoken's BPE holds about 32 bytes per byte of one piece (a run without spaces, which GPT-2's pre-tokenizer does not
+# split): 6.7 GB for a 200 MB run. A text is refused where that could not fit.
+BPE_BYTES_PER_BYTE = 40
+
+
+def check_tokenizable(name: str, size: int) -> None:
+    room = min(available_memory(), memory_limit())
+    if size * BPE_BYTES_PER_BYTE > room:
+        raise InputError(f"{name}: {size / 2**20:,.0f} MiB of text may need {size * BPE_BYTES_PER_BYTE / 1e9:,.1f} GB to "
+                         f"tokenize (a run without spaces is one piece); this process has {room / 1e9:,.1f} GB "
+                         "available: split it into documents (a .jsonl file, one per line)")
 
 
 def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:
@@ -99,6 +116,7 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
                 where, base, offset = f"{path}:{n}", offset, offset + len(line)
                 if len(line) > DOCUMENT_BYTES:
                     raise too_long(where, DOCUMENT_BYTES)
+                check_tokenizable(where, len(line))
                 if not line.strip():
                     continue
                 try:

@@ -663,6 +663,86 @@ def test_the_command_lines_tolerances_and_sizes_are_bounded(tiny_dir: Path, tmp_
         one_line_error(*run_cli(["serve", *weights, "--port", "0", flag, value]), pattern)  # bounded, should it serve
 
 
+# --- the fifth attack -------------------------------------------------------------------------------------------
+
+
+def test_a_top_p_below_float32s_least_keeps_the_top_token(capsys, tiny_dir: Path) -> None:
+    """top_p 1e-300 rounds to 0 in float32, and `above >= p` dropped every token, the top one too (a multinomial of
+    zeros: an internal error, a 500); the top token always stays, so it is greedy's."""
+    common = ["-n", "5", "--ignore-eos", "--seed", "3", "--weights", str(tiny_dir)]
+    outs = []
+    for args in (["--top-p", "1e-300"], ["--top-p", "5e-324", "--top-k", "1"], ["--temperature", "0"]):
+        code, err = cli("generate", "hi", *args, *common)
+        outs.append(capsys.readouterr().out)
+        assert code == 0, err
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_a_nested_steering_vector_and_a_range_past_the_model_are_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """A nested tensor passed the layout check (an internal error in torch); --layers 0-99999999999 was expanded
+    into a list before it was bounded (a MemoryError, or the OOM killer)."""
+    torch.save(torch.nested.nested_tensor([torch.ones(64)]), tmp_path / "v.pt")
+    one_line_error(*run_cli(["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--steer",
+                             f"vector={tmp_path / 'v.pt'},hook=blocks.0.hook_resid_pre,coef=1"]),
+                   r"expected a dense tensor of values, got a nested one$")
+    one_line_error(*run_cli(["inspect", "hi there", "--weights", str(tiny_dir), "--layers", "0-99999999999",
+                             "--out", str(tmp_path / "o"), "--quiet"]),
+                   r"--layers '0-99999999999': this model's layers are 0..1$")
+
+
+def test_a_prefix_cache_past_memory_and_an_unbounded_key_file_are_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """--prefix-cache-mb 1e300 overflowed torch.empty (serve: a 346-character C++ message; eval: an internal error);
+    --api-key-file /dev/zero was read whole (5 GB, then a MemoryError)."""
+    weights = ["--weights", str(tiny_dir)]
+    one_line_error(*run_cli(["serve", *weights, "--port", "0", "--prefix-cache-mb", "1e300"]),
+                   r"--prefix-cache-mb 1e\+300 MB: expected a positive size within the [\d,]+ MB of memory this "
+                   r"process has available$")
+    one_line_error(*run_cli(["serve", *weights, "--port", "0", "--api-key-file", "/dev/zero"]),
+                   r"/dev/zero: more than 4,096 bytes; expected one line holding the key$")
+    one_line_error(*run_cli(["serve", *weights, "--port", "0", "--api-key", "a\nb"]),
+                   r"the API key holds a newline or another unprintable character; expected one line of text$")
+
+
+def test_a_document_too_large_to_tokenize_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """A 200 MB run of one character is one piece for GPT-2's BPE: tiktoken asked for 6.7 GB and aborted the process
+    (a Rust backtrace). Under a 3 GB address space it is refused before it is tokenized."""
+    run = tmp_path / "run.txt"
+    with open(run, "wb") as f:
+        f.truncate(200 << 20)
+    one_line_error(*run_cli(["score", str(run), "--weights", str(tiny_dir)]),
+                   r"run.txt: 200 MiB of text may need 8.4 GB to tokenize \(a run without spaces is one piece\); this "
+                   r"process has [\d.]+ GB available: split it into documents")
+
+
+@pytest.mark.parametrize("name, text, pattern", [
+    ("huge", "{{ 'x' * 4000000000 }}", r"'\*' would make 4,000,000,000 characters or items; at most 1,048,576"),
+    ("loop", "{% for i in range(100000000) %}x{% endfor %}", r"failed: OverflowError: Range too big"),
+    ("recursion", "{% macro f(n) %}{{ f(n+1) }}{% endmacro %}{{ f(0) }}", r"failed: RecursionError"),
+    ("doubling", "{% set s = namespace(x='ab') %}{% for i in range(40) %}{% set s.x = s.x ~ s.x %}{% endfor %}"
+                 "{{ s.x|length }}", r"failed: MemoryError"),
+], ids=["huge", "loop", "recursion", "doubling"])
+def test_a_chat_template_that_fails_on_any_conversation_is_refused_at_startup(name: str, text: str, pattern: str,
+                                                                              tiny_dir: Path, tmp_path: Path) -> None:
+    """Rendered once at startup in a child of bounded memory and time: a constant folded to 4 GB at compile (an
+    internal error at startup), a loop past the sandbox's range, endless recursion and a doubled string (500s at every
+    chat request, the last holding 2.4 GB of the server and its event loop for seconds)."""
+    (tmp_path / "t.jinja").write_text(text)
+    one_line_error(*run_cli(["serve", "--weights", str(tiny_dir), "--port", "0", "--chat-template",
+                             str(tmp_path / "t.jinja")]), pattern)
+
+
+def test_a_task_file_that_imports_python_needs_trust_task_code(tiny_dir: Path, tmp_path: Path) -> None:
+    """lm-eval's `!function` tag imports the module beside a task YAML: `gpt2 eval` ran it (a file from elsewhere
+    running code). It is refused by name unless --trust-task-code."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef f(doc):\n    return ''\n")
+    (tmp_path / "evil.yaml").write_text("task: evil\ndataset_path: json\ndoc_to_text: !function evil.f\n")
+    one_line_error(*run_cli(["eval", "--tasks", str(tmp_path / "evil.yaml"), "--weights", str(tiny_dir)]),
+                   r"evil.yaml: the task names Python code to run \(lm-eval's !function tag imports a module beside "
+                   r"it\); pass --trust-task-code if you trust it$")
+    assert not (tmp_path / "ran").exists()
+
+
 # --- the command line's bounds: what ran out of memory as an internal error ----------------------------------------
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", nargs="+", required=True, metavar="NAME|YAML",
                    help="lm-eval task or group names, or task YAML files (comma-separated lists work too)")
     p.add_argument("--include-path", type=Path, metavar="DIR", help="a directory of more task YAML files")
+    p.add_argument("--trust-task-code", action="store_true",
+                   help="allow task YAML files that import Python (lm-eval's !function tag); off: such a file is refused")
     p.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--limit", type=float, metavar="N",
                    help="documents per task: a count, or a fraction below 1 (for quick checks, not reportable figures)")
@@ -51,8 +54,8 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     if importlib.util.find_spec("lm_eval") is None:
         raise UsageError("gpt2 eval needs lm-eval, which is not installed: pip install 'gpt2-engine[eval]'")
     for bad, message in (
-            (args.prefix_cache_mb is not None and not args.prefix_cache_mb > 0,  # NaN too
-             f"--prefix-cache-mb must be a positive number of MB, got {args.prefix_cache_mb}"),
+            (args.prefix_cache_mb is not None and not 0 < args.prefix_cache_mb < math.inf,  # NaN too
+             f"--prefix-cache-mb must be a positive, finite number of MB, got {args.prefix_cache_mb}"),
             (args.num_fewshot is not None and args.num_fewshot < 0,
              f"--num-fewshot must be at least 0, got {args.num_fewshot}"),
             (args.limit is not None and args.limit <= 0,
@@ -64,6 +67,25 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         if bad:
             raise UsageError(message)
     return [t for spec in args.tasks for t in spec.split(",") if t]
+
+
+def check_task_code(args: argparse.Namespace, tasks: list[str]) -> None:
+    """Refuse, unless --trust-task-code, a task YAML (given, or in --include-path) that names Python to import
+    (lm-eval's `!function module.name` tag runs the module beside the file): files from elsewhere run no code here."""
+    if args.trust_task_code:
+        return
+    files = [Path(t) for t in tasks if t.endswith((".yaml", ".yml"))]
+    if args.include_path is not None:
+        files += sorted(p for suffix in ("*.yaml", "*.yml") for p in args.include_path.rglob(suffix))
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(1 << 20)  # a task file is a few KB: a tag past its first MiB is not a task's
+        except OSError as e:
+            raise UsageError(f"{path}: cannot read the task file ({e.strerror or e})") from None
+        if b"!function" in head:
+            raise UsageError(f"{path}: the task names Python code to run (lm-eval's !function tag imports a module "
+                             "beside it); pass --trust-task-code if you trust it")
 
 
 def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:
@@ -90,6 +112,7 @@ def run_eval(args: argparse.Namespace) -> int:
     for t in tasks:
         if t.endswith((".yaml", ".yml")) and not Path(t).is_file():
             raise UsageError(f"--tasks {t}: no such task file")
+    check_task_code(args, tasks)
 
     from lm_eval.utils import make_table
 

@@ -11,14 +11,18 @@ import sys
 from pathlib import Path
 
 from ..core.config import GPT2Config
+from ..core.errors import GPT2EngineError
 from ..core.pages import available_memory
 from ..formats.checkpoints import checkpoint_config
 from ..interp.steering import SteeringRegistry
 from ..options import ModelOptions, add_force_option, add_model_options, load_model
-from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb
+from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb, check_capacity
 from ..serve.app import ServeError, ServerSettings, ServerState, build_app
 from ..serve.async_engine import EngineSettings, start_engine
 from ..serve.chat import load_template, plain_template
+
+
+MAX_KEY_BYTES = 4096
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
@@ -27,13 +31,20 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     if args.api_key is not None and not args.api_key.strip():  # an unset $KEY would serve without one, silently
         raise ServeError("--api-key is empty: give a key, or leave the flag out to serve without one")
     if args.api_key_file is None:
-        return args.api_key
-    try:
-        key = args.api_key_file.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ServeError(f"cannot read API key file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
-    if not key:
-        raise ServeError(f"{args.api_key_file}: the API key file is empty")
+        key = args.api_key
+    else:
+        try:
+            with open(args.api_key_file, "rb") as f:
+                data = f.read(MAX_KEY_BYTES + 1)  # /dev/zero or a huge file: read no more than a key can be
+            key = data.decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ServeError(f"cannot read API key file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
+        if len(data) > MAX_KEY_BYTES:
+            raise ServeError(f"{args.api_key_file}: more than {MAX_KEY_BYTES:,} bytes; expected one line holding the key")
+        if not key:
+            raise ServeError(f"{args.api_key_file}: the API key file is empty")
+    if key is not None and not key.isprintable():  # a header cannot carry a newline or a NUL: no client could send it
+        raise ServeError("the API key holds a newline or another unprintable character; expected one line of text")
     return key
 
 
@@ -67,6 +78,11 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
     if mb is not None and not 0 < mb < math.inf:  # nan too
         raise ServeError(f"--prefix-cache-mb must be a positive, finite number of MB, got {mb} (--no-prefix-cache "
                          "turns the cache off)")
+    if mb is not None:
+        try:
+            check_capacity(mb, "--prefix-cache-mb")
+        except GPT2EngineError as e:
+            raise ServeError(str(e)) from None
     if mb is not None and args.no_prefix_cache:
         raise ServeError("--prefix-cache-mb and --no-prefix-cache contradict each other: give one")
     if mb is not None and (args.weights.is_file() or (args.weights / CONFIG).is_file()):
@@ -90,7 +106,6 @@ def check_slots(parallel: int, config: GPT2Config) -> None:
 def check_speculation(args: argparse.Namespace) -> None:
     """--speculate and --draft-tokens, a draft checkpoint's config and tokenizer against the base's (its weights are
     read when the model loads)."""
-    from ..core.errors import GPT2EngineError
     from ..core.tokenizer import load_tokenizer
     from ..runtime.drafters import check_draft_checkpoint
     from ..runtime.speculation import check_draft_tokens

@@ -70,8 +70,9 @@ def as_vector(v: Any, what: str) -> torch.Tensor:
 def as_tensor(v: Any, what: str) -> torch.Tensor:
     """A dense CPU tensor of `v`'s values (float64 kept as float64, so that a value past float32 can be named)."""
     if isinstance(v, torch.Tensor):
-        if v.layout != torch.strided or v.device.type != "cpu":  # sparse, or meta (no values at all)
-            kind = v.device.type if v.device.type != "cpu" else str(v.layout).removeprefix("torch.")
+        if v.is_nested or v.layout != torch.strided or v.device.type != "cpu":  # sparse, nested, or meta (no values)
+            kind = "nested" if v.is_nested else v.device.type if v.device.type != "cpu" else \
+                str(v.layout).removeprefix("torch.")
             raise SteeringError(f"{what}: expected a dense tensor of values, got a {kind} one")
         return v.detach()
     if not isinstance(v, (np.ndarray, list, tuple)):

@@ -55,16 +55,17 @@ def resolve_target(model: GPT2, target: str | None, next_logits: torch.Tensor) -
 def parse_indices(text: str, n: int, flag: str, what: str) -> tuple[int, ...]:
     """A comma list of indices and ranges ('0,3,5-7') within 0..n-1, sorted, each once; `flag` and `what` ("layers",
     "this SAE's features") name them in the one-line error."""
-    found: list[int] = []
+    found: set[int] = set()
     try:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
-            found.extend(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
+            if not 0 <= first <= last < n:  # before the range is made: '0-99999999999' would fill memory
+                raise GPT2EngineError(f"{flag} {text!r}: {what} are 0..{n - 1}")
+            found.update(range(first, last + 1))
     except ValueError:
         raise GPT2EngineError(f"{flag} {text!r}: expected 'all' or a list like '0,3,5-7'") from None
-    if not found or any(not 0 <= i < n for i in found):
-        raise GPT2EngineError(f"{flag} {text!r}: {what} are 0..{n - 1}")
-    return tuple(sorted(set(found)))
+    return tuple(sorted(found))
 
 
 def parse_layers(text: str, n_layer: int) -> tuple[int, ...] | None:

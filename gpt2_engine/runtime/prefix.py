@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.config import GPT2Config
+from ..core.config import GPT2Config, memory_limit
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, logits, residual_stream
+from ..core.pages import available_memory
 from ..core.projection import reduce_rows
 from ..interp.spec import Steering, prompt_key
 from ..interp.steering import sequence_tap
@@ -67,11 +68,21 @@ class PrefixCounters:
     hit: int = 0
 
 
+def check_capacity(capacity_mb: float, flag: str = "a prefix cache of") -> None:
+    """GPT2EngineError unless `capacity_mb` is a positive size that fits in the memory this process has (the pool is
+    allocated whole; 1e300 overflowed torch.empty's size, NaN and inf pass every other comparison)."""
+    room = min(available_memory(), memory_limit())
+    if not 0 < capacity_mb * 2**20 <= room:
+        raise GPT2EngineError(f"{flag} {capacity_mb:g} MB: expected a positive size within the {room / 2**20:,.0f} MB "
+                              "of memory this process has available")
+
+
 class PrefixCache:
     """A bounded pool of prompt blocks' keys and values (see the module docstring)."""
 
     def __init__(self, config: GPT2Config, capacity_mb: float, block_tokens: int = BLOCK_TOKENS) -> None:
         self.config, self.block = config, block_tokens
+        check_capacity(capacity_mb)
         per_block = int(block_mb(config, block_tokens) * 2**20)  # bytes
         self.capacity = int(capacity_mb * 2**20) // per_block
         if self.capacity < 1:

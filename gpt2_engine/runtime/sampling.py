@@ -124,7 +124,9 @@ def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, to
     if params.top_p < 1.0:
         # keep a token iff the mass of the tokens above it is < p (the nucleus rule, counted from the top)
         above = probs.cumsum(-1) - probs  # [k]
-        probs = probs.masked_fill(above >= params.top_p, 0.0)
+        drop = above >= params.top_p
+        drop[0] = False  # the top token always stays: a p below float32's least (1e-300) compares as 0 to its 0 above
+        probs = probs.masked_fill(drop, 0.0)
     return probs, ids
 
 

@@ -12,8 +12,10 @@ generation stops.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..core.errors import GPT2EngineError
@@ -36,6 +38,11 @@ PLAIN_STOPS = ("\nUser:",)
 
 class ChatTemplateError(GPT2EngineError):
     """A chat template that does not compile, or that refused a conversation."""
+
+
+class TemplateFailed(ChatTemplateError):
+    """The operator's template itself failed (it recursed, ran past the sandbox's range, ran out of memory): a server
+    error, not the client's."""
 
 
 class RaisedByTemplate(Exception):
@@ -66,16 +73,39 @@ class ChatTemplate:
             raise ChatTemplateError(str(e)) from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template ({self.source}) failed: {e}") from None
+        except (RecursionError, OverflowError, MemoryError) as e:
+            raise TemplateFailed(f"the server's chat template ({self.source}) failed: {type(e).__name__}"
+                                 f"{': ' + str(e) if str(e) else ''}") from None
+
+
+MAX_REPEAT = 1 << 20  # characters (or items) a template's `*` may make: a prompt is at most a few thousand tokens
+
+
+class ChatSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with `*` on a string or a list bounded: Jinja folds 'x' * 4000000000 into a constant
+    while it compiles, and at render time it is one allocation of that size. Intercepting the operator stops both."""
+
+    intercepted_binops = frozenset({"*"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        sized = [v for v in (left, right) if isinstance(v, (str, list, tuple))]
+        count = [v for v in (left, right) if isinstance(v, int)]
+        if operator == "*" and sized and count and len(sized[0]) * count[0] > MAX_REPEAT:
+            raise SecurityError(f"'*' would make {len(sized[0]) * count[0]:,} characters or items; at most "
+                                f"{MAX_REPEAT:,}")
+        return super().call_binop(context, operator, left, right)
 
 
 def compile_template(source: str, name: str) -> jinja2.Template:
     """A template in the sandbox transformers renders chat templates in: no file or attribute access beyond data."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"{name}: not a Jinja chat template (line {e.lineno}: {e.message})") from None
+    except (SyntaxError, RecursionError, OverflowError, MemoryError) as e:  # what Python makes of Jinja's code
+        raise ChatTemplateError(f"{name}: the chat template does not compile ({type(e).__name__})") from None
 
 
 def plain_template() -> ChatTemplate:
@@ -98,4 +128,44 @@ def load_template(path: Path) -> ChatTemplate:
         if not isinstance(text, str):
             raise ChatTemplateError(f"{path}: \"chat_template\" must be one template string (named templates are "
                                     "not supported)")
+    trial_render(text, str(path))  # first, in a bounded child: compiling folds constants, which can take memory
     return ChatTemplate(text, (), str(path))
+
+
+# A trial conversation, rendered once at startup in a child process with bounded memory and time: a template that
+# fails whatever the conversation (a loop past the sandbox's range, endless recursion, a string doubled until memory
+# runs out) is refused before the server starts, and cannot take the server's memory while it tries.
+TRIAL = """
+import json, resource, sys
+sys.path[:0] = json.loads(sys.argv[1])
+from gpt2_engine.serve.chat import ChatTemplate, ChatTemplateError
+text, source = json.loads(sys.stdin.read())
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()  # the interpreter's own mappings
+resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), used + (1 << 30)))  # and 1 GiB for the render
+try:
+    ChatTemplate(text, (), source).render([{"role": "user", "content": "Hello"}], "<|endoftext|>")
+except ChatTemplateError as e:
+    print(str(e))
+"""
+TRIAL_SECONDS = 30
+
+
+def trial_render(text: str, source: str) -> None:
+    """ChatTemplateError if the template fails on a one-message conversation, or takes more than 1 GiB or
+    TRIAL_SECONDS to render it (in a child process; see TRIAL)."""
+    import json
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    try:
+        done = subprocess.run([sys.executable, "-c", TRIAL, json.dumps([root])], input=json.dumps([text, source]),
+                              capture_output=True, text=True, timeout=TRIAL_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise ChatTemplateError(f"{source}: rendering a one-message conversation took over {TRIAL_SECONDS} s") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ChatTemplateError(f"{source}: rendering a one-message conversation failed ({last[:200]})")
+    if done.stdout.strip():
+        message = done.stdout.strip().splitlines()[-1]
+        raise ChatTemplateError(message if message.startswith(source) else f"{source}: {message}")

@@ -22,7 +22,7 @@ from ..runtime.plan import Event
 from ..runtime.requests import GenerationSettings, Request, build_requests, encode_prompts
 from ..runtime.sampling import SamplingParams
 from .async_engine import AsyncEngine, EngineDown, Handle, QueueFull
-from .chat import ChatTemplate, ChatTemplateError
+from .chat import ChatTemplate, ChatTemplateError, TemplateFailed
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage, Choice,
                        CompletionRequest, CompletionResponse, Logprobs, PromptTokensDetails, SamplingFields,
@@ -65,8 +65,10 @@ async def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, toke
     max_completion_tokens says fewer, stopping also at the template's end of turn. The rendered text is tokenized
     as transformers does a chat template's output: an <|endoftext|> in it is the special token."""
     messages = [{"role": m.role, "content": m.text} for m in req.messages]
-    try:
-        prompt = template.render(messages, tokenizer.decode([tokenizer.eot_id]))
+    try:  # in a thread: a slow template must not hold the event loop, and every other client with it
+        prompt = await asyncio.to_thread(template.render, messages, tokenizer.decode([tokenizer.eot_id]))
+    except TemplateFailed as e:
+        raise APIError(500, str(e), type="server_error", code="chat_template_failed") from None
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
     ids = tokenizer.encode(prompt, allow_special=True)
