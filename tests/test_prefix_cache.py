@@ -193,7 +193,7 @@ def test_score_reuses_a_shared_preamble_with_the_same_results(trained_model: GPT
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--prefix-cache-mb", "0"], "--prefix-cache-mb must be a positive number of MB, got 0.0"),
+    (["--prefix-cache-mb", "0"], "--prefix-cache-mb must be a positive, finite number of MB, got 0.0"),
     (["--prefix-cache-mb", "64", "--no-prefix-cache"], "--prefix-cache-mb and --no-prefix-cache contradict"),
     (["--prefix-cache-mb", "0.05"], "--prefix-cache-mb 0.05 holds no block: a block of 16 tokens of this model takes "
                                     "0.12 MB"),

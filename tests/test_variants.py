@@ -234,8 +234,9 @@ def test_compare_reports_agreement_for_int8(capsys, trained_dir: Path) -> None:
     assert code == 0 and doc["variant"] == "int8" and doc["min_top1"] == 0.5 and doc["rtol"] == {"torch": None}
     [r] = doc["results"]
     assert r["first_divergent_block"] is None and 0.5 <= r["top1_agreement"] <= 1.0 and r["kl_max"] > 0
-    code = main(args + ["--min-top1", "1.01"])  # unreachable: must fail
+    code = main(args + ["--rtol", "0"])  # int8's logits held to float32's bits: must fail
     assert code == 1 and json.loads(capsys.readouterr().out)["passed"] is False
+    assert main(args + ["--min-top1", "1.01"]) == 2  # a bound no agreement can meet is a usage error
 
 
 UNSEEN_DOCS = 40  # with the 18 held-out documents: 8,000 tokens or so

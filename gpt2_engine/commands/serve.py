@@ -64,7 +64,12 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
     check_prefix_cache(args)
     check_speculation(args)
     if args.weights.is_file() or (args.weights / "config.json").is_file():
-        check_slots(args.parallel, checkpoint_config(args.weights))
+        try:
+            config = checkpoint_config(args.weights)
+        except GPT2EngineError:  # what the load will report, in its words
+            config = None
+        if config is not None:
+            check_slots(args.parallel, config)
     template = load_template(args.chat_template) if args.chat_template is not None else plain_template()
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
                           args.max_body_bytes, chat_template=template, steering=steering_registry(args))

@@ -39,7 +39,7 @@ def penalty(v: Any) -> bool:
 # SamplingParams' fields: (name, whether a value is allowed, what the error says it must be)
 CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("temperature", lambda v: is_number(v) and 0 <= v <= MAX_TEMPERATURE,
-     f"in [0, {MAX_TEMPERATURE}] (0, or below {GREEDY_BELOW:g}, is greedy)"),
+     f"in [0, {MAX_TEMPERATURE}] (0 is greedy)"),
     ("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 disables it)"),
     ("top_p", lambda v: is_number(v) and 0 < v <= 1, "in (0, 1] (1 disables it)"),
     ("repetition_penalty", lambda v: is_number(v) and REPETITION_PENALTY[0] <= v <= REPETITION_PENALTY[1],
