@@ -34,6 +34,9 @@ import torch
 from conftest import cli
 from test_files import Reader, device, small_disk
 
+# Most cases start a capped child process (an interpreter and torch each, seconds): the corpus runs in `make test`,
+# and `make test-fast`, the inner loop, leaves it out.
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 MEMORY = 3 << 30  # address space of a child: the interpreter, torch and a small model fit; a file's claim does not
 TIMEOUT = 180  # seconds a child may take (a loaded 2-core machine imports torch in a few)
