@@ -41,7 +41,7 @@ test: install fixtures
 
 # The inner loop: the unit tier, on random checkpoints written in seconds (no trained one is built), without the
 # tests marked slow (the serving soak, lm-eval, Ray, the browser, the training runs killed and resumed, the long
-# parity sweeps); see docs/architecture.md's Tests section.
+# parity sweeps, the hostile-input corpus); see docs/architecture.md's Tests section.
 test-fast: install
 	$(PY) -m pytest -m "not slow and not trained"
 
