@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from collections.abc import Iterator
 from typing import IO
@@ -54,7 +55,7 @@ def read_bytes(path: str, stdin: IO[bytes], name: str | None = None, limit: int 
         return data
     try:
         with open(path, "rb") as f:
-            size = Path(path).stat().st_size  # 0 for a device or a pipe: read() below stops at limit + 1 anyway
+            size = os.fstat(f.fileno()).st_size  # 0 for a device or a pipe: read() below stops at limit + 1 anyway
             if size > limit:
                 raise too_long(name, limit)
             data = f.read(limit + 1)
@@ -85,6 +86,8 @@ BPE_BYTES_PER_BYTE = 40
 
 
 def check_tokenizable(name: str, size: int) -> None:
+    if size < 1 << 20:  # at most 40 MB to tokenize: not worth asking the OS, once for every line of a corpus
+        return
     room = min(available_memory(), memory_limit())
     if size * BPE_BYTES_PER_BYTE > room:
         raise InputError(f"{name}: {size / 2**20:,.0f} MiB of text may need {size * BPE_BYTES_PER_BYTE / 1e9:,.1f} GB to "

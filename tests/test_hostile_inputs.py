@@ -757,7 +757,8 @@ def test_a_batch_or_prefix_cache_larger_than_memory_is_one_line(tiny_dir: Path, 
                    r"--batch-size 1000000 x --context \d+ needs ~[\d,.]+ GB for a forward pass's activations; this "
                    r"process has [\d.]+ GB available: at most --batch-size \d+ fits$")
     one_line_error(*run_cli([*score, "--prefix-cache-mb", "1e12"]),
-                   r"--prefix-cache-mb 1e\+12 is more than the [\d,]+ MB of memory this process has available$")
+                   r"--prefix-cache-mb 1e\+12 MB: expected a positive size within the [\d,]+ MB of memory this process "
+                   r"has available$")
 
 
 def test_an_sae_batch_larger_than_memory_is_one_line(trained_dir: Path, saes_dir: Path, tmp_path: Path) -> None:

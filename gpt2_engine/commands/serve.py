@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
+from ..core.model import KVCache
 from ..core.pages import available_memory
 from ..formats.checkpoints import checkpoint_config
 from ..interp.steering import SteeringRegistry
@@ -61,24 +62,31 @@ def check_options(args: argparse.Namespace) -> ServerSettings:
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not args.weights.exists():
         raise ServeError(f"{args.weights}: weights directory does not exist (run `make weights`, or `make demo` offline, or pass --weights DIR)")
-    check_prefix_cache(args)
+    config = readable_config(args.weights)
+    check_prefix_cache(args, config)
     check_speculation(args)
-    if args.weights.is_file() or (args.weights / "config.json").is_file():
-        try:
-            config = checkpoint_config(args.weights)
-        except GPT2EngineError:  # what the load will report, in its words
-            config = None
-        if config is not None:
-            check_slots(args.parallel, config)
+    if config is not None:
+        check_slots(args.parallel, config)
     template = load_template(args.chat_template) if args.chat_template is not None else plain_template()
     return ServerSettings(args.model_name, lora_adapters(args), read_api_key(args), tuple(args.cors_origin),
                           args.max_body_bytes, chat_template=template, steering=steering_registry(args))
 
 
-def check_prefix_cache(args: argparse.Namespace) -> None:
-    """--prefix-cache-mb and --no-prefix-cache: one of them, and a bound that holds a block of this model."""
+def readable_config(weights: Path) -> GPT2Config | None:
+    """The checkpoint's config where it reads, for the checks below; None where it does not (the load then says why,
+    in its words)."""
     from ..formats.hf import CONFIG
 
+    if not (weights.is_file() or (weights / CONFIG).is_file()):
+        return None
+    try:
+        return checkpoint_config(weights)
+    except GPT2EngineError:
+        return None
+
+
+def check_prefix_cache(args: argparse.Namespace, config: GPT2Config | None) -> None:
+    """--prefix-cache-mb and --no-prefix-cache: one of them, and a bound that holds a block of this model."""
     mb = args.prefix_cache_mb
     if mb is not None and not 0 < mb < math.inf:  # nan too
         raise ServeError(f"--prefix-cache-mb must be a positive, finite number of MB, got {mb} (--no-prefix-cache "
@@ -90,8 +98,8 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
             raise ServeError(str(e)) from None
     if mb is not None and args.no_prefix_cache:
         raise ServeError("--prefix-cache-mb and --no-prefix-cache contradict each other: give one")
-    if mb is not None and (args.weights.is_file() or (args.weights / CONFIG).is_file()):
-        need = block_mb(checkpoint_config(args.weights))
+    if mb is not None and config is not None:
+        need = block_mb(config)
         if mb < need:
             raise ServeError(f"--prefix-cache-mb {mb} holds no block: a block of {BLOCK_TOKENS} tokens of this model "
                              f"takes {need:.2f} MB")
@@ -100,7 +108,7 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
 def check_slots(parallel: int, config: GPT2Config) -> None:
     """That --parallel slots of a whole context's KV cache fit in the memory this machine has (the cache is allocated
     whole when the model loads)."""
-    per_slot = 2 * config.n_layer * config.n_positions * config.n_embd * 4  # keys and values, float32
+    per_slot = KVCache.nbytes(config, 1, config.n_positions)
     available = available_memory()
     if parallel * per_slot > available:
         raise ServeError(f"--parallel {parallel:,} needs a {parallel * per_slot / 1e9:,.1f} GB KV cache ({per_slot / 1e6:.0f} "

@@ -39,6 +39,11 @@ class KVCache:
         shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
         return cls(huge_zeros(shape, dtype, device), huge_zeros(shape, dtype, device))  # on 2 MB pages where it can
 
+    @staticmethod
+    def nbytes(config: GPT2Config, batch: int, max_len: int) -> int:
+        """What allocate(config, batch, max_len) takes in float32: keys and values of every layer."""
+        return 2 * config.n_layer * batch * max_len * config.n_embd * 4
+
     @property
     def max_len(self) -> int:
         return self.k.shape[3]

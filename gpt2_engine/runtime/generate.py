@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..core.config import GPT2Config
+from ..core.model import KVCache
 from ..core.errors import GenerationError
 from ..core.pages import available_memory
 from ..core.tokenizer import Tokenizer
@@ -162,7 +163,7 @@ class Generation:
 def check_cache_fits(slots: int, max_len: int, config: GPT2Config, num_samples: int, prompts: int) -> None:
     """Raise GenerationError unless the KV cache of `slots` sequences of up to `max_len` positions, allocated whole
     before the first token, fits in the memory this machine has available."""
-    per_sequence = 2 * config.n_layer * max_len * config.n_embd * 4  # keys and values, float32
+    per_sequence = KVCache.nbytes(config, 1, max_len)
     available = available_memory()
     if slots * per_sequence <= available:
         return

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.config import GPT2Config, memory_limit
+from ..core.config import GPT2Config
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, residual_stream
-from ..core.pages import available_memory, check_batch_fits
+from ..core.pages import check_batch_fits
 from ..interp.spec import Steering, check_steering
 from ..interp.steering import batch_tap, check_scoring
 from ..core.weights import GPT2Weights
 from .plan import TokenStats
-from .prefix import PrefixCache, prefill
+from .prefix import PrefixCache, check_capacity, prefill
 from .stats import token_stats
 
 
@@ -115,10 +115,8 @@ class ScoreSettings:
         """Refuse, before anything is allocated, a batch of windows or a prefix cache larger than the memory this
         process has: a forward pass of `batch_size` windows holds, per token, the residual stream, q, k, v and the
         MLP's hidden layer (about 12 x n_embd floats) and a row of attention scores per head."""
-        room = min(available_memory(), memory_limit())
-        if self.prefix_cache_mb is not None and self.prefix_cache_mb * 2**20 > room:
-            raise GPT2EngineError(f"--prefix-cache-mb {self.prefix_cache_mb:g} is more than the {room / 2**20:,.0f} MB "
-                                  f"of memory this process has available")
+        if self.prefix_cache_mb is not None:
+            check_capacity(self.prefix_cache_mb, "--prefix-cache-mb")
         check_batch_fits(self.batch_size, self.context, config)
 
 
