@@ -96,6 +96,11 @@ def add_force_option(p: argparse.ArgumentParser) -> None:
                         "error: the adapter records its base's fingerprint)")
 
 
+def add_overwrite_option(p: argparse.ArgumentParser, what: str) -> None:
+    """--overwrite: replace `what` (by default an error, so that no model is lost to a mistyped destination)."""
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what} (by default an error)")
+
+
 def add_model_options(p: argparse.ArgumentParser, lora: bool = True) -> None:
     """The model flags; `lora`: with --lora DIR (gpt2 serve has its own, NAME=DIR, repeatable)."""
     add_weights_option(p)

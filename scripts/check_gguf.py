@@ -55,7 +55,7 @@ def main() -> int:
         engine = [model.generate_ids(ids, max_new_tokens=NEW, temperature=0, ignore_eos=True) for ids in prompts]
         for qtype in ("f32", "f16", "q8_0"):
             path = OUT / f"{name}-{qtype}.gguf"
-            convert(weights, path, "gguf", qtype)
+            convert(weights, path, "gguf", qtype, overwrite=True)
             with bench_llamacpp.llama_server(bin_dir, path, threads=2, parallel=1) as url:
                 if qtype == "f32":
                     same = [llama_tokens(url, ids, NEW) == out for ids, out in zip(prompts, engine)]

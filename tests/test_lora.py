@@ -150,7 +150,8 @@ def test_an_engine_adapter_loads_in_peft_with_the_same_logits(trained_dir: Path,
     assert max_rel(base, ref) > 1e-2  # the adapter changes the logits: the comparison above is not the base's
 
 
-def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_path: Path) -> None:
+def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
     from conftest import reference
     from peft import LoraConfig, get_peft_model
 
@@ -174,6 +175,20 @@ def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_pa
     with torch.no_grad():
         merged_hf = reference(tmp_path / "merged")(input_ids=PROMPT).logits
     assert max_rel(merged_hf, ref) <= 1e-5
+
+    # a model already in OUT is replaced only when asked; the adapter's own folder never
+    again = ["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(tmp_path / "merged")]
+    before = (tmp_path / "merged" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(again) == 2
+    assert capsys.readouterr().err == (f"gpt2 merge-lora: error: {tmp_path / 'merged'}: already holds a model "
+                                       "(config.json, model.safetensors); pass --overwrite to replace it, or write "
+                                       "somewhere else\n")
+    assert (tmp_path / "merged" / "model.safetensors").stat().st_mtime_ns == before
+    assert main(again + ["--overwrite"]) == 0
+    assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(tmp_path / "peft"), "--overwrite"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'peft'}: is the adapter itself; write the merged "
+                                            "model somewhere else\n")
 
 
 def test_adapter_files_are_checked(trained_dir: Path, tmp_path: Path) -> None:

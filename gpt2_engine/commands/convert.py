@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 from ..formats.checkpoints import checkpoint_kind, read_checkpoint
-from ..formats.files import check_seekable, what_is, written_into
+from ..formats.files import check_not_replacing, check_seekable, what_is, written_into
 from ..formats.gguf import GGUF_SEEKS, write_gguf
 from ..formats.llmc import write_llmc
 from ..core.config import GPT2Config
 from ..core.tokenizer import load_tokenizer
-from ..formats.hf import CONFIG, load_weights, save_checkpoint, weights_from_tensors
+from ..formats.hf import CHECKPOINT_FILES, CONFIG, load_weights, save_checkpoint, weights_from_tensors
 from ..core.weights import GPT2Weights, named_tensors
-from ..options import UsageError
+from ..options import UsageError, add_overwrite_option
 
 TARGETS = {"hf": ("f32",), "llmc": ("f32", "bf16"), "gguf": ("f32", "f16", "q8_0")}
 LLMC_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
@@ -34,14 +34,16 @@ def read_any(src: Path) -> tuple[str, GPT2Config, GPT2Weights]:
     return kind, config, weights_from_tensors(tensors, config, src)
 
 
-def check_destination(src: Path, dst: Path, to: str, dtype: str) -> None:
-    """Refuse, before anything is read, a target or type that does not exist, writing over the source, and a
-    destination of the wrong kind (a directory for one file; a file, socket or device for a directory)."""
+def check_destination(src: Path, dst: Path, to: str, dtype: str, overwrite: bool = False) -> None:
+    """Refuse, before anything is read, a target or type that does not exist, writing over the source, a model
+    already at the destination unless `overwrite`, and a destination of the wrong kind (a directory for one file;
+    a file, socket or device for a directory)."""
     if to not in TARGETS:
         raise UsageError(f"--to {to}: expected one of {', '.join(TARGETS)}")
     if dtype not in TARGETS[to]:
         raise UsageError(f"--type {dtype}: a {to} checkpoint is written as {' or '.join(TARGETS[to])}")
     check_not_the_source(src, dst)
+    check_not_replacing(dst, overwrite, CHECKPOINT_FILES)
     if to == "hf":
         if dst.exists() and not dst.is_dir():
             raise UsageError(f"{dst}: {'a file' if dst.is_file() else what_is(dst)}; a Hugging Face checkpoint is a "
@@ -68,9 +70,9 @@ def check_not_the_source(src: Path, dst: Path) -> None:
                          "file)")
 
 
-def convert(src: Path, dst: Path, to: str, dtype: str = "f32") -> str:
-    """Write `src` as `to` at `dst`; returns the source's kind."""
-    check_destination(src, dst, to, dtype)
+def convert(src: Path, dst: Path, to: str, dtype: str = "f32", overwrite: bool = False) -> str:
+    """Write `src` as `to` at `dst` (a model already there only if `overwrite`); returns the source's kind."""
+    check_destination(src, dst, to, dtype, overwrite)
     kind, config, weights = read_any(src)
     bpe = load_tokenizer(src if kind == "hf" else None).source
     if to == "hf":
@@ -100,10 +102,11 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--type", default="f32", choices=["f32", "bf16", "f16", "q8_0"],
                    help="the stored type (default f32; llmc also bf16, llm.c's version 5 file; gguf also f16 and "
                         "q8_0, llama.cpp's)")
+    add_overwrite_option(p, "a file or checkpoint already at DST")
     p.set_defaults(run=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    kind = convert(args.src, args.dst, args.to, args.type)
+    kind = convert(args.src, args.dst, args.to, args.type, args.overwrite)
     print(f"gpt2 convert: {args.src} ({KINDS[kind]}) written to {args.dst} as {args.to} ({args.type})", file=sys.stderr)
     return 0

@@ -32,7 +32,7 @@ from ..core.tokenizer import Tokenizer, load_tokenizer
 from ..core.weights import GPT2Weights
 from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
 from ..documents import expand_paths, read_documents
-from ..options import UsageError, positive_int, seed_value, thread_count
+from ..options import UsageError, add_overwrite_option, positive_int, seed_value, thread_count
 from ..runtime.generate import two_samples
 from ..train.step import initial_weights, trainable_copy
 from ..train.trainer import (Base, Eval, Event, Output, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings,
@@ -135,7 +135,7 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
                    help="keep only each block's input and recompute the rest in the backward (activation "
                         "checkpointing): much less memory, about a third more time a step, the same results")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out/last exactly")
-    p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
+    add_overwrite_option(p, "a model already in --out")
     lora = p.add_argument_group("LoRA", "train a low-rank adapter on the frozen base instead of the whole model; the "
                                         "checkpoints are then adapters in PEFT's format")
     lora.add_argument("--lora", type=positive_int, metavar="R", help="train a LoRA adapter of rank R")
@@ -375,6 +375,6 @@ def run_finetune(args: argparse.Namespace) -> int:
         progress.close()
     print(summary(trainer, progress, args.out, time.perf_counter() - t0), file=sys.stderr)
     if args.merge:
-        merge_lora(args.weights, args.out, args.out / "merged")
+        merge_lora(args.weights, args.out, args.out / "merged", overwrite=True)  # the run owns its --out
         print(f"finetune: the base with the adapter merged in is saved in {args.out / 'merged'}", file=sys.stderr)
     return 0

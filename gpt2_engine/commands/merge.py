@@ -12,16 +12,21 @@ from ..core.config import GPT2Config
 from ..formats.peft import check_base, load_adapter
 from ..core.lora import merge
 from ..core.tokenizer import load_tokenizer
-from ..formats.hf import CONFIG, find_weights_file, load_weights, save_checkpoint
-from ..options import UsageError, add_force_option
+from ..formats.files import check_not_replacing
+from ..formats.hf import CHECKPOINT_FILES, CONFIG, find_weights_file, load_weights, save_checkpoint
+from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..options import UsageError, add_force_option, add_overwrite_option
 
 
-def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False) -> None:
+def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False, overwrite: bool = False) -> None:
     """Write base + adapter, merged, to `out` (official layout; each file written beside its destination and
-    renamed over it); an adapter recording another base is an error unless `force`."""
+    renamed over it); an adapter recording another base is an error unless `force`, a model already in `out`
+    unless `overwrite`."""
     find_weights_file(base)
-    if out.resolve() == base.resolve():
-        raise UsageError(f"{out}: is the base checkpoint itself; write the merged model somewhere else")
+    for given, what in ((base, "the base checkpoint"), (adapter, "the adapter")):
+        if out.resolve() == given.resolve():
+            raise UsageError(f"{out}: is {what} itself; write the merged model somewhere else")
+    check_not_replacing(out, overwrite, CHECKPOINT_FILES + (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
     config = GPT2Config.from_json(base / CONFIG)
     lora = load_adapter(adapter, config)
     if not force:
@@ -40,10 +45,11 @@ def add_merge_lora(sub: argparse._SubParsersAction) -> None:
     p.add_argument("adapter", type=Path, metavar="ADAPTER", help="the adapter directory (adapter_config.json, ...)")
     p.add_argument("out", type=Path, metavar="OUT", help="where the merged checkpoint goes")
     add_force_option(p)
+    add_overwrite_option(p, "a model already in OUT")
     p.set_defaults(run=run_merge_lora)
 
 
 def run_merge_lora(args: argparse.Namespace) -> int:
-    merge_lora(args.base, args.adapter, args.out, args.force)
+    merge_lora(args.base, args.adapter, args.out, args.force, args.overwrite)
     print(f"merge-lora: {args.adapter} merged into {args.base}, saved in {args.out}", file=sys.stderr)
     return 0

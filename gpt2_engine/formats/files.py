@@ -155,6 +155,19 @@ def output_directory(path: Path) -> Path:
     return path
 
 
+def check_not_replacing(dest: Path, overwrite: bool, held: tuple[str, ...] = ()) -> None:
+    """Refuse, unless `overwrite`, a write that would replace a model already at `dest`: an existing regular file,
+    or, for a directory, the `held` files in it (a checkpoint's config and weights). `gpt2 finetune` refuses the
+    same way; a device or FIFO is written into, never replaced, and is not refused here."""
+    if overwrite:
+        return
+    if what_is(dest) == "a regular file":
+        raise OutputError(f"{dest}: already exists; pass --overwrite to replace it")
+    if dest.is_dir() and (there := sorted(name for name in held if (dest / name).exists())):
+        raise OutputError(f"{dest}: already holds a model ({', '.join(there)}); pass --overwrite to replace it, or "
+                          "write somewhere else")
+
+
 def temporary(dest: Path) -> tuple[int, Path]:
     """An open descriptor and the path of a new file beside `dest`, with a plain file's mode; OSError as mkstemp's."""
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)

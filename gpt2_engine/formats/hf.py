@@ -48,6 +48,9 @@ PYTORCH_BIN = "pytorch_model.bin"
 CONFIG = "config.json"
 
 
+CHECKPOINT_FILES = (CONFIG, SAFETENSORS, PYTORCH_BIN)  # what writing a checkpoint into a folder replaces
+
+
 # Checkpoint formats we recognise but do not read, so that the error can say what was found.
 OTHER_FORMATS = ("tf_model.h5", "flax_model.msgpack", "model.ckpt.index", "64-8bits.tflite", "rust_model.ot")
 
