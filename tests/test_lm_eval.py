@@ -93,6 +93,7 @@ def test_tokenizer_info_and_tokenize_in_lm_evals_shape(trained_model: GPT2) -> N
     (["--tasks", "no_such_task_anywhere"], "no_such_task_anywhere"),
     (["--tasks", "x.yaml", "--limit", "0"], "--limit must be a positive count or fraction, got 0.0"),
     (["--tasks", "x.yaml", "--log-samples"], "--log-samples writes the samples into --output FILE"),
+    (["--tasks", "x.yaml", "--output", "/tmp"], "/tmp: a directory; expected a file to write"),  # before the run
 ])
 def test_eval_errors_are_one_line(capsys, trained_dir: Path, args: list[str], fragment: str) -> None:
     assert main(["eval", "--weights", str(trained_dir), *args]) == 2

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..formats.files import atomic_write
+from ..formats.files import atomic_write, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, seed_value, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
@@ -66,6 +66,8 @@ def check_flags(args: argparse.Namespace) -> list[str]:
              "--log-samples writes the samples into --output FILE: give --output too")):
         if bad:
             raise UsageError(message)
+    if args.output is not None:
+        written_into(args.output)  # a directory or socket is refused before the run, not after it
     return [t for spec in args.tasks for t in spec.split(",") if t]
 
 
