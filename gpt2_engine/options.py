@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm import tqdm
 
 from .core.errors import GPT2EngineError
 from .formats.hf import DEFAULT_WEIGHTS, DEMO_NAME
@@ -40,6 +43,12 @@ class ModelOptions:
         return cls(args.weights, args.dtype, args.quantize, args.threads, lora if isinstance(lora, Path) else None,
                    getattr(args, "force", False), getattr(args, "device", "cpu"), getattr(args, "runner", None),
                    getattr(args, "weight_layout", "auto"))
+
+
+def progress_bar(quiet: bool = False, **bar: object) -> tqdm:
+    """A tqdm bar on stderr, drawn only on a terminal: a log or a pipe gets the command's own lines, not bars
+    (nor a bar's first frame before an error)."""
+    return tqdm(file=sys.stderr, disable=quiet or not sys.stderr.isatty(), dynamic_ncols=True, **bar)
 
 
 def positive_int(text: str) -> int:

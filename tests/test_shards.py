@@ -132,3 +132,12 @@ def test_shard_errors_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "t.txt").write_text("text", encoding="utf-8")
     code, err = cli("score", str(tmp_path / "a.bin"), str(tmp_path / "t.txt"), "--weights", "x")
     assert code == 2 and "give either token shards (llm.c's .bin) or text files, not both" in err
+
+
+def test_a_failed_tokenize_prints_one_line_and_no_progress_bar(tmp_path: Path) -> None:
+    """Progress bars are drawn on a terminal only: a log or a pipe gets the error line alone, not a bar's first frame
+    before it (stderr here is a StringIO, as it is a file or pipe under a job runner)."""
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{bad\n', encoding="utf-8")
+    code, err = cli("tokenize", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "out"))
+    assert (code, err) == (2, f"gpt2 tokenize: error: {tmp_path / 'bad.jsonl'}:2: not valid JSON (Expecting property "
+                              "name enclosed in double quotes); expected one JSON object per line\n")

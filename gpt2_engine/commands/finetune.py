@@ -32,7 +32,7 @@ from ..core.tokenizer import Tokenizer, load_tokenizer
 from ..core.weights import GPT2Weights
 from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
 from ..documents import expand_paths, read_documents
-from ..options import UsageError, add_overwrite_option, positive_int, seed_value, thread_count
+from ..options import UsageError, add_overwrite_option, positive_int, progress_bar, seed_value, thread_count
 from ..runtime.generate import two_samples
 from ..train.step import initial_weights, trainable_copy
 from ..train.trainer import (Base, Eval, Event, Output, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings,
@@ -309,8 +309,7 @@ class Progress:
                                                           if event.first_step else ""), file=sys.stderr)
         if event.warning:
             print(f"gpt2 finetune: warning: {event.warning}", file=sys.stderr)
-        self.bar = tqdm(total=event.steps, initial=event.first_step, desc="finetune", unit="step", file=sys.stderr,
-                        dynamic_ncols=True)
+        self.bar = progress_bar(total=event.steps, initial=event.first_step, desc="finetune", unit="step")
 
     def stepped(self, event: Step) -> None:
         self.bar.update(1)

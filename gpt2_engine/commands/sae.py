@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..interp.sae import SAE, check_saes
 from ..documents import expand_paths, read_text
 from ..inspect.sae import (DashboardSettings, build_dashboard, corpus_windows, dashboard_data, feature_acts,
                            parse_features, prompt_ids, run_key, write_dashboard)
-from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int
+from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int, progress_bar
 
 
 MAX_TOP = 1000  # contexts kept per feature: the dashboard holds features x top of them in memory
@@ -76,7 +75,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--context {args.context} exceeds this model's {model.config.n_positions} positions")
     ids = windows_of(args, model, sae)
     t0 = time.perf_counter()
-    with tqdm(total=ids.shape[0], unit="window", desc="sae eval", disable=args.quiet, file=sys.stderr) as bar:
+    with progress_bar(args.quiet, total=ids.shape[0], unit="window", desc="sae eval") as bar:
         metrics = model.evaluate_sae(sae, ids, batch_size=args.batch_size, progress=bar.update)
     density = torch.tensor(metrics.pop("feature_density"))
     metrics["dead_features"] = int((density == 0).sum())
@@ -105,7 +104,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
     key = run_key(str(Path(args.sae).resolve()), str(Path(args.weights).resolve()), paths, settings)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with tqdm(unit="window", desc="sae dashboard", disable=args.quiet, file=sys.stderr) as bar:
+    with progress_bar(args.quiet, unit="window", desc="sae dashboard") as bar:
         if args.ray:
             from ..distributed.sae import dashboard_on_ray
 

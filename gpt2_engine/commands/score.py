@@ -21,7 +21,8 @@ import numpy as np
 
 from ..formats.files import OutputFile
 from ..documents import InputError, expand_paths, read_documents
-from ..options import ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, steering_from_args
+from ..options import (ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, progress_bar,
+                       steering_from_args)
 from ..formats.shards import documents, read_shard, shard_files
 from ..runtime.scoring import Score, ScoreSettings, score_documents
 
@@ -186,11 +187,8 @@ class Totals:
 
 def score_into(args: argparse.Namespace, writers: dict[str, AtomicWriter | StdoutWriter]) -> tuple[ScoreSettings, Totals]:
     """Score every document (locally or on Ray), its lines written as they come, behind a progress bar on stderr."""
-    from tqdm import tqdm
-
     totals = Totals()
-    bar = tqdm(total=None, unit="tok", unit_scale=True, file=sys.stderr, desc="scoring",
-               disable=args.quiet or not sys.stderr.isatty())
+    bar = progress_bar(args.quiet, total=None, unit="tok", unit_scale=True, desc="scoring")
     with bar:
         tokenizer, settings, stream = ray_scores(args) if args.ray else local_scores(args, bar)
         for s in stream:

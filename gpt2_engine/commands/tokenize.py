@@ -18,13 +18,12 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from ..formats.files import atomic_write, output_directory
 from ..formats.shards import write_shard
 from ..core.tokenizer import load_tokenizer
 from ..documents import expand_paths, iter_documents
-from ..options import UsageError, positive_int
+from ..options import UsageError, positive_int, progress_bar
 
 STATE = "tokenize.json"
 BATCH = 256  # documents encoded together
@@ -54,7 +53,7 @@ def tokenize_corpus(paths: list[str], out: Path, shard_tokens: int, prefix: str 
     docs = islice(iter_documents(paths, sys.stdin.buffer), state["documents"], None)  # what the shards hold: skipped
     pending: list[np.ndarray] = []
     count, consumed = 0, state["documents"]
-    bar = tqdm(desc="tokenize", unit=" tokens", unit_scale=True, initial=state["tokens"], disable=not progress)
+    bar = progress_bar(not progress, desc="tokenize", unit=" tokens", unit_scale=True, initial=state["tokens"])
 
     def flush() -> None:
         nonlocal pending, count
