@@ -60,6 +60,16 @@ def test_greedy_chat_equals_the_completion_of_the_rendered_conversation(client, 
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-") and out.model == "gpt2"
 
 
+def test_tokenize_takes_a_conversation_as_chat_renders_it(server: str, trained_model: GPT2) -> None:
+    """POST /tokenize with messages (vLLM's form): the ids of the prompt /v1/chat/completions continues."""
+    with httpx.Client(base_url=server, timeout=30) as c:
+        r = c.post("/tokenize", json={"messages": CONVERSATION})
+        assert r.status_code == 200 and r.json()["tokens"] == trained_model.tokenizer.encode(RENDERED), r.text
+        for body in ({"messages": CONVERSATION, "prompt": "x"}, {}, {"messages": []}):
+            r = c.post("/tokenize", json=body)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def test_without_max_tokens_a_reply_runs_to_its_end_of_turn_or_the_context(client, trained_model: GPT2) -> None:
     out = client.chat.completions.create(model="gpt2", messages=CONVERSATION, temperature=0)
     prompt = len(trained_model.tokenizer.encode(RENDERED))

@@ -122,6 +122,11 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
         tokens = c.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
         assert tokens == trained_model.tokenizer.encode("Hello world")
         assert c.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hello world"}
+        for ids in ([True], [2.0], ["1"]):  # JSON's true is not token 1
+            r = c.post("/detokenize", json={"tokens": ids})
+            assert r.status_code == 400 and r.json()["error"] == {
+                "message": "tokens.0: Input should be a valid integer", "type": "invalid_request_error",
+                "param": "tokens", "code": None}, r.text
 
 
 @pytest.mark.parametrize("body,status,param,fragment", [

@@ -31,7 +31,7 @@ from .async_engine import AsyncEngine
 from .chat import ChatTemplate, plain_template
 from .metrics import CONTENT_TYPE
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .serving import ChatRun, CompletionRun, chat_requests, engine_requests
+from .serving import ChatRun, CompletionRun, chat_prompt, chat_requests, engine_requests
 
 log = logging.getLogger(__name__)
 
@@ -292,14 +292,15 @@ async def tokenizer_info(request: Request) -> dict:
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-    """Token ids of a text; `<|endoftext|>` in it is the special token, as a Hugging Face tokenizer reads it (so
-    lm-eval's remote tokenizer finds the eos id). GPT-2 adds no special tokens, so add_special_tokens changes
-    nothing."""
+    """Token ids of a text, or of a conversation's prompt as /v1/chat/completions renders it; `<|endoftext|>` in a
+    text is the special token, as a Hugging Face tokenizer reads it (so lm-eval's remote tokenizer finds the eos
+    id). GPT-2 adds no special tokens, so add_special_tokens changes nothing."""
     state = server_of(request)
     ignoring("/tokenize", sorted(body.model_extra or {}))
     check_model(state.settings, body.model)
     model, _ = ready(state)
-    tokens = model.tokenizer.encode(body.prompt, allow_special=True)
+    tokens = model.tokenizer.encode(body.prompt, allow_special=True) if body.messages is None else \
+        await chat_prompt(body.messages, state.settings.chat_template, model.tokenizer)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": model.config.n_positions}
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from ..core.errors import GenerationError
 from ..runtime.constraints import Constraint
@@ -218,15 +218,25 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    """POST /tokenize: a text, or (as vLLM's) a conversation as the chat template renders it for /v1/chat/completions."""
+
     model_config = ConfigDict(extra="allow")
-    prompt: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     model: str | None = None
     add_special_tokens: bool = True  # vLLM's field, which lm-eval sends; GPT-2 adds no special tokens either way
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt (a text) or messages (a conversation), not both or neither",
+                           param="prompt")
+        return self
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    tokens: list[int]
+    tokens: list[StrictInt]  # true is not token 1, nor 2.0 token 2
     model: str | None = None
 
 

@@ -23,7 +23,7 @@ from ..runtime.requests import GenerationSettings, Request, build_requests, enco
 from ..runtime.sampling import SamplingParams
 from .async_engine import AsyncEngine, EngineDown, Handle, QueueFull
 from .chat import ChatTemplate, ChatTemplateError, TemplateFailed
-from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                        ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage, Choice,
                        CompletionRequest, CompletionResponse, Logprobs, PromptTokensDetails, SamplingFields,
                        TokenLogprob, TopLogprob, Usage)
@@ -64,18 +64,25 @@ async def chat_requests(req: ChatCompletionRequest, template: ChatTemplate, toke
     """The conversation rendered by the chat template as one prompt, continued up to the context unless
     max_completion_tokens says fewer, stopping also at the template's end of turn. The rendered text is tokenized
     as transformers does a chat template's output: an <|endoftext|> in it is the special token."""
-    messages = [{"role": m.role, "content": m.text} for m in req.messages]
-    try:  # in a thread: a slow template must not hold the event loop, and every other client with it
-        prompt = await asyncio.to_thread(template.render, messages, tokenizer.decode([tokenizer.eot_id]))
-    except TemplateFailed as e:
-        raise APIError(500, str(e), type="server_error", code="chat_template_failed") from None
-    except ChatTemplateError as e:
-        raise APIError(400, f"messages: {e}", param="messages") from None
-    ids = tokenizer.encode(prompt, allow_special=True)
+    ids = await chat_prompt(req.messages, template, tokenizer)
     top = (req.top_logprobs or 0) if req.logprobs else None
     stops = template.stops if req.constraint() is None else ()  # a grammar decides where a structured reply ends
     return await sequences(req, [ids], req.new_tokens(config.n_positions), top, False, stops, tokenizer, config,
                            adapter, grammars, registry)
+
+
+async def chat_prompt(messages: list[ChatMessage], template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
+    """The conversation's prompt ids: rendered by the chat template, tokenized as transformers does a chat template's
+    output (an <|endoftext|> in it is the special token). A template that fails is the server's 500; one that
+    refuses the messages (raise_exception) the client's 400."""
+    turns = [{"role": m.role, "content": m.text} for m in messages]
+    try:  # in a thread: a slow template must not hold the event loop, and every other client with it
+        prompt = await asyncio.to_thread(template.render, turns, tokenizer.decode([tokenizer.eot_id]))
+    except TemplateFailed as e:
+        raise APIError(500, str(e), type="server_error", code="chat_template_failed") from None
+    except ChatTemplateError as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
+    return tokenizer.encode(prompt, allow_special=True)
 
 
 async def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int | None,
