@@ -112,7 +112,7 @@ def test_logprobs_of_generated_tokens(client) -> None:
     assert "".join(lp.tokens) == out.choices[0].text and len(lp.token_logprobs) == 6
     for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         # greedy: the chosen token is the most likely one, unless the most likely is the end-of-text ignore_eos bans
-        assert max(top.values()) == pytest.approx(logprob) or max(top, key=top.get) == "<|endoftext|>"
+        assert max(top.values()) == logprob or max(top, key=top.get) == "<|endoftext|>"  # the same float32 number
         assert max(top.values()) >= logprob - 1e-6
 
 

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..core.config import DECODE_ROWS, GPT2Config
@@ -382,7 +383,8 @@ class Scheduler:
     def _emit(self, seq: SequenceState, token: int, row: Prediction, prompt_stats: TokenStats | None) -> Output:
         """Record the chosen token (its row for the logprobs) and finish the sequence if done."""
         r, eot, raw, lse = seq.request, self.tokenizer.eot_id, row.raw, row.lse
-        logprob = (row.logit if raw is None else float(raw[token])) - lse
+        # in float32, as top_logprobs' values - lse are: the same token gets the same number in both lists
+        logprob = float(np.float32(row.logit if raw is None else raw[token]) - np.float32(lse))
         top = rank = None
         if r.top_logprobs:
             values, ids = raw.topk(r.top_logprobs)
