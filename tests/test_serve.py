@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gzip
 import json
 import subprocess
 import sys
@@ -334,6 +335,16 @@ def test_a_body_over_the_limit_is_413(trained_model: GPT2) -> None:
         for content in (body, iter([body[i : i + 65536] for i in range(0, len(body), 65536)])):  # the second chunked
             r = c.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+
+def test_a_compressed_body_is_415(server: str) -> None:
+    """A gzip body was read as JSON (a 400 "not valid JSON"); it is refused by its encoding, and never inflated."""
+    body = gzip.compress(json.dumps({"model": "gpt2", "prompt": "x", "max_tokens": 1}).encode())
+    r = httpx.post(f"{server}/v1/completions", content=body, timeout=30,
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 415 and r.json()["error"] == {
+        "message": "Content-Encoding gzip is not supported; send the JSON body uncompressed",
+        "type": "invalid_request_error", "param": None, "code": "unsupported_encoding"}, r.text
 
 
 def test_a_temperature_below_1e_5_is_greedy(server: str) -> None:

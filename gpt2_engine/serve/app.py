@@ -129,7 +129,7 @@ class Gate:
 
     def refusal(self, scope: dict, headers: dict[bytes, bytes]) -> APIError | None:
         """Why a request is refused before it reaches a route: no valid API key (every route but /health and the
-        page), or a Content-Length over the limit; None to let it through."""
+        page), a Content-Length over the limit, or a compressed body; None to let it through."""
         if self.api_key and scope["path"] not in ("/health", "/", "/favicon.ico") and scope["method"] != "OPTIONS":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
@@ -138,6 +138,10 @@ class Gate:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if scope["method"] == "POST" and encoding != b"identity":  # a compressed body is not read as JSON, nor inflated
+            return APIError(415, f"Content-Encoding {encoding.decode('latin-1')[:40]} is not supported; send the JSON "
+                                 "body uncompressed", code="unsupported_encoding")
         return None
 
 
