@@ -42,6 +42,8 @@ def test_generate_streams_the_text_and_reports_stats(capsys, tiny_dir: Path, tin
     assert code == 0
     assert out == tiny_model.generate("Hello, my dog is", max_new_tokens=12, seed=0) + "\n"
     assert err.count("\n") == 1 and "prompt 5 tokens | 12 new tokens | prefill" in err and "decode" in err and "seed 0" in err
+    code, out, err = run(capsys, "generate", "Hello", "-n", "1", "--seed", "0", "--weights", str(tiny_dir))
+    assert code == 0 and "prompt 1 token | 1 new token | prefill" in err
 
 
 def test_generate_json(capsys, tiny_dir: Path, tiny_model: GPT2) -> None:

@@ -216,8 +216,9 @@ def stats_line(run: Generation, args: argparse.Namespace, load_seconds: float, p
         speculation = (f" | drafted {st.drafted}, accepted {st.accepted} ({st.acceptance_rate:.0%}), "
                        f"{st.tokens_per_verify:.2f} tokens per verify pass" if st.verify_passes else " | no drafts")
     packed = f" ({packing.packed_bytes / 1e6:.0f} MB packed)" if packing else ""
-    return (f"load {load_seconds:.2f} s{packed} | prompt {run.completions[0].prompt_tokens} tokens | "
-            f"{st.new_tokens} new tokens | prefill {st.prefill_tokens_per_second:.1f} tok/s | "
+    prompt = run.completions[0].prompt_tokens
+    return (f"load {load_seconds:.2f} s{packed} | prompt {prompt} token{'s' * (prompt != 1)} | "
+            f"{st.new_tokens} new token{'s' * (st.new_tokens != 1)} | prefill {st.prefill_tokens_per_second:.1f} tok/s | "
             f"decode {st.decode_tokens_per_second:.1f} tok/s | {seed}{speculation}")
 
 
