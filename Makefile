@@ -13,7 +13,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install lint test test-fast generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-memory bench-eval check-gguf serve fixtures clean
+.PHONY: install lint test test-fast test-avx2 generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-memory bench-eval check-gguf serve fixtures clean
 
 install: $(STAMP)
 
@@ -44,6 +44,13 @@ test: install fixtures
 # parity sweeps, the hostile-input corpus); see docs/architecture.md's Tests section.
 test-fast: install
 	$(PY) -m pytest -m "not slow and not trained"
+
+# The whole suite as on a CPU with AVX2 only (a Zen 1/Zen 3 EPYC), on any CPU that also has AVX-512: the engine's
+# AVX-512, VNNI, BF16 and AMX paths off in pytest's process (tests/conftest.py's --cpu-isa), torch's and oneDNN's
+# kernels limited to AVX2 by their own settings in every process. Commands the tests start as processes of their
+# own still take this CPU's paths.
+test-avx2: install fixtures
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest --cpu-isa avx2 $(ARGS)
 
 weights: install
 	$(PY) scripts/download_weights.py --dest $(or $(WEIGHTS),weights) $(ARGS)

@@ -4,6 +4,8 @@ or, for the variants only these tests use, into pytest's temporary directory."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -20,11 +22,45 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/hub_server.py
 sys.path.insert(0, str(SCRIPTS))  # scripts/fixtures.py
 import fixtures  # noqa: E402
 
-torch.set_num_threads(2)
+# The machines have 2 cores: 2 threads, or 1 in each of `make test`'s 2 pytest-xdist workers (so that they do not
+# oversubscribe the cores; the tests of thread-count invariance set their own counts).
+torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # Checkpoints trained on the machine that runs the tests (minutes on a fresh clone, scripts/fixtures.py): a test that
 # reads one, directly or through another fixture, is marked `trained`, and `make test-fast` leaves it out.
 TRAINED_FIXTURES = {"trained_dir", "induction_dir"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-isa", choices=("native", "avx2"), default="native",
+                     help="avx2: run the engine's kernels as on a CPU with AVX2 only (its AVX-512, VNNI, BF16 and AMX "
+                          "paths off in this process; `make test-avx2` also sets torch's ATEN_CPU_CAPABILITY and "
+                          "oneDNN's ONEDNN_MAX_CPU_ISA for the commands the tests start)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--cpu-isa") == "avx2":
+        limit_to_avx2()
+
+
+def limit_to_avx2() -> None:
+    """Every module's `cpu()` answers as an AVX2-only CPU would: the kernels take their paths by these flags (passed
+    to each native call), so the AVX2 code runs here as it does on a Zen 1/Zen 3 EPYC."""
+    from gpt2_engine.core import kernels
+
+    native = kernels.cpu()
+    if not native.avx2:
+        pytest.exit("--cpu-isa avx2: this CPU has no AVX2", returncode=4)
+    limited = dataclasses.replace(native, avx512=False, avx512_bf16=False, avx512_vnni=False, avx512_vbmi=False,
+                                  amx=False)
+
+    def cpu() -> kernels.CPU:
+        return limited
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("gpt2_engine")]:
+        if getattr(module, "cpu", None) is kernels.cpu:
+            module.cpu = cpu
+    kernels.cpu = cpu  # for the modules imported from here on
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -380,7 +380,7 @@ def test_kernels_share_torchs_openmp_runtime(native) -> None:
             "decode_kernels(); print(sorted({l.split()[-1] for l in Path('/proc/self/maps').read_text().splitlines() "
             "if 'libgomp' in l}))")
     gomp = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    assert len(gomp) == 1 and Path(gomp[0]).parent == Path(torch.__file__).parent / "lib", gomp
+    assert len(gomp) == 1 and Path(gomp[0]).parent.resolve() == (Path(torch.__file__).parent / "lib").resolve(), gomp
 
 
 def test_kernels_give_the_same_bits_on_any_number_of_threads(native) -> None:
