@@ -10,6 +10,7 @@ into place when complete: an interrupted build leaves nothing that looks finishe
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -40,15 +41,20 @@ def ensure(name: str) -> Path:
     if dest.is_dir():  # a build is renamed into place whole, so a directory there is a finished one
         return dest
     CACHE.mkdir(parents=True, exist_ok=True)
-    for stale in CACHE.glob(f"{name}-*"):  # older recipes of the same checkpoint
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))
-    try:
-        print(f"fixtures: building the {name!r} checkpoint into {dest} (once) ...", file=sys.stderr, flush=True)
-        build(name, [sys.executable, str(SCRIPTS / script), str(tmp / "out"), *args])
-        os.replace(tmp / "out", dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # one build at a time (pytest-xdist's workers may ask at once): the others wait, then find it built
+    with open(CACHE / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if dest.is_dir():
+            return dest
+        for stale in CACHE.glob(f"{name}-*"):  # older recipes of the same checkpoint
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))
+        try:
+            print(f"fixtures: building the {name!r} checkpoint into {dest} (once) ...", file=sys.stderr, flush=True)
+            build(name, [sys.executable, str(SCRIPTS / script), str(tmp / "out"), *args])
+            os.replace(tmp / "out", dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
