@@ -197,6 +197,42 @@ def test_a_template_that_raises_is_a_400_and_a_broken_file_a_one_line_error(trai
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+SLOW_ON_SOME = ("{%- for m in messages %}{% if m['content'] == 'slow' %}{% for i in range(100000) %}{% for j in "
+                "range(100000) %}{% endfor %}{% endfor %}{% elif m['content'] == 'big' %}{% set s = namespace(x='ab') "
+                "%}{% for i in range(40) %}{% set s.x = s.x ~ s.x %}{% endfor %}{% endif %}{{ m['content'] }}"
+                "{% endfor %}")
+
+
+def test_a_template_that_overruns_on_some_conversations_fails_those_requests_alone(tiny_model: GPT2,
+                                                                                 tmp_path: Path) -> None:
+    """An operator's template renders in bounded child processes: one that loops for hours, or doubles a string past
+    1 GiB, on some content (its startup trial passes) is a 500 for that request, and every other request is served
+    (it hung every later chat request, pinned a core, and blocked the server's shutdown)."""
+    import concurrent.futures
+
+    (tmp_path / "t.jinja").write_text(SLOW_ON_SOME)
+    template = load_template(tmp_path / "t.jinja")
+    source = tmp_path / "t.jinja"
+    with live(tiny_model, settings=ServerSettings(chat_template=template)) as (url, _):
+        def chat(content: str) -> httpx.Response:
+            return httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            slow = [pool.submit(chat, "slow") for _ in range(2)] + [pool.submit(chat, "big")]
+            assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                              timeout=60).status_code == 200
+            replies = [f.result() for f in slow]
+        for r, why in zip(replies, ["took over 2 s", "took over 2 s", "failed: MemoryError"]):
+            assert r.status_code == 500 and r.json()["error"] == {
+                "message": f"the server's chat template ({source}) {why}", "type": "server_error", "param": None,
+                "code": "chat_template_failed"}, r.text
+        assert chat("hi").status_code == 200
+        children = list(template.renderers.children)
+        assert children and all(c.poll() is None for c in children)
+    assert all(c.poll() is not None for c in children)  # the server's shutdown stops them
+
+
 def test_the_plain_template_pickles_as_its_text() -> None:
     import pickle
 

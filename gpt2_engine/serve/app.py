@@ -155,6 +155,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         yield
         if state.engine is not None:
             state.engine.stop()
+        state.settings.chat_template.close()
 
     app = FastAPI(title="gpt2-engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state

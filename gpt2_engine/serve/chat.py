@@ -11,6 +11,11 @@ generation stops.
 
 from __future__ import annotations
 
+import json
+import queue
+import select
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +59,29 @@ def raise_exception(message: str) -> None:
 
 
 class ChatTemplate:
-    """A compiled template, the stop strings that end the assistant's turn, and where it came from."""
+    """A compiled template, the stop strings that end the assistant's turn, and where it came from. An operator's
+    template (`isolated`) renders in bounded child processes (Renderers below); the engine's own in this process."""
 
-    def __init__(self, text: str, stops: tuple[str, ...], source: str) -> None:
-        self.text, self.stops, self.source = text, stops, source
+    def __init__(self, text: str, stops: tuple[str, ...], source: str, isolated: bool = False) -> None:
+        self.text, self.stops, self.source, self.isolated = text, stops, source, isolated
         self.template = compile_template(text, source)
+        self.renderers: Renderers | None = None  # started at the first render
 
     def __reduce__(self) -> tuple:
         # a compiled template does not pickle, and Ray ships the server's settings to its replicas: send the text
-        return ChatTemplate, (self.text, self.stops, self.source)
+        return ChatTemplate, (self.text, self.stops, self.source, self.isolated)
 
     def render(self, messages: list[dict[str, str]], eos_token: str) -> str:
-        """The prompt for `messages` ({"role", "content"} each), ending where the assistant's reply begins."""
+        """The prompt for `messages` ({"role", "content"} each), ending where the assistant's reply begins. Blocks
+        for at most RENDER_SECONDS (plus the wait for a free renderer) on an isolated template."""
+        if not self.isolated:
+            return self.render_here(messages, eos_token)
+        if self.renderers is None:
+            self.renderers = Renderers(self.text, self.source)
+        return self.renderers.render(messages, eos_token)
+
+    def render_here(self, messages: list[dict[str, str]], eos_token: str) -> str:
+        """render() in this process, unbounded but by the sandbox."""
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token=eos_token,
                                         eos_token=eos_token)
@@ -76,6 +92,11 @@ class ChatTemplate:
         except (RecursionError, OverflowError, MemoryError) as e:
             raise TemplateFailed(f"the server's chat template ({self.source}) failed: {type(e).__name__}"
                                  f"{': ' + str(e) if str(e) else ''}") from None
+
+    def close(self) -> None:
+        """Stop the renderers (the server's shutdown)."""
+        if self.renderers is not None:
+            self.renderers.close()
 
 
 MAX_REPEAT = 1 << 20  # characters (or items) a template's `*` may make: a prompt is at most a few thousand tokens
@@ -112,60 +133,144 @@ def plain_template() -> ChatTemplate:
     return ChatTemplate(PLAIN_TEMPLATE, PLAIN_STOPS, "the plain template")
 
 
+TEMPLATE_BYTES = 1 << 20  # a chat template file (transformers' largest are a few KB; a tokenizer_config.json more)
+
+
 def load_template(path: Path) -> ChatTemplate:
     """A chat template file: the Jinja text itself, or a tokenizer_config.json that holds one as "chat_template"."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(TEMPLATE_BYTES + 1)
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ChatTemplateError(f"{path}: cannot read the chat template ({e.__class__.__name__}: {e})") from None
+    if len(data) > TEMPLATE_BYTES:
+        raise ChatTemplateError(f"{path}: larger than {TEMPLATE_BYTES >> 20} MiB; expected a chat template file (a "
+                                "Jinja text or a tokenizer_config.json)")
     if path.suffix == ".json":
         import json
 
         try:
             text = json.loads(text)["chat_template"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise ChatTemplateError(f"{path}: expected a JSON object with a \"chat_template\" string") from None
         if not isinstance(text, str):
             raise ChatTemplateError(f"{path}: \"chat_template\" must be one template string (named templates are "
                                     "not supported)")
     trial_render(text, str(path))  # first, in a bounded child: compiling folds constants, which can take memory
-    return ChatTemplate(text, (), str(path))
+    return ChatTemplate(text, (), str(path), isolated=True)
 
 
-# A trial conversation, rendered once at startup in a child process with bounded memory and time: a template that
-# fails whatever the conversation (a loop past the sandbox's range, endless recursion, a string doubled until memory
-# runs out) is refused before the server starts, and cannot take the server's memory while it tries.
-TRIAL = """
-import json, resource, sys
+# An operator's template renders in child processes, each with 1 GiB of address space over the interpreter's own
+# and RENDER_SECONDS a conversation: a template that loops, recurses or doubles a string on some conversation fails
+# that request (a 500 naming the template) and costs the server nothing else. A child that overruns is killed and a
+# new one started; each dies with the server (PR_SET_PDEATHSIG), whatever it is rendering.
+WORKER = """
+import ctypes, json, resource, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 sys.path[:0] = json.loads(sys.argv[1])
-from gpt2_engine.serve.chat import ChatTemplate, ChatTemplateError
-text, source = json.loads(sys.stdin.read())
+from gpt2_engine.serve.chat import ChatTemplate, ChatTemplateError, TemplateFailed
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()  # the interpreter's own mappings
-resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), used + (1 << 30)))  # and 1 GiB for the render
-try:
-    ChatTemplate(text, (), source).render([{"role": "user", "content": "Hello"}], "<|endoftext|>")
-except ChatTemplateError as e:
-    print(str(e))
+resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), used + (1 << 30)))
+text, source = json.loads(sys.stdin.readline())
+template = None
+for line in sys.stdin:
+    messages, eos = json.loads(line)
+    try:
+        template = template or ChatTemplate(text, (), source)
+        reply = {"prompt": template.render_here(messages, eos)}
+    except TemplateFailed as e:
+        reply = {"failed": str(e)}
+    except ChatTemplateError as e:
+        reply = {"refused": str(e)}
+    print(json.dumps(reply), flush=True)
 """
+RENDER_SECONDS = 2.0  # a conversation's render; transformers' templates take milliseconds
+RENDERERS = 2  # child processes (the machines have 2 cores); a request waits for a free one
+WAIT_SECONDS = 10.0
+RENDER_BYTES = 16 << 20  # a rendered prompt (GPT-2's context is 1,024 tokens)
+
+
+class Renderers:
+    """Child processes that render one template (WORKER), handed to one render at a time."""
+
+    def __init__(self, text: str, source: str, count: int = RENDERERS, seconds: float = RENDER_SECONDS) -> None:
+        self.text, self.source, self.seconds = text, source, seconds
+        self.idle: queue.Queue[subprocess.Popen | None] = queue.Queue()
+        self.children: set[subprocess.Popen] = set()
+        for _ in range(count):
+            self.idle.put(None)  # started when first needed
+
+    def render(self, messages: list[dict[str, str]], eos_token: str) -> str:
+        try:
+            child = self.idle.get(timeout=WAIT_SECONDS)
+        except queue.Empty:
+            raise TemplateFailed(f"the server's chat template ({self.source}) is busy: its {len(self.children)} "
+                                 f"renderers were at work for over {WAIT_SECONDS:.0f} s") from None
+        try:
+            if child is None or child.poll() is not None:
+                child = self._start()
+            reply = self._ask(child, messages, eos_token)
+        except BaseException:
+            self._stop(child)
+            child = None
+            raise
+        finally:
+            self.idle.put(child)
+        return reply
+
+    def _start(self) -> subprocess.Popen:
+        root = str(Path(__file__).resolve().parent.parent.parent)
+        child = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([root])], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.children.add(child)
+        child.stdin.write((json.dumps([self.text, self.source]) + "\n").encode())
+        return child
+
+    def _ask(self, child: subprocess.Popen, messages: list[dict[str, str]], eos_token: str) -> str:
+        """The child's render of `messages`; TemplateFailed when it takes over `seconds`, renders more than
+        RENDER_BYTES or dies, ChatTemplateError when the template refuses the conversation."""
+        child.stdin.write((json.dumps([messages, eos_token]) + "\n").encode())
+        child.stdin.flush()
+        line = b""
+        if select.select([child.stdout], [], [], self.seconds)[0]:
+            line = child.stdout.readline(RENDER_BYTES * 2)  # JSON escapes may double the text
+        name = f"the server's chat template ({self.source})"
+        if not line:
+            raise TemplateFailed(f"{name} took over {self.seconds:g} s" if child.poll() is None else
+                                 f"{name} failed: its renderer exited")
+        if not line.endswith(b"\n"):
+            raise TemplateFailed(f"{name} rendered more than {RENDER_BYTES >> 20} MiB")
+        reply = json.loads(line)
+        if "failed" in reply:
+            raise TemplateFailed(reply["failed"])  # and the child goes: what it allocated goes with it
+        if "refused" in reply:
+            raise ChatTemplateError(reply["refused"])
+        return reply["prompt"]
+
+    def _stop(self, child: subprocess.Popen | None) -> None:
+        if child is not None:
+            child.kill()
+            child.wait()
+            self.children.discard(child)
+
+    def close(self) -> None:
+        for child in list(self.children):
+            self._stop(child)
+
+
 TRIAL_SECONDS = 30
 
 
 def trial_render(text: str, source: str) -> None:
     """ChatTemplateError if the template fails on a one-message conversation, or takes more than 1 GiB or
-    TRIAL_SECONDS to render it (in a child process; see TRIAL)."""
-    import json
-    import subprocess
-    import sys
-
-    root = str(Path(__file__).resolve().parent.parent.parent)
+    TRIAL_SECONDS to render it (in a renderer of its own, as every request's render: see WORKER)."""
+    renderers = Renderers(text, source, count=1, seconds=TRIAL_SECONDS)
     try:
-        done = subprocess.run([sys.executable, "-c", TRIAL, json.dumps([root])], input=json.dumps([text, source]),
-                              capture_output=True, text=True, timeout=TRIAL_SECONDS)
-    except subprocess.TimeoutExpired:
-        raise ChatTemplateError(f"{source}: rendering a one-message conversation took over {TRIAL_SECONDS} s") from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ChatTemplateError(f"{source}: rendering a one-message conversation failed ({last[:200]})")
-    if done.stdout.strip():
-        message = done.stdout.strip().splitlines()[-1]
-        raise ChatTemplateError(message if message.startswith(source) else f"{source}: {message}")
+        renderers.render([{"role": "user", "content": "Hello"}], "<|endoftext|>")
+    except ChatTemplateError as e:
+        message = str(e).replace(f"took over {TRIAL_SECONDS} s", f"took over {TRIAL_SECONDS} s to render a "
+                                 "one-message conversation")
+        raise ChatTemplateError(message if message.startswith(source) else f"{source}: {message}") from None
+    finally:
+        renderers.close()
