@@ -621,7 +621,9 @@ def test_a_prompt_past_16_mib_is_refused_before_it_is_read(tiny_dir: Path, tmp_p
     (lambda: torch.ones(64, device="meta"), "expected a dense tensor of values, got a meta one"),
     (lambda: torch.full((64,), 1e300, dtype=torch.float64), "values up to 1e\\+300 do not fit float32 \\(at most 3.4e38\\)"),
     (lambda: torch.quantize_per_tensor(torch.ones(64), 0.1, 0, torch.qint8), "expected floating-point values, got torch.qint8"),
-], ids=["sparse", "meta", "float64-past-float32", "qint8"])
+    (lambda: torch.ones(1).expand(2**40), r"its tensor of shape \[1099511627776\] has 1,099,511,627,776 values "
+                                          r"over 1 stored \(an expanded view\); a weights file stores each value"),
+], ids=["sparse", "meta", "float64-past-float32", "qint8", "expanded-1.6-KB-of-4-TB"])
 def test_a_steering_vector_that_is_not_a_dense_float_tensor_is_one_line(make, pattern: str, tiny_dir: Path,
                                                                         tmp_path: Path) -> None:
     torch.save(make(), tmp_path / "v.pt")

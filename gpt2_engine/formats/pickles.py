@@ -44,6 +44,23 @@ def check_stored(path: Path) -> None:
                                  f"{entry.file_size:,}); torch.save stores its entries as they are")
 
 
+def check_values_stored(found: Any) -> None:
+    """Refuse a tensor with more values than its storage holds: an expanded view (stride 0) pickles as its one stored
+    value and its shape, and the first copy of it allocates every value (1.6 KB on disk, gigabytes in memory)."""
+    stack = [("", found)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{key}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, torch.Tensor) and v.layout == torch.strided and not v.is_nested and v.device.type != "meta":
+            stored = v.untyped_storage().nbytes() // max(v.element_size(), 1)
+            if v.numel() > stored:
+                raise ValueError(f"its tensor{' ' + key if key else ''} of shape {list(v.shape)} has {v.numel():,} "
+                                 f"values over {stored:,} stored (an expanded view); a weights file stores each value")
+
+
 def load_pickle(path: Path, mmap: bool = False) -> Any:
     """torch.load(path, weights_only=True) on the CPU, memory-mapped where asked and the file's format allows (files
     written before torch's zip format cannot be); ValueError in one line for a file it will not or cannot read."""
@@ -63,7 +80,7 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
     try:
         with warnings.catch_warnings():  # torch warns of a pickle protocol other than its own, then refuses it
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            found = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise ValueError(refusal(e)) from None
     except RuntimeError as e:
@@ -72,3 +89,5 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
         raise ValueError(f"not a readable PyTorch file (RuntimeError: {' '.join(str(e).split())[:200]})") from None
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt file raises whatever its first bad byte causes
         raise ValueError(f"not a readable PyTorch file ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    check_values_stored(found)
+    return found
