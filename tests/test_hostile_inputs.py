@@ -536,7 +536,8 @@ def test_a_full_disk_is_one_line_for_each_command_and_the_old_files_survive(tiny
     text.write_text("Return the value of the key in the mapping. " * 400)  # 4,000 tokens: 8 KB of shard, 1 MB scored
     with small_disk(tmp_path) as disk:
         (disk / "model.bin").write_bytes(b"old")
-        runs = [(["convert", str(tiny_dir), str(disk / "model.bin"), "--to", "llmc"], disk / "model.bin"),
+        runs = [(["convert", str(tiny_dir), str(disk / "model.bin"), "--to", "llmc", "--overwrite"], disk / "model.bin"),
+                (["convert", str(tiny_dir), str(disk / "m.gguf"), "--to", "gguf"], disk / "m.gguf"),  # numpy's tofile
                 (["score", str(text), "--weights", str(tiny_dir), "--per-token", str(disk / "tokens.jsonl")],
                  disk / "tokens.jsonl"),
                 (["tokenize", str(tmp_path / "big.txt"), "--out", str(disk / "shards")],
@@ -1009,3 +1010,19 @@ def test_an_adapter_that_overflows_is_one_line(edit: Callable, line: str, tiny_d
     code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(tiny_dir), "--lora", str(d))
     expected = line.format(adapter=d, weights=d / "adapter_model.safetensors", config=d / "adapter_config.json")
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
+
+
+def test_score_refuses_to_write_over_a_document_it_scores(tiny_dir: Path, tmp_path: Path) -> None:
+    """`score doc.txt --per-token doc.txt` replaced the corpus with its own figures (exit 0), through a link too."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The quick brown fox.\n")
+    (tmp_path / "link.txt").symlink_to(doc)
+    for flag, dest in (("--per-token", doc), ("--output", tmp_path / "link.txt")):
+        code, err = cli("score", str(doc), flag, str(dest), "--weights", str(tiny_dir))
+        assert (code, err) == (2, f"gpt2 score: error: {flag} {dest}: is {doc}, one of the inputs, which writing "
+                                  "would replace; write the results somewhere else\n")
+    assert doc.read_text() == "The quick brown fox.\n"
+    code, err = cli("score", str(doc), "--per-token", str(tmp_path / "f.json"), "--output", str(tmp_path / "f.json"),
+                    "--weights", str(tiny_dir))
+    assert (code, err) == (2, f"gpt2 score: error: --per-token and --output are the same file ({tmp_path / 'f.json'}): "
+                              "give each its own\n")

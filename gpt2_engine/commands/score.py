@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..formats.files import OutputFile
+from ..formats.files import OutputFile, check_not_an_input
 from ..documents import InputError, expand_paths, read_documents
 from ..options import (ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, progress_bar,
                        steering_from_args)
@@ -224,8 +224,15 @@ def report(args: argparse.Namespace, settings: ScoreSettings, totals: Totals, se
 
 def run_score(args: argparse.Namespace) -> int:
     check_flags(args)
-    if shard_files(args.files) is None:  # token shards (a folder of them, too) are read as they are
+    if (shards := shard_files(args.files)) is None:  # token shards (a folder of them, too) are read as they are
         args.files = expand_paths(args.files)  # a folder is the text files under it, as gpt2 finetune reads it
+    inputs = shards or [Path(f) for f in args.files if str(f) != "-"]
+    for flag, dest in (("--per-token", args.per_token), ("--output", args.output)):
+        if dest is not None and str(dest) != "-":
+            check_not_an_input(Path(dest), inputs, flag)
+    if args.per_token is not None and str(args.per_token) != "-" and args.output is not None and \
+            Path(args.per_token).resolve() == Path(args.output).resolve():
+        raise InputError(f"--per-token and --output are the same file ({args.output}): give each its own")
     writers = {name: open_writer(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
                if dest is not None}
     out = sys.stderr if any(isinstance(w, StdoutWriter) for w in writers.values()) else sys.stdout  # the report

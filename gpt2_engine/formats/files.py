@@ -118,8 +118,11 @@ def check_seekable(dest: Path, why: str) -> None:
 
 
 def error_number(e: BaseException) -> int | None:
-    """The OS error behind `e`: an OSError's errno, or the one safetensors' writer quotes ("... (os error 28)")."""
+    """The OS error behind `e`: an OSError's errno, or the one safetensors' writer quotes ("... (os error 28)")
+    or numpy's short write implies."""
     if isinstance(e, OSError):
+        if e.errno is None and re.fullmatch(r"\d+ requested and \d+ written", str(e)):
+            return errno.ENOSPC  # numpy's tofile (gguf-py's writer) reports a short write without the errno: a full disk
         return e.errno
     found = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
     return int(found.group(1)) if found else None
@@ -166,6 +169,20 @@ def check_not_replacing(dest: Path, overwrite: bool, held: tuple[str, ...] = ())
     if dest.is_dir() and (there := sorted(name for name in held if (dest / name).exists())):
         raise OutputError(f"{dest}: already holds a model ({', '.join(there)}); pass --overwrite to replace it, or "
                           "write somewhere else")
+
+
+def check_not_an_input(dest: Path, inputs: list[Path], flag: str) -> None:
+    """Refuse an output that is one of the files being read (by inode: through links and other spellings too), which
+    writing would replace with its own results."""
+    try:
+        if not dest.exists() or what_is(dest) != "a regular file":
+            return
+        same = next((p for p in inputs if p.exists() and os.path.samefile(p, dest)), None)
+    except OSError:
+        return  # unreadable inputs are the readers' to name
+    if same is not None:
+        raise OutputError(f"{flag} {dest}: is {same}, one of the inputs, which writing would replace; write the "
+                          "results somewhere else")
 
 
 def temporary(dest: Path) -> tuple[int, Path]:
