@@ -85,8 +85,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job runner's stop, `timeout`, `kill`), raised where the command is, as Ctrl-C is: its files written
+    beside their destinations are removed and a training run keeps its last state, as on Ctrl-C."""
+
+
+def terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `gpt2` command."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return run_command(argv)
+    previous = signal.signal(signal.SIGTERM, terminate)  # gpt2 serve installs its own while it serves
+    try:
+        return run_command(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_command(argv: list[str] | None) -> int:
+    """Parse `argv` and run its command: its exit status, every error one line on stderr."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a misspelt flag: the subcommand's usage, not the top level's
@@ -105,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except GPT2EngineError as e:
         print(f"gpt2 {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"gpt2 {args.command}: terminated", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as a shell reports a process it ended
     except KeyboardInterrupt:
         print(f"gpt2 {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1026,3 +1026,22 @@ def test_score_refuses_to_write_over_a_document_it_scores(tiny_dir: Path, tmp_pa
                     "--weights", str(tiny_dir))
     assert (code, err) == (2, f"gpt2 score: error: --per-token and --output are the same file ({tmp_path / 'f.json'}): "
                               "give each its own\n")
+
+
+def test_sigterm_during_convert_removes_the_partial_file(small_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM (a job runner's stop, `timeout`) left 400-650 MB `.part` files beside the destination, which no rerun
+    cleared; it now ends the command as Ctrl-C does: the partial file removed, exit 143."""
+    import signal
+    import time
+
+    dest = tmp_path / "m.gguf"
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2_engine", "convert", str(small_dir), str(dest), "--to", "gguf"],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + TIMEOUT
+    while not list(tmp_path.glob(".m.gguf.*.part")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the writer has started its file (bounded by the deadline)
+    assert proc.poll() is None, "the conversion ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert (proc.returncode, err) == (143, "gpt2 convert: terminated\n")
+    assert os.listdir(tmp_path) == []
