@@ -326,6 +326,10 @@ def test_api_key_guards_every_route_but_health(trained_model: GPT2) -> None:
         assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert c.get("/health").status_code == 200
         assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        for header in ("bearer s3cret", "BEARER s3cret"):  # the scheme's case is free (RFC 7235), the key's is not
+            assert c.post("/v1/completions", json=body, headers={"Authorization": header}).status_code == 200
+        for header in ("Basic s3cret", "Bearer S3CRET", "s3cret", "Bearer", "Bearers3cret"):
+            assert c.post("/v1/completions", json=body, headers={"Authorization": header}).status_code == 401, header
 
 
 def test_a_body_over_the_limit_is_413(trained_model: GPT2) -> None:

@@ -131,8 +131,8 @@ class Gate:
         """Why a request is refused before it reaches a route: no valid API key (every route but /health and the
         page), a Content-Length over the limit, or a compressed body; None to let it through."""
         if self.api_key and scope["path"] not in ("/health", "/", "/favicon.ico") and scope["method"] != "OPTIONS":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self.api_key.encode()):  # RFC 7235: any case
                 return APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                                 type="authentication_error", code="invalid_api_key")
         length = headers.get(b"content-length")
