@@ -75,6 +75,7 @@ def test_inspect_json_to_stdout(capsys, trained_dir: Path, tmp_path: Path, monke
     (["--target", " the file"], "--target ' the file' is 2 tokens"),
     (["--layers", "7"], "--layers '7': this model's layers are 0..3"),
     (["--layers", "one"], "--layers 'one': expected 'all' or a list like '0,3,5-7'"),
+    (["--layers", "0,3-1"], "--layers '0,3-1': the range 3-1 runs backwards; expected LOW-HIGH"),
     (["--ig-steps", "0"], "--ig-steps: expected an integer in [1, 1024], got 0"),
     (["--ig-steps", "1000000000"], "--ig-steps: expected an integer in [1, 1024], got 1000000000"),
 ])

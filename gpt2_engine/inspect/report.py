@@ -60,6 +60,8 @@ def parse_indices(text: str, n: int, flag: str, what: str) -> tuple[int, ...]:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
             first, last = int(lo), int(hi or lo)
+            if first > last:
+                raise GPT2EngineError(f"{flag} {text!r}: the range {part.strip()} runs backwards; expected LOW-HIGH")
             if not 0 <= first <= last < n:  # before the range is made: '0-99999999999' would fill memory
                 raise GPT2EngineError(f"{flag} {text!r}: {what} are 0..{n - 1}")
             found.update(range(first, last + 1))

@@ -331,5 +331,5 @@ def feature_attribution(model: GPT2, sae: SAE, ids: Sequence[int], target: int, 
     total = attr.sum(0)  # [d_sae]: each feature over every position
     by_feature = [{"feature": int(j), "attribution": round(float(total[j]), 5)}
                   for j in total.abs().topk(min(k, sae.d_sae)).indices if float(total[j]) != 0]
-    return {"sae": repr(sae), "logprob": round(float(logprob), 5), "tokens": T, "top": top, "features": by_feature,
+    return {"sae": repr(sae), "logprob": round(float(logprob.detach()), 5), "tokens": T, "top": top, "features": by_feature,
             "sum": round(float(attr.sum()), 5)}
