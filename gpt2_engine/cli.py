@@ -1,6 +1,7 @@
 """`gpt2 generate | score | eval | finetune | merge-lora | serve | inspect | sae | compare | download`: a thin command line over the library.
 
-Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr).
+Exit codes: 0 success; 1 a comparison found a mismatch; 2 bad input, a load or download error (one line on stderr);
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM), each after removing the files it had not finished.
 """
 
 from __future__ import annotations
