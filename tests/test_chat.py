@@ -18,7 +18,8 @@ from test_serve import live
 
 from gpt2_engine import GPT2
 from gpt2_engine.serve.app import ServerSettings
-from gpt2_engine.serve.chat import PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, load_template, plain_template
+from gpt2_engine.serve.chat import (PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, Renderers, TemplateFailed,
+                                    load_template, plain_template)
 
 openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
 
@@ -206,7 +207,7 @@ SLOW_ON_SOME = ("{%- for m in messages %}{% if m['content'] == 'slow' %}{% for i
 def test_a_template_that_overruns_on_some_conversations_fails_those_requests_alone(tiny_model: GPT2,
                                                                                  tmp_path: Path) -> None:
     """An operator's template renders in bounded child processes: one that loops for hours, or doubles a string past
-    1 GiB, on some content (its startup trial passes) is a 500 for that request, and every other request is served
+    1 GiB, on some content (its startup trial passes) fails that request, and every other request is served
     (it hung every later chat request, pinned a core, and blocked the server's shutdown)."""
     import concurrent.futures
 
@@ -218,19 +219,24 @@ def test_a_template_that_overruns_on_some_conversations_fails_those_requests_alo
             return httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
                 "messages": [{"role": "user", "content": content}], "max_tokens": 2})
 
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            slow = [pool.submit(chat, "slow") for _ in range(2)] + [pool.submit(chat, "big")]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            slow = [pool.submit(chat, "slow") for _ in range(3)]  # one more than the renderers: it waits its turn
             assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                               timeout=60).status_code == 200
             replies = [f.result() for f in slow]
-        for r, why in zip(replies, ["took over 2 s", "took over 2 s", "failed: MemoryError"]):
+        for r in replies:
             assert r.status_code == 500 and r.json()["error"] == {
-                "message": f"the server's chat template ({source}) {why}", "type": "server_error", "param": None,
-                "code": "chat_template_failed"}, r.text
+                "message": f"the server's chat template ({source}) took over 2 s", "type": "server_error",
+                "param": None, "code": "chat_template_failed"}, r.text
         assert chat("hi").status_code == 200
         children = list(template.renderers.children)
         assert children and all(c.poll() is None for c in children)
     assert all(c.poll() is not None for c in children)  # the server's shutdown stops them
+    renderers = Renderers(SLOW_ON_SOME, "t.jinja", count=1, seconds=120)  # time enough to reach the memory bound
+    with pytest.raises(TemplateFailed, match=r"^the server's chat template \(t.jinja\) failed: MemoryError$"):
+        renderers.render([{"role": "user", "content": "big"}], "")
+    assert renderers.render([{"role": "user", "content": "hi"}], "") == "hi"  # in a new child: the old one is gone
+    renderers.close()
 
 
 def test_the_plain_template_pickles_as_its_text() -> None:

@@ -65,7 +65,7 @@ class ChatTemplate:
     def __init__(self, text: str, stops: tuple[str, ...], source: str, isolated: bool = False) -> None:
         self.text, self.stops, self.source, self.isolated = text, stops, source, isolated
         self.template = compile_template(text, source)
-        self.renderers: Renderers | None = None  # started at the first render
+        self.renderers = Renderers(text, source) if isolated else None  # their processes start at the first render
 
     def __reduce__(self) -> tuple:
         # a compiled template does not pickle, and Ray ships the server's settings to its replicas: send the text
@@ -74,10 +74,8 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, str]], eos_token: str) -> str:
         """The prompt for `messages` ({"role", "content"} each), ending where the assistant's reply begins. Blocks
         for at most RENDER_SECONDS (plus the wait for a free renderer) on an isolated template."""
-        if not self.isolated:
-            return self.render_here(messages, eos_token)
         if self.renderers is None:
-            self.renderers = Renderers(self.text, self.source)
+            return self.render_here(messages, eos_token)
         return self.renderers.render(messages, eos_token)
 
     def render_here(self, messages: list[dict[str, str]], eos_token: str) -> str:
@@ -148,8 +146,6 @@ def load_template(path: Path) -> ChatTemplate:
         raise ChatTemplateError(f"{path}: larger than {TEMPLATE_BYTES >> 20} MiB; expected a chat template file (a "
                                 "Jinja text or a tokenizer_config.json)")
     if path.suffix == ".json":
-        import json
-
         try:
             text = json.loads(text)["chat_template"]
         except (ValueError, KeyError, TypeError, RecursionError):
@@ -230,12 +226,15 @@ class Renderers:
     def _ask(self, child: subprocess.Popen, messages: list[dict[str, str]], eos_token: str) -> str:
         """The child's render of `messages`; TemplateFailed when it takes over `seconds`, renders more than
         RENDER_BYTES or dies, ChatTemplateError when the template refuses the conversation."""
-        child.stdin.write((json.dumps([messages, eos_token]) + "\n").encode())
-        child.stdin.flush()
+        name = f"the server's chat template ({self.source})"
+        try:
+            child.stdin.write((json.dumps([messages, eos_token]) + "\n").encode())
+            child.stdin.flush()
+        except OSError:  # it died between two renders (the machine's OOM killer)
+            raise TemplateFailed(f"{name} failed: its renderer exited") from None
         line = b""
         if select.select([child.stdout], [], [], self.seconds)[0]:
             line = child.stdout.readline(RENDER_BYTES * 2)  # JSON escapes may double the text
-        name = f"the server's chat template ({self.source})"
         if not line:
             raise TemplateFailed(f"{name} took over {self.seconds:g} s" if child.poll() is None else
                                  f"{name} failed: its renderer exited")
