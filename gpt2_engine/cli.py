@@ -24,7 +24,7 @@ from .commands.sae import add_sae
 from .commands.score import add_score
 from .commands.serve import add_serve
 from .commands.tokenize import add_tokenize
-from .core.errors import GPT2EngineError
+from .core.errors import GPT2EngineError, one_line
 from .formats.files import error_number
 from .formats.peft import recorded_base
 from .formats.hf import weights_directory
@@ -142,6 +142,6 @@ def run_command(argv: list[str] | None) -> int:
         if (line := system_error(e, args)) is not None:
             print(f"gpt2 {args.command}: error: {line}", file=sys.stderr)
             return 2
-        print(f"gpt2 {args.command}: internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} "
+        print(f"gpt2 {args.command}: internal error: {type(e).__name__}: {one_line(e, 300)} "
               "(please report it)", file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core.errors import DownloadError
+from .core.errors import DownloadError, one_line
 from .formats.hf import DEFAULT_WEIGHTS
 
 SHORTHANDS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -106,7 +106,7 @@ def _translate(e: Exception, repo_id: str, revision: str, dest: Path, filename: 
         return DownloadError(f"cannot write into {dest}: permission denied")
     if isinstance(e, HfHubHTTPError) and e.response is not None:
         return DownloadError(f"{_endpoint()} answered HTTP {e.response.status_code} for {filename or where}")
-    reason = " ".join(str(e.__cause__ or e).split())[:200] or type(e).__name__
+    reason = one_line(e.__cause__ or e) or type(e).__name__
     if transferring:
         return DownloadError(f"download of {filename} was interrupted ({reason}); re-run to fetch it again")
     return DownloadError(f"cannot reach {_endpoint()}: {reason}; copy the files into {dest} or set HF_ENDPOINT")

@@ -266,3 +266,12 @@ def test_generate_reports_an_engine_failure_as_an_internal_error(capsys, monkeyp
     code, out, err = run(capsys, "generate", "Hi", "-n", "3", "--weights", str(tiny_dir))
     assert code == 1 and err.count("\n") == 1
     assert err.startswith("gpt2 generate: internal error: RuntimeError: generation failed: RuntimeError: kernel exploded")
+
+
+def test_another_librarys_long_message_is_cut_between_words() -> None:
+    """Messages quoted from torch or numpy were cut mid-word ('...we changed the default va))')."""
+    from gpt2_engine.core.errors import one_line
+
+    assert one_line("In PyTorch 2.6,\n  we changed the default value", 30) == "In PyTorch 2.6, we changed ..."
+    assert one_line("short\ttext") == "short text"
+    assert one_line("x" * 50, 20) == "x" * 16 + " ..."

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.errors import GPT2EngineError, WeightsError
+from ..core.errors import GPT2EngineError, WeightsError, one_line
 from ..documents import read_text
 from ..options import add_device_options, add_force_option, add_weights_option
 from ..runtime.requests import prompt_or_endoftext
@@ -154,7 +154,7 @@ def load_reference(directory: Path, lora: Path | None = None):
     try:
         model = GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
     except (OSError, ValueError, RuntimeError) as e:
-        raise WeightsError(f"{directory}: transformers cannot load the reference ({' '.join(str(e).split())[:200]})") from None
+        raise WeightsError(f"{directory}: transformers cannot load the reference ({one_line(e)})") from None
     if lora is None:
         return model
     try:
@@ -164,7 +164,7 @@ def load_reference(directory: Path, lora: Path | None = None):
     try:
         return PeftModel.from_pretrained(model, lora).eval()
     except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise WeightsError(f"{lora}: peft cannot load the adapter ({' '.join(str(e).split())[:200]})") from None
+        raise WeightsError(f"{lora}: peft cannot load the adapter ({one_line(e)})") from None
 
 
 def collect_prompts(args: argparse.Namespace) -> dict[str, str]:

@@ -1,6 +1,16 @@
 """The engine's exception types: one line of text that names what was wrong and what was expected."""
 
 
+def one_line(text: object, limit: int = 200) -> str:
+    """`text` (often another library's message, of many lines) on one line of at most `limit` characters, cut
+    between words with "..." where it is longer."""
+    flat = " ".join(str(text).split())
+    if len(flat) <= limit:
+        return flat
+    cut = flat[: limit - 4]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
+
+
 class GPT2EngineError(Exception):
     """Base class; the CLI prints the message as one line and exits 2."""
 

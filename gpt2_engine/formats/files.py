@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from ..core.errors import GPT2EngineError
+from ..core.errors import GPT2EngineError, one_line
 
 
 class OutputError(GPT2EngineError):
@@ -133,7 +133,7 @@ def output_error(dest: Path, e: BaseException) -> OutputError:
     number = error_number(e)
     if number in NO_SPACE:
         return OutputError(f"no space left writing {dest}")
-    reason = os.strerror(number) if number else " ".join(str(e).split())[:200]
+    reason = os.strerror(number) if number else one_line(e)
     return OutputError(f"cannot write {dest}: {reason}")
 
 

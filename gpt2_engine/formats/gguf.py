@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..core.config import GPT2_VOCAB, GPT2Config, check_size
-from ..core.errors import WeightsError
+from ..core.errors import WeightsError, one_line
 from ..core.tokenizer import load_tokenizer
 from ..core.weights import MATRICES, expected_shapes
 from .files import atomic_write
@@ -290,7 +290,7 @@ def gguf_reader(gguf: Any, path: Path) -> Any:
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - what the walk does not check (a duplicated key or tensor name)
-        raise WeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+        raise WeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {one_line(e, 160)})") from None
 
 
 def gguf_fields(reader: Any, path: Path) -> dict[str, Any]:

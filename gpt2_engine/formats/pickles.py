@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..core.errors import one_line
+
 
 def refusal(e: BaseException) -> str:
     """What torch's weights-only unpickler refused, from its long message: 'it asks for GLOBAL os.system, ...'."""
@@ -86,8 +88,8 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
     except RuntimeError as e:
         if mmap and "mmap" in str(e):
             return load_pickle(path)
-        raise ValueError(f"not a readable PyTorch file (RuntimeError: {' '.join(str(e).split())[:200]})") from None
+        raise ValueError(f"not a readable PyTorch file (RuntimeError: {one_line(e)})") from None
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt file raises whatever its first bad byte causes
-        raise ValueError(f"not a readable PyTorch file ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        raise ValueError(f"not a readable PyTorch file ({type(e).__name__}: {one_line(e)})") from None
     check_values_stored(found)
     return found

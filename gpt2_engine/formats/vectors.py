@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.errors import SteeringError
+from ..core.errors import SteeringError, one_line
 from .pickles import load_pickle
 
 VECTOR_SUFFIXES = (".pt", ".pth", ".safetensors", ".npy")
@@ -42,7 +42,7 @@ def read_vector(path: str | Path) -> torch.Tensor:
         raise SteeringError(f"steering vector {path}: not a readable {p.suffix} file ({e})") from None
     except Exception as e:  # noqa: BLE001 - any unreadable .npy or .safetensors file is one line naming it
         raise SteeringError(f"steering vector {path}: not a readable {p.suffix} file ({type(e).__name__}: "
-                            f"{' '.join(str(e).split())[:160]})") from None
+                            f"{one_line(e, 160)})") from None
     if isinstance(found, Mapping):
         tensors = {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
         if len(tensors) != 1:

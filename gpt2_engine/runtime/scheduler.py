@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ..core.config import DECODE_ROWS, GPT2Config
-from ..core.errors import GenerationError
+from ..core.errors import GenerationError, one_line
 from ..core.tokenizer import Detokenizer, Tokenizer
 from .plan import (Draft, DraftAsk, Event, Finished, Output, Outputs, Plan, Prefill, Prefilled, Request, Segment,
                    SeqRef, TokenStats, check_request)
@@ -422,7 +422,7 @@ def logged(error: Exception, what: str) -> None:
 
 def describe(error: BaseException) -> str:
     """An exception as one line: its type and its first 300 characters."""
-    text = " ".join(str(error).split())[:300]
+    text = one_line(error, 300)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 # Next: runtime/runner.py, which executes a Plan's passes and prefills on the weights and the KV cache.

@@ -25,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..core.errors import GPT2EngineError
+from ..core.errors import GPT2EngineError, one_line
 from ..interp.steering import SteeringRegistry
 from .async_engine import AsyncEngine
 from .chat import ChatTemplate, plain_template
@@ -175,7 +175,7 @@ def load_into(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]]) -
     try:
         state.model, state.engine = load()
     except Exception as e:  # noqa: BLE001 - reported by /health and every route
-        state.load_error = " ".join(str(e).split())[:300]
+        state.load_error = one_line(e, 300)
 
 
 # --- errors, in OpenAI's shape ---------------------------------------------------------------------------------------

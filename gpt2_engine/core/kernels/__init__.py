@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from ..errors import one_line
 from . import jit
 from .sources import CFLAGS, LDFLAGS, MODULE, SOURCES, build_id
 
@@ -115,7 +116,7 @@ def installed() -> tuple[ModuleType | None, str | None]:
     try:
         return importlib.import_module(MODULE), None
     except (ImportError, OSError) as e:  # e.g. an undefined symbol
-        return None, f"the native kernels built at install do not load ({' '.join(str(e).split())[:200]})"
+        return None, f"the native kernels built at install do not load ({one_line(e)})"
 
 
 @functools.cache
@@ -135,7 +136,7 @@ def decode_kernels() -> ModuleType | None:
         return jit.build("gpt2_engine_kernels", [HERE / name for name in SOURCES], CFLAGS, LDFLAGS,
                          what="the native kernels, once for this checkout (a minute or two)")
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback, and say so once
-        reason = " ".join(str(e).split())[:200]
+        reason = one_line(e)
         print(f"gpt2-engine: warning: the native kernels could not be built ({reason}); the model runs on torch's "
               f"kernels ({FALLBACK})", file=sys.stderr)
         return None
