@@ -8,7 +8,9 @@ def one_line(text: object, limit: int = 200) -> str:
     if len(flat) <= limit:
         return flat
     cut = flat[: limit - 4]
-    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
+    if flat[len(cut)] != " " and " " in cut:  # the cut ends inside a word: drop that word
+        cut = cut.rsplit(" ", 1)[0]
+    return cut + " ..."
 
 
 class GPT2EngineError(Exception):
