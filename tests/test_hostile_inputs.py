@@ -538,6 +538,7 @@ def test_a_full_disk_is_one_line_for_each_command_and_the_old_files_survive(tiny
         (disk / "model.bin").write_bytes(b"old")
         runs = [(["convert", str(tiny_dir), str(disk / "model.bin"), "--to", "llmc", "--overwrite"], disk / "model.bin"),
                 (["convert", str(tiny_dir), str(disk / "m.gguf"), "--to", "gguf"], disk / "m.gguf"),  # numpy's tofile
+                (["convert", str(tiny_dir), str(disk / "hf"), "--to", "hf"], disk / "hf"),
                 (["score", str(text), "--weights", str(tiny_dir), "--per-token", str(disk / "tokens.jsonl")],
                  disk / "tokens.jsonl"),
                 (["tokenize", str(tmp_path / "big.txt"), "--out", str(disk / "shards")],
@@ -551,6 +552,7 @@ def test_a_full_disk_is_one_line_for_each_command_and_the_old_files_survive(tiny
             assert code == 2 and "Traceback" not in err and err.count(": error: ") == 1, (args[0], err)
             assert re.fullmatch(rf"gpt2 {args[0]}: error: no space left writing {re.escape(str(written))}\S*", last), err
         assert (disk / "model.bin").read_bytes() == b"old" and not list(disk.rglob("*.part")), list(disk.rglob("*"))
+        assert not (disk / "hf").exists()  # a checkpoint folder the failed save made is gone
     code, err = cli("convert", str(tiny_dir), str(device(tmp_path / "full", minor=7)), "--to", "llmc")
     assert (code, err) == (2, f"gpt2 convert: error: no space left writing {tmp_path / 'full'}\n")
 

@@ -292,13 +292,26 @@ def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weig
     """Write `weights` in the official layout: config.json, model.safetensors (Conv1D shapes, official names, no
     `transformer.` prefix, the tied head left out, as the Hub's files), generation_config.json, and the BPE files
     vocab.json and merges.txt copied from `bpe_source` (a checkpoint directory or the packaged files). Each file is
-    written beside its destination and renamed over it, so a reader never sees half a file."""
+    written beside its destination and renamed over it, so a reader never sees half a file; a directory this call
+    made is removed again when a write fails (a full disk), so a failed save leaves no checkpoint-shaped folder."""
+    import shutil
+
+    made = not Path(directory).exists()
+    directory = output_directory(Path(directory))
+    try:
+        write_checkpoint(directory, config, weights, bpe_source)
+    except BaseException:
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+def write_checkpoint(directory: Path, config: GPT2Config, weights: GPT2Weights, bpe_source: Path) -> None:
+    """save_checkpoint's files, into `directory`."""
     import json
     import shutil
 
     from safetensors.torch import save_file
-
-    directory = output_directory(Path(directory))
 
     def atomic(name: str, write) -> None:
         atomic_write(directory / name, write)
