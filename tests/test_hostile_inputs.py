@@ -604,15 +604,15 @@ def test_a_prompt_past_16_mib_is_refused_before_it_is_read(tiny_dir: Path, tmp_p
     sparse = tmp_path / "sparse.txt"
     with open(sparse, "wb") as f:
         f.truncate(4 << 30)
-    for args in (["generate", "-f", str(sparse)], ["generate", "-f", "/dev/zero"]):
+    for args, found in ((["generate", "-f", str(sparse)], "4.0 GiB"), (["generate", "-f", "/dev/zero"], "more than 16 MiB")):
         one_line_error(*run_cli([*args, "-n", "2", "--weights", str(tiny_dir)]),
-                       r": more than 16 MiB of text, expected at most 16 MiB$")
+                       f": {found}; expected text of at most 16 MiB$")
     with open("/dev/zero", "rb") as zero:
         done = subprocess.run([sys.executable, "-m", "gpt2_engine", "generate", "-", "-n", "2", "--weights",
                                str(tiny_dir)], stdin=zero, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
-    one_line_error(done.returncode, done.stderr, r"stdin: more than 16 MiB of text, expected at most 16 MiB$")
+    one_line_error(done.returncode, done.stderr, r"stdin: more than 16 MiB; expected text of at most 16 MiB$")
     one_line_error(*run_cli(["score", str(sparse), "--weights", str(tiny_dir)]),
-                   r"sparse.txt: more than 256 MiB of text, expected at most 256 MiB; split a corpus into documents "
+                   r"sparse.txt: 4.0 GiB; expected text of at most 256 MiB; split a corpus into documents "
                    r"\(a .jsonl file, one per line\)$")
 
 
@@ -746,6 +746,48 @@ def test_a_task_file_that_imports_python_needs_trust_task_code(tiny_dir: Path, t
     assert not (tmp_path / "ran").exists()
 
 
+def sparse(path: Path, size: int = 5 << 30) -> Path:
+    """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
+    path.unlink(missing_ok=True)
+    path.touch()
+    os.truncate(path, size)
+    return path
+
+
+def checkpoint_with(name: str) -> Callable[[Path, Path], tuple[list[str], Path]]:
+    def make(tiny_dir: Path, tmp: Path) -> tuple[list[str], Path]:
+        shutil.copytree(tiny_dir, tmp / "ckpt")
+        return ["generate", "hi", "-n", "2", "--weights", str(tmp / "ckpt")], sparse(tmp / "ckpt" / name)
+    return make
+
+
+def sae_with_huge_cfg(tiny_dir: Path, tmp: Path) -> tuple[list[str], Path]:
+    d = saelens_dir(tmp)
+    return ["sae", "features", "hi", "--sae", str(d), "--weights", str(tiny_dir)], sparse(d / "cfg.json")
+
+
+def adapter_with_huge_config(tiny_dir: Path, tmp: Path) -> tuple[list[str], Path]:
+    d = adapter_dir(tmp, "{}")
+    return ["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--lora", str(d)], sparse(d / "adapter_config.json")
+
+
+@pytest.mark.parametrize("make, expected", [
+    (checkpoint_with("config.json"), "a JSON config"),
+    (checkpoint_with("vocab.json"), "GPT-2's BPE vocabulary file"),
+    (checkpoint_with("merges.txt"), "GPT-2's BPE merges file"),
+    (sae_with_huge_cfg, "a JSON config"),
+    (adapter_with_huge_config, "a PEFT adapter config"),
+], ids=["config.json", "vocab.json", "merges.txt", "sae-cfg.json", "adapter_config.json"])
+def test_a_metadata_file_past_64_mib_is_refused_before_it_is_read(make: Callable, expected: str, tiny_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A 5 GiB sparse config.json, vocab.json, merges.txt, SAE cfg.json or adapter_config.json was read whole (an
+    internal MemoryError at 5.5 GB under a cap; without one, until the machine ran out): each is a few KB to 1 MB,
+    and one past 64 MiB is refused by its size before any of it is read."""
+    args, path = make(tiny_dir, tmp_path)
+    one_line_error(*run_cli(args), f"error: {re.escape(str(path))}: 5.0 GiB; expected {re.escape(expected)} of at "
+                                   f"most 64 MiB$")
+
+
 # --- the command line's bounds: what ran out of memory as an internal error ----------------------------------------
 
 
@@ -875,6 +917,8 @@ STEP = "expected an integer in [1, 4] (the updates done, of this run's 4)"
     (edit_state(step=4.5), "{state}: step is 4.5, " + STEP),
     (edit_state(best=[float("nan"), 4]), "{state}: best is [NaN, 4], expected null or [validation loss, step]: a "
                                          "finite loss >= 0 and a step in [0, 4]"),
+    (truncate("trainer_state.json", lambda size: 5 << 30),  # sparse: read whole, it was a MemoryError at 5 GB
+     "{state}: 5.0 GiB; expected a training state of at most 64 MiB"),
     (truncate("optimizer.safetensors", lambda size: 1000),
      "{optimizer}: not a readable safetensors file (Error while deserializing header: invalid header length)"),
     (truncate("optimizer.safetensors", lambda size: size // 2),
@@ -891,7 +935,7 @@ STEP = "expected an integer in [1, 4] (the updates done, of this run's 4)"
     (edit_moments(lambda m: m["v.h.1.ln_2.bias"].__setitem__(5, -1.0)),
      "{optimizer}: v.h.1.ln_2.bias holds negative values, expected a second moment (a mean of squares) >= 0"),
 ], ids=["state-a-list", "trajectory-null", "generator-3-bytes", "generator-999s", "generator-a-string", "step-negative",
-        "step-a-string", "step-1e12", "step-4.5", "best-nan", "optimizer-1000-bytes", "optimizer-half",
+        "step-a-string", "step-1e12", "step-4.5", "best-nan", "state-5-GiB", "optimizer-1000-bytes", "optimizer-half",
         "optimizer-tensor-shape", "optimizer-float16", "optimizer-nan", "optimizer-negative-v"])
 def test_a_corrupt_resume_state_is_one_line_naming_its_field(edit: Callable[[Path], None], line: str,
                                                               finished_run: tuple[Path, Path], tiny_dir: Path,
