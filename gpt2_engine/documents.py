@@ -14,7 +14,7 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import IO
 
-from .core.config import memory_limit
+from .core.config import memory_left
 from .core.config import read_bytes as read_bounded
 from .core.errors import InputError
 from .core.pages import available_memory
@@ -62,9 +62,10 @@ def read_text(path: str | Path, stdin: IO[bytes], flag: str = "", limit: int = P
     return decode_utf8(data, name)
 
 
-# tiktoken's BPE holds about 32 bytes per byte of one piece (a run without spaces, which GPT-2's pre-tokenizer does not
-# split): 6.7 GB for a 200 MB run. A text is refused where that could not fit.
-BPE_BYTES_PER_BYTE = 40
+# tiktoken's BPE maps up to about 50 bytes of address space per byte of one piece (a run without spaces, which
+# GPT-2's pre-tokenizer does not split; measured with tiktoken 0.14: 1.5 GB for a 30 MB run). A text is refused where
+# that, with some margin, could not fit.
+BPE_BYTES_PER_BYTE = 64
 
 
 def check_tokenizable(name: str, size: int) -> None:
@@ -72,7 +73,7 @@ def check_tokenizable(name: str, size: int) -> None:
     still allocate (tiktoken aborts the whole process, a Rust backtrace, where an allocation fails)."""
     if size < 1 << 20:  # at most 40 MB to tokenize: not worth asking the OS, once for every line of a corpus
         return
-    room = min(available_memory(), memory_limit())
+    room = min(available_memory(), memory_left())
     if size * BPE_BYTES_PER_BYTE > room:
         raise InputError(f"{name}: {size / 2**20:,.0f} MiB of text may need {size * BPE_BYTES_PER_BYTE / 1e9:,.1f} GB to "
                          f"tokenize (a run without spaces is one piece); this process has {room / 1e9:,.1f} GB "
@@ -104,7 +105,6 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
                 if len(line) > DOCUMENT_BYTES:
                     raise InputError(f"{where}: more than {DOCUMENT_BYTES >> 20} MiB; expected a document of at most "
                                      f"{DOCUMENT_BYTES >> 20} MiB")
-                check_tokenizable(where, len(line))
                 if not line.strip():
                     continue
                 try:
@@ -113,7 +113,9 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
                     raise InputError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                     raise InputError(f"{where}: expected a JSON object with a string \"text\" field")
-                yield where, record["text"]
+                text = record["text"]
+                check_tokenizable(where, len(text) if text.isascii() else len(text.encode("utf-8")))  # what BPE reads
+                yield where, text
 
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".text")

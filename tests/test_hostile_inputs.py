@@ -713,8 +713,20 @@ def test_a_document_too_large_to_tokenize_is_one_line(tiny_dir: Path, tmp_path: 
     with open(run, "wb") as f:
         f.truncate(200 << 20)
     one_line_error(*run_cli(["score", str(run), "--weights", str(tiny_dir)]),
-                   r"run.txt: 200 MiB of text may need 8.4 GB to tokenize \(a run without spaces is one piece\); this "
+                   r"run.txt: 200 MiB of text may need 13.4 GB to tokenize \(a run without spaces is one piece\); this "
                    r"process has [\d.]+ GB available: split it into documents")
+
+
+@pytest.mark.parametrize("name, line", [("run.txt", "a" * 30_000_000), ("run.jsonl", json.dumps({"text": "a" * 30_000_000}))])
+def test_a_document_that_fits_the_address_space_limit_but_not_what_is_left_of_it_is_one_line(
+        name: str, line: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """Under an address-space limit the BPE's estimate was checked against the whole limit, not what is left of it
+    after torch and the interpreter (about 0.9 GB here): a 30 MB run under 2 GiB passed the check, then tiktoken
+    aborted the process (rc 134, a Rust backtrace); so did a .jsonl line of the same text."""
+    (tmp_path / name).write_text(line)
+    one_line_error(*run_cli(["score", str(tmp_path / name), "--weights", str(tiny_dir)], memory=2 << 30),
+                   rf"{name}(:1)?: 29 MiB of text may need 1.9 GB to tokenize \(a run without spaces is one piece\); "
+                   r"this process has [\d.]+ GB available: split it into documents")
 
 
 @pytest.mark.parametrize("name, text, pattern", [

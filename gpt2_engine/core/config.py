@@ -167,6 +167,21 @@ def memory_limit() -> int:
     return total if soft == resource.RLIM_INFINITY else min(total, soft)
 
 
+def memory_left() -> int:
+    """The bytes this process may still allocate: memory_limit(), less what the process has mapped already where an
+    address-space limit (RLIMIT_AS) is set, since every mapping counts against it (torch and the interpreter alone
+    map a few GB)."""
+    limit = memory_limit()
+    if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+        return limit
+    try:
+        with open("/proc/self/status", "rb") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmSize:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return limit  # not Linux: the limit as it is
+    return max(0, limit - mapped)
+
+
 def check_size(config: GPT2Config, path: Path, copied: int = 4) -> None:
     """Refuse, before anything of their size is allocated, the dimensions a file at `path` cannot hold (every format
     stores at least one byte per parameter) and those whose weights cannot fit in memory when the reader holds
