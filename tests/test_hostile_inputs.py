@@ -135,9 +135,10 @@ def gpt2_tokens() -> list[str]:
     return bpe_tables(load_tokenizer(None).source)[0]
 
 
-def llmc_header(path: Path, layers: int, channels: int, heads: int = 8, positions: int = 1024) -> None:
+def llmc_header(path: Path, layers: int, channels: int, heads: int = 8, positions: int = 1024,
+                padded: int = 50304) -> None:
     header = np.zeros(256, dtype="<i4")
-    header[:8] = [20240326, 3, positions, 50257, layers, heads, channels, 50304]
+    header[:8] = [20240326, 3, positions, 50257, layers, heads, channels, padded]
     path.write_bytes(header.tobytes())
 
 
@@ -299,6 +300,12 @@ CLI_CASES = [
     Case("llmc-n_layer-1e9", lambda tmp: (llmc_header(tmp / "m.bin", 10**9, 64), ["convert", str(tmp / "m.bin"),
                                                                                   str(tmp / "o.gguf"), "--to", "gguf"])[1],
          r"n_layer must be a positive integer up to 4,096, got 1000000000"),
+    # a padded vocabulary of 2^27 rows had the whole (sparse, 32 GB) file mapped: an internal OSError ENOMEM
+    Case("llmc-padded-vocabulary-2^27",
+         lambda tmp: (llmc_header(tmp / "m.bin", 2, 64, padded=1 << 27), ["generate", "hi", "-n", "2", "--weights",
+                                                                          str(tmp / "m.bin")])[1],
+         r"m.bin: padded vocabulary 134,217,728; llm.c pads 50,257 to a multiple of 128 \(50,304\), expected at most "
+         r"51,281$"),
     # nanoGPT
     Case("nanogpt-n_layer-1e9", lambda tmp: nanogpt(tmp, n_layer=10**9), r"n_layer must be a positive integer up to 4,096"),
     Case("nanogpt-xl-in-a-small-file", lambda tmp: nanogpt(tmp, n_layer=48, n_head=25, n_embd=1600, block_size=1024),
