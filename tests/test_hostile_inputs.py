@@ -753,15 +753,51 @@ def test_a_chat_template_that_fails_on_any_conversation_is_refused_at_startup(na
                              str(tmp_path / "t.jinja")]), pattern)
 
 
-def test_a_task_file_that_imports_python_needs_trust_task_code(tiny_dir: Path, tmp_path: Path) -> None:
+TASK = "task: evil\ndataset_path: json\n"
+CODE = r"the task names Python code to run \(lm-eval's !function tag imports a module beside it\); pass --trust-task-code if you trust it$"
+
+
+def task_files(files: dict[str, str | bytes]) -> Callable[[Path], list[str]]:
+    """Writes `files` (relative path: text or bytes) and evil.py beside each YAML; the arguments name the first."""
+    def make(tmp: Path) -> list[str]:
+        for name, data in files.items():
+            path = tmp / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data if isinstance(data, bytes) else data.encode())
+            (path.parent / "evil.py").write_text(f"open({str(tmp / 'ran')!r}, 'w').close()\ndef f(doc):\n    return ''\n")
+        return ["--tasks", str(tmp / next(iter(files)))]
+    return make
+
+
+def in_include_path(tmp: Path) -> list[str]:
+    task_files({"tasks/sub/evil.yaml": TASK + "doc_to_text: !function evil.f\n"})(tmp)
+    return ["--tasks", "evil", "--include-path", str(tmp / "tasks")]
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (task_files({"evil.yaml": TASK + "doc_to_text: !function evil.f\n"}), "evil.yaml: " + CODE),
+    # the check searched the bytes for "!function"; PyYAML resolves the same tag from a %TAG handle, a verbatim tag
+    # with URI escapes, an included file, and UTF-16
+    (task_files({"evil.yaml": "%TAG !f! !fun\n---\n" + TASK + "doc_to_text: !f!ction evil.f\n"}), "evil.yaml: " + CODE),
+    (task_files({"evil.yaml": TASK + "doc_to_text: !<!%66unction> evil.f\n"}), "evil.yaml: " + CODE),
+    (task_files({"a/evil.yaml": "include: ../b/base.yaml\ntask: evil\n", "b/base.yaml": TASK + "doc_to_text: !function evil.f\n"}),
+     r"b/base.yaml \(included by \S+/a/evil.yaml\): " + CODE),
+    (task_files({"evil.yaml": (TASK + "doc_to_text: !function evil.f\n").encode("utf-16")}), "evil.yaml: " + CODE),
+    (in_include_path, "tasks/sub/evil.yaml: " + CODE),
+    (task_files({"evil.txt": TASK + "doc_to_text: !function evil.f\n"}), "evil.txt: " + CODE),  # read as YAML too
+    (task_files({"evil.yaml": TASK + "doc_to_text: !!python/name:os.getcwd ''\n"}),
+     r"evil.yaml: line 3: the YAML tag tag:yaml.org,2002:python/name:os.getcwd is none of YAML's standard types, and "
+     r"lm-eval's loader may build Python objects from it; pass --trust-task-code if you trust it$"),
+    (task_files({"evil.yaml": TASK + "doc_to_text: [unclosed\n"}), r"evil.yaml: not a task YAML lm-eval can read \(while "),
+], ids=["plain", "tag-directive", "uri-escaped", "include", "utf-16", "include-path", "any-suffix", "python-tag",
+        "unparsable"])
+def test_a_task_file_that_imports_python_needs_trust_task_code(make: Callable[[Path], list[str]], pattern: str,
+                                                                tiny_dir: Path, tmp_path: Path) -> None:
     """lm-eval's `!function` tag imports the module beside a task YAML: `gpt2 eval` ran it (a file from elsewhere
-    running code). It is refused by name unless --trust-task-code."""
+    running code). Every task file lm-eval reads (given, in --include-path, included) is parsed as lm-eval parses it,
+    and one with a tag other than YAML's standard ones is refused by name unless --trust-task-code."""
     pytest.importorskip("lm_eval")
-    (tmp_path / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef f(doc):\n    return ''\n")
-    (tmp_path / "evil.yaml").write_text("task: evil\ndataset_path: json\ndoc_to_text: !function evil.f\n")
-    one_line_error(*run_cli(["eval", "--tasks", str(tmp_path / "evil.yaml"), "--weights", str(tiny_dir)]),
-                   r"evil.yaml: the task names Python code to run \(lm-eval's !function tag imports a module beside "
-                   r"it\); pass --trust-task-code if you trust it$")
+    one_line_error(*run_cli(["eval", *make(tmp_path), "--weights", str(tiny_dir)]), pattern)
     assert not (tmp_path / "ran").exists()
 
 
