@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 from collections.abc import Iterator
 from typing import IO
 
-from .core.config import memory_limit
-from .core.errors import GPT2EngineError
+from .core.config import memory_left
+from .core.config import read_bytes as read_bounded
+from .core.errors import InputError
 from .core.pages import available_memory
-
-
-class InputError(GPT2EngineError):
-    """An input file that cannot be read as documents."""
 
 
 # The most one input may hold, checked before it is read (a sparse file, /dev/zero or an endless pipe would otherwise
@@ -29,6 +25,7 @@ class InputError(GPT2EngineError):
 # below PROMPT_BYTES (the context is 1,024 tokens, ~4 KB of text); one document of a corpus below DOCUMENT_BYTES.
 PROMPT_BYTES = 16 << 20
 DOCUMENT_BYTES = 256 << 20
+SPLIT_HINT = "split a corpus into documents (a .jsonl file, one per line)"
 
 
 def decode_utf8(data: bytes, name: str, base: int = 0) -> str:
@@ -39,29 +36,14 @@ def decode_utf8(data: bytes, name: str, base: int = 0) -> str:
         raise InputError(f"{name}: invalid UTF-8 at byte offset {base + e.start} (expected UTF-8 text)") from None
 
 
-def too_long(name: str, limit: int) -> InputError:
-    hint = ("; split a corpus into documents (a .jsonl file, one per line)" if limit == DOCUMENT_BYTES else "")
-    return InputError(f"{name}: more than {limit >> 20} MiB of text, expected at most {limit >> 20} MiB{hint}")
-
-
 def read_bytes(path: str, stdin: IO[bytes], name: str | None = None, limit: int = PROMPT_BYTES) -> bytes:
     """The bytes of a file, or of stdin for `-`, at most `limit` of them; errors name the file as `name` (default:
     its path)."""
     name = name or path
-    if path == "-":
-        data = stdin.read(limit + 1)
-        if len(data) > limit:
-            raise too_long(name, limit)
-        return data
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size  # 0 for a device or a pipe: read() below stops at limit + 1 anyway
-            if size > limit:
-                raise too_long(name, limit)
-            data = f.read(limit + 1)
-        if len(data) > limit:
-            raise too_long(name, limit)
-        return data
+        return read_bounded(path, limit, "text", name, stdin)
+    except InputError as e:
+        raise InputError(f"{e}; {SPLIT_HINT}" if limit == DOCUMENT_BYTES else str(e)) from None
     except FileNotFoundError:
         raise InputError(f"{name}: no such file") from None
     except IsADirectoryError:
@@ -80,15 +62,18 @@ def read_text(path: str | Path, stdin: IO[bytes], flag: str = "", limit: int = P
     return decode_utf8(data, name)
 
 
-# tiktoken's BPE holds about 32 bytes per byte of one piece (a run without spaces, which GPT-2's pre-tokenizer does not
-# split): 6.7 GB for a 200 MB run. A text is refused where that could not fit.
-BPE_BYTES_PER_BYTE = 40
+# tiktoken's BPE maps up to about 50 bytes of address space per byte of one piece (a run without spaces, which
+# GPT-2's pre-tokenizer does not split; measured with tiktoken 0.14: 1.5 GB for a 30 MB run). A text is refused where
+# that, with some margin, could not fit.
+BPE_BYTES_PER_BYTE = 64
 
 
 def check_tokenizable(name: str, size: int) -> None:
+    """Refuse, before tiktoken is asked, a text of `size` UTF-8 bytes whose BPE could not fit in what this process may
+    still allocate (tiktoken aborts the whole process, a Rust backtrace, where an allocation fails)."""
     if size < 1 << 20:  # at most 40 MB to tokenize: not worth asking the OS, once for every line of a corpus
         return
-    room = min(available_memory(), memory_limit())
+    room = min(available_memory(), memory_left())
     if size * BPE_BYTES_PER_BYTE > room:
         raise InputError(f"{name}: {size / 2**20:,.0f} MiB of text may need {size * BPE_BYTES_PER_BYTE / 1e9:,.1f} GB to "
                          f"tokenize (a run without spaces is one piece); this process has {room / 1e9:,.1f} GB "
@@ -118,8 +103,8 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
             for n, line in enumerate(iter(functools.partial(f.readline, DOCUMENT_BYTES + 1), b""), start=1):
                 where, base, offset = f"{path}:{n}", offset, offset + len(line)
                 if len(line) > DOCUMENT_BYTES:
-                    raise too_long(where, DOCUMENT_BYTES)
-                check_tokenizable(where, len(line))
+                    raise InputError(f"{where}: more than {DOCUMENT_BYTES >> 20} MiB; expected a document of at most "
+                                     f"{DOCUMENT_BYTES >> 20} MiB")
                 if not line.strip():
                     continue
                 try:
@@ -128,7 +113,9 @@ def iter_documents(paths: list[str], stdin: IO[bytes]) -> Iterator[tuple[str, st
                     raise InputError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                     raise InputError(f"{where}: expected a JSON object with a string \"text\" field")
-                yield where, record["text"]
+                text = record["text"]
+                check_tokenizable(where, len(text) if text.isascii() else len(text.encode("utf-8")))  # what BPE reads
+                yield where, text
 
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".text")

@@ -135,9 +135,10 @@ def gpt2_tokens() -> list[str]:
     return bpe_tables(load_tokenizer(None).source)[0]
 
 
-def llmc_header(path: Path, layers: int, channels: int, heads: int = 8, positions: int = 1024) -> None:
+def llmc_header(path: Path, layers: int, channels: int, heads: int = 8, positions: int = 1024,
+                padded: int = 50304) -> None:
     header = np.zeros(256, dtype="<i4")
-    header[:8] = [20240326, 3, positions, 50257, layers, heads, channels, 50304]
+    header[:8] = [20240326, 3, positions, 50257, layers, heads, channels, padded]
     path.write_bytes(header.tobytes())
 
 
@@ -299,6 +300,12 @@ CLI_CASES = [
     Case("llmc-n_layer-1e9", lambda tmp: (llmc_header(tmp / "m.bin", 10**9, 64), ["convert", str(tmp / "m.bin"),
                                                                                   str(tmp / "o.gguf"), "--to", "gguf"])[1],
          r"n_layer must be a positive integer up to 4,096, got 1000000000"),
+    # a padded vocabulary of 2^27 rows had the whole (sparse, 32 GB) file mapped: an internal OSError ENOMEM
+    Case("llmc-padded-vocabulary-2^27",
+         lambda tmp: (llmc_header(tmp / "m.bin", 2, 64, padded=1 << 27), ["generate", "hi", "-n", "2", "--weights",
+                                                                          str(tmp / "m.bin")])[1],
+         r"m.bin: padded vocabulary 134,217,728; llm.c pads 50,257 to a multiple of 128 \(50,304\), expected at most "
+         r"51,281$"),
     # nanoGPT
     Case("nanogpt-n_layer-1e9", lambda tmp: nanogpt(tmp, n_layer=10**9), r"n_layer must be a positive integer up to 4,096"),
     Case("nanogpt-xl-in-a-small-file", lambda tmp: nanogpt(tmp, n_layer=48, n_head=25, n_embd=1600, block_size=1024),
@@ -607,15 +614,15 @@ def test_a_prompt_past_16_mib_is_refused_before_it_is_read(tiny_dir: Path, tmp_p
     sparse = tmp_path / "sparse.txt"
     with open(sparse, "wb") as f:
         f.truncate(4 << 30)
-    for args in (["generate", "-f", str(sparse)], ["generate", "-f", "/dev/zero"]):
+    for args, found in ((["generate", "-f", str(sparse)], "4.0 GiB"), (["generate", "-f", "/dev/zero"], "more than 16 MiB")):
         one_line_error(*run_cli([*args, "-n", "2", "--weights", str(tiny_dir)]),
-                       r": more than 16 MiB of text, expected at most 16 MiB$")
+                       f": {found}; expected text of at most 16 MiB$")
     with open("/dev/zero", "rb") as zero:
         done = subprocess.run([sys.executable, "-m", "gpt2_engine", "generate", "-", "-n", "2", "--weights",
                                str(tiny_dir)], stdin=zero, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
-    one_line_error(done.returncode, done.stderr, r"stdin: more than 16 MiB of text, expected at most 16 MiB$")
+    one_line_error(done.returncode, done.stderr, r"stdin: more than 16 MiB; expected text of at most 16 MiB$")
     one_line_error(*run_cli(["score", str(sparse), "--weights", str(tiny_dir)]),
-                   r"sparse.txt: more than 256 MiB of text, expected at most 256 MiB; split a corpus into documents "
+                   r"sparse.txt: 4.0 GiB; expected text of at most 256 MiB; split a corpus into documents "
                    r"\(a .jsonl file, one per line\)$")
 
 
@@ -718,8 +725,20 @@ def test_a_document_too_large_to_tokenize_is_one_line(tiny_dir: Path, tmp_path: 
     with open(run, "wb") as f:
         f.truncate(200 << 20)
     one_line_error(*run_cli(["score", str(run), "--weights", str(tiny_dir)]),
-                   r"run.txt: 200 MiB of text may need 8.4 GB to tokenize \(a run without spaces is one piece\); this "
+                   r"run.txt: 200 MiB of text may need 13.4 GB to tokenize \(a run without spaces is one piece\); this "
                    r"process has [\d.]+ GB available: split it into documents")
+
+
+@pytest.mark.parametrize("name, line", [("run.txt", "a" * 30_000_000), ("run.jsonl", json.dumps({"text": "a" * 30_000_000}))])
+def test_a_document_that_fits_the_address_space_limit_but_not_what_is_left_of_it_is_one_line(
+        name: str, line: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """Under an address-space limit the BPE's estimate was checked against the whole limit, not what is left of it
+    after torch and the interpreter (about 0.9 GB here): a 30 MB run under 2 GiB passed the check, then tiktoken
+    aborted the process (rc 134, a Rust backtrace); so did a .jsonl line of the same text."""
+    (tmp_path / name).write_text(line)
+    one_line_error(*run_cli(["score", str(tmp_path / name), "--weights", str(tiny_dir)], memory=2 << 30),
+                   rf"{name}(:1)?: 29 MiB of text may need 1.9 GB to tokenize \(a run without spaces is one piece\); "
+                   r"this process has [\d.]+ GB available: split it into documents")
 
 
 @pytest.mark.parametrize("name, text, pattern", [
@@ -739,16 +758,94 @@ def test_a_chat_template_that_fails_on_any_conversation_is_refused_at_startup(na
                              str(tmp_path / "t.jinja")]), pattern)
 
 
-def test_a_task_file_that_imports_python_needs_trust_task_code(tiny_dir: Path, tmp_path: Path) -> None:
+TASK = "task: evil\ndataset_path: json\n"
+CODE = r"the task names Python code to run \(lm-eval's !function tag imports a module beside it\); pass --trust-task-code if you trust it$"
+
+
+def task_files(files: dict[str, str | bytes]) -> Callable[[Path], list[str]]:
+    """Writes `files` (relative path: text or bytes) and evil.py beside each YAML; the arguments name the first."""
+    def make(tmp: Path) -> list[str]:
+        for name, data in files.items():
+            path = tmp / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data if isinstance(data, bytes) else data.encode())
+            (path.parent / "evil.py").write_text(f"open({str(tmp / 'ran')!r}, 'w').close()\ndef f(doc):\n    return ''\n")
+        return ["--tasks", str(tmp / next(iter(files)))]
+    return make
+
+
+def in_include_path(tmp: Path) -> list[str]:
+    task_files({"tasks/sub/evil.yaml": TASK + "doc_to_text: !function evil.f\n"})(tmp)
+    return ["--tasks", "evil", "--include-path", str(tmp / "tasks")]
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (task_files({"evil.yaml": TASK + "doc_to_text: !function evil.f\n"}), "evil.yaml: " + CODE),
+    # the check searched the bytes for "!function"; PyYAML resolves the same tag from a %TAG handle, a verbatim tag
+    # with URI escapes, an included file, and UTF-16
+    (task_files({"evil.yaml": "%TAG !f! !fun\n---\n" + TASK + "doc_to_text: !f!ction evil.f\n"}), "evil.yaml: " + CODE),
+    (task_files({"evil.yaml": TASK + "doc_to_text: !<!%66unction> evil.f\n"}), "evil.yaml: " + CODE),
+    (task_files({"a/evil.yaml": "include: ../b/base.yaml\ntask: evil\n", "b/base.yaml": TASK + "doc_to_text: !function evil.f\n"}),
+     r"b/base.yaml \(included by \S+/a/evil.yaml\): " + CODE),
+    (task_files({"evil.yaml": (TASK + "doc_to_text: !function evil.f\n").encode("utf-16")}), "evil.yaml: " + CODE),
+    (in_include_path, "tasks/sub/evil.yaml: " + CODE),
+    (task_files({"evil.txt": TASK + "doc_to_text: !function evil.f\n"}), "evil.txt: " + CODE),  # read as YAML too
+    (task_files({"evil.yaml": TASK + "doc_to_text: !!python/name:os.getcwd ''\n"}),
+     r"evil.yaml: line 3: the YAML tag tag:yaml.org,2002:python/name:os.getcwd is none of YAML's standard types, and "
+     r"lm-eval's loader may build Python objects from it; pass --trust-task-code if you trust it$"),
+    (task_files({"evil.yaml": TASK + "doc_to_text: [unclosed\n"}), r"evil.yaml: not a task YAML lm-eval can read \(while "),
+], ids=["plain", "tag-directive", "uri-escaped", "include", "utf-16", "include-path", "any-suffix", "python-tag",
+        "unparsable"])
+def test_a_task_file_that_imports_python_needs_trust_task_code(make: Callable[[Path], list[str]], pattern: str,
+                                                                tiny_dir: Path, tmp_path: Path) -> None:
     """lm-eval's `!function` tag imports the module beside a task YAML: `gpt2 eval` ran it (a file from elsewhere
-    running code). It is refused by name unless --trust-task-code."""
+    running code). Every task file lm-eval reads (given, in --include-path, included) is parsed as lm-eval parses it,
+    and one with a tag other than YAML's standard ones is refused by name unless --trust-task-code."""
     pytest.importorskip("lm_eval")
-    (tmp_path / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef f(doc):\n    return ''\n")
-    (tmp_path / "evil.yaml").write_text("task: evil\ndataset_path: json\ndoc_to_text: !function evil.f\n")
-    one_line_error(*run_cli(["eval", "--tasks", str(tmp_path / "evil.yaml"), "--weights", str(tiny_dir)]),
-                   r"evil.yaml: the task names Python code to run \(lm-eval's !function tag imports a module beside "
-                   r"it\); pass --trust-task-code if you trust it$")
+    one_line_error(*run_cli(["eval", *make(tmp_path), "--weights", str(tiny_dir)]), pattern)
     assert not (tmp_path / "ran").exists()
+
+
+def sparse(path: Path, size: int = 5 << 30) -> Path:
+    """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
+    path.unlink(missing_ok=True)
+    path.touch()
+    os.truncate(path, size)
+    return path
+
+
+def checkpoint_with(name: str) -> Callable[[Path, Path], tuple[list[str], Path]]:
+    def make(tiny_dir: Path, tmp: Path) -> tuple[list[str], Path]:
+        shutil.copytree(tiny_dir, tmp / "ckpt")
+        return ["generate", "hi", "-n", "2", "--weights", str(tmp / "ckpt")], sparse(tmp / "ckpt" / name)
+    return make
+
+
+def sae_with_huge_cfg(tiny_dir: Path, tmp: Path) -> tuple[list[str], Path]:
+    d = saelens_dir(tmp)
+    return ["sae", "features", "hi", "--sae", str(d), "--weights", str(tiny_dir)], sparse(d / "cfg.json")
+
+
+def adapter_with_huge_config(tiny_dir: Path, tmp: Path) -> tuple[list[str], Path]:
+    d = adapter_dir(tmp, "{}")
+    return ["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--lora", str(d)], sparse(d / "adapter_config.json")
+
+
+@pytest.mark.parametrize("make, expected", [
+    (checkpoint_with("config.json"), "a JSON config"),
+    (checkpoint_with("vocab.json"), "GPT-2's BPE vocabulary file"),
+    (checkpoint_with("merges.txt"), "GPT-2's BPE merges file"),
+    (sae_with_huge_cfg, "a JSON config"),
+    (adapter_with_huge_config, "a PEFT adapter config"),
+], ids=["config.json", "vocab.json", "merges.txt", "sae-cfg.json", "adapter_config.json"])
+def test_a_metadata_file_past_64_mib_is_refused_before_it_is_read(make: Callable, expected: str, tiny_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A 5 GiB sparse config.json, vocab.json, merges.txt, SAE cfg.json or adapter_config.json was read whole (an
+    internal MemoryError at 5.5 GB under a cap; without one, until the machine ran out): each is a few KB to 1 MB,
+    and one past 64 MiB is refused by its size before any of it is read."""
+    args, path = make(tiny_dir, tmp_path)
+    one_line_error(*run_cli(args), f"error: {re.escape(str(path))}: 5.0 GiB; expected {re.escape(expected)} of at "
+                                   f"most 64 MiB$")
 
 
 # --- the command line's bounds: what ran out of memory as an internal error ----------------------------------------
@@ -880,6 +977,8 @@ STEP = "expected an integer in [1, 4] (the updates done, of this run's 4)"
     (edit_state(step=4.5), "{state}: step is 4.5, " + STEP),
     (edit_state(best=[float("nan"), 4]), "{state}: best is [NaN, 4], expected null or [validation loss, step]: a "
                                          "finite loss >= 0 and a step in [0, 4]"),
+    (truncate("trainer_state.json", lambda size: 5 << 30),  # sparse: read whole, it was a MemoryError at 5 GB
+     "{state}: 5.0 GiB; expected a training state of at most 64 MiB"),
     (truncate("optimizer.safetensors", lambda size: 1000),
      "{optimizer}: not a readable safetensors file (Error while deserializing header: invalid header length)"),
     (truncate("optimizer.safetensors", lambda size: size // 2),
@@ -896,7 +995,7 @@ STEP = "expected an integer in [1, 4] (the updates done, of this run's 4)"
     (edit_moments(lambda m: m["v.h.1.ln_2.bias"].__setitem__(5, -1.0)),
      "{optimizer}: v.h.1.ln_2.bias holds negative values, expected a second moment (a mean of squares) >= 0"),
 ], ids=["state-a-list", "trajectory-null", "generator-3-bytes", "generator-999s", "generator-a-string", "step-negative",
-        "step-a-string", "step-1e12", "step-4.5", "best-nan", "optimizer-1000-bytes", "optimizer-half",
+        "step-a-string", "step-1e12", "step-4.5", "best-nan", "state-5-GiB", "optimizer-1000-bytes", "optimizer-half",
         "optimizer-tensor-shape", "optimizer-float16", "optimizer-nan", "optimizer-negative-v"])
 def test_a_corrupt_resume_state_is_one_line_naming_its_field(edit: Callable[[Path], None], line: str,
                                                               finished_run: tuple[Path, Path], tiny_dir: Path,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..core.config import read_bytes
 from ..formats.files import atomic_write, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, seed_value, steering_from_args)
@@ -71,23 +72,89 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     return [t for spec in args.tasks for t in spec.split(",") if t]
 
 
+# A task YAML is a few KB; lm-eval's own task folder holds ~14,000 of them. The check reads no more than this.
+TASK_BYTES = 4 << 20
+TASK_FILES = 20_000  # files checked in all: those given, those in --include-path and those they include
+INCLUDE_DEPTH = 32  # lm-eval's includes, one inside another (its own tasks nest two or three deep)
+
+
+class ForeignTag(Exception):
+    """A YAML tag outside YAML's standard types, met where a task file is checked: (tag, line)."""
+
+
+def task_loader() -> type:
+    """The YAML loader lm-eval parses task files with (libyaml's where PyYAML has it, as lm_eval/tasks/_yaml_loader.py
+    picks), constructing YAML's standard types only: any other tag, as the parser resolves it (`!function` spelled
+    through a %TAG handle, a verbatim or URI-escaped tag, in UTF-16...), raises ForeignTag instead of running."""
+    import yaml
+
+    class TaskLoader(yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader):  # type: ignore[misc]
+        pass
+
+    def foreign(loader: Any, suffix: str, node: Any) -> None:
+        raise ForeignTag(node.tag, node.start_mark.line + 1)
+
+    TaskLoader.add_multi_constructor("", foreign)  # every tag the safe constructor has no constructor of its own for
+    return TaskLoader
+
+
 def check_task_code(args: argparse.Namespace, tasks: list[str]) -> None:
-    """Refuse, unless --trust-task-code, a task YAML (given, or in --include-path) that names Python to import
-    (lm-eval's `!function module.name` tag runs the module beside the file): files from elsewhere run no code here."""
+    """Refuse, unless --trust-task-code, a task YAML that names Python to import (lm-eval's `!function module.name`
+    tag runs the module beside the file): those given, those in --include-path, and every file they include, parsed
+    as lm-eval parses them, so that files from elsewhere run no code here."""
     if args.trust_task_code:
         return
-    files = [Path(t) for t in tasks if t.endswith((".yaml", ".yml"))]
+    import itertools
+
+    # lm-eval reads a task that names a file as a YAML, whatever its suffix
+    files = [Path(t).expanduser() for t in tasks if t.endswith((".yaml", ".yml")) or Path(t).expanduser().is_file()]
     if args.include_path is not None:
-        files += sorted(p for suffix in ("*.yaml", "*.yml") for p in args.include_path.rglob(suffix))
+        found = (p for suffix in ("*.yaml", "*.yml") for p in args.include_path.rglob(suffix))
+        files += sorted(itertools.islice(found, TASK_FILES + 1))
+    loader, seen = task_loader(), set[Path]()
     for path in files:
-        try:
-            with open(path, "rb") as f:
-                head = f.read(1 << 20)  # a task file is a few KB: a tag past its first MiB is not a task's
-        except OSError as e:
-            raise UsageError(f"{path}: cannot read the task file ({e.strerror or e})") from None
-        if b"!function" in head:
-            raise UsageError(f"{path}: the task names Python code to run (lm-eval's !function tag imports a module "
-                             "beside it); pass --trust-task-code if you trust it")
+        check_task_file(path, loader, seen)
+
+
+def check_task_file(path: Path, loader: type, seen: set[Path], by: Path | None = None, depth: int = 0) -> None:
+    """One task YAML and, as lm-eval follows them, the files its `include:` names (relative to it, after links are
+    resolved), each once: a tag other than YAML's standard ones is refused, as is a file that does not parse."""
+    import yaml
+
+    path = path.resolve()
+    name = f"{path} (included by {by})" if by is not None else str(path)
+    if path in seen:
+        return  # checked already (or an include cycle, which lm-eval refuses itself)
+    seen.add(path)
+    if len(seen) > TASK_FILES:
+        raise UsageError(f"{name}: more than {TASK_FILES:,} task YAML files to check (given, in --include-path and "
+                         "included); expected a task folder, not a whole tree")
+    try:
+        data = read_bytes(path, TASK_BYTES, "a task YAML", name)
+    except OSError as e:
+        raise UsageError(f"{name}: cannot read the task file ({e.strerror or e})") from None
+    try:
+        cfg = yaml.load(data, Loader=loader)  # bytes, as lm-eval reads them: PyYAML detects UTF-16 by its BOM
+    except ForeignTag as e:
+        tag, line = e.args
+        if tag == "!function":
+            raise UsageError(f"{name}: the task names Python code to run (lm-eval's !function tag imports a module "
+                             "beside it); pass --trust-task-code if you trust it") from None
+        raise UsageError(f"{name}: line {line}: the YAML tag {tag} is none of YAML's standard types, and lm-eval's "
+                         "loader may build Python objects from it; pass --trust-task-code if you trust it") from None
+    except (yaml.YAMLError, RecursionError) as e:
+        raise UsageError(f"{name}: not a task YAML lm-eval can read ({' '.join(str(e).split())[:300]})") from None
+    includes = cfg.get("include") if isinstance(cfg, dict) else None
+    if includes is None:
+        return
+    if depth >= INCLUDE_DEPTH:
+        raise UsageError(f"{name}: includes nest more than {INCLUDE_DEPTH} deep; expected a task and its templates")
+    for include in includes if isinstance(includes, list) else [includes]:
+        if not isinstance(include, str):
+            raise UsageError(f"{name}: include {include!r}; expected the path of a YAML file, or a list of them")
+        included = Path(include) if Path(include).is_absolute() else path.parent / include  # lm-eval's order
+        if included.expanduser().is_file():  # one that is not is lm-eval's error, and runs nothing
+            check_task_file(included.expanduser(), loader, seen, path, depth + 1)
 
 
 def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:

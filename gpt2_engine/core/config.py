@@ -7,9 +7,9 @@ import os
 import resource
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from .errors import WeightsError
+from .errors import InputError, WeightsError
 
 # Up to this many rows a pass over the weights (one decode step of many sequences, a verify pass, short prompts riding
 # along) runs on the native row-invariant kernels: each output element is reduced in a fixed order whatever the row
@@ -99,6 +99,8 @@ class GPT2Config:
             raw = read_json(path)
         except FileNotFoundError:
             raise WeightsError(f"{path}: config.json not found (expected the checkpoint's Hugging Face config)") from None
+        except InputError as e:
+            raise WeightsError(str(e)) from None
         except (OSError, ValueError) as e:
             raise WeightsError(f"{path}: not a readable JSON config ({e})") from None
         if not isinstance(raw, dict):
@@ -117,10 +119,41 @@ class GPT2Config:
             raise WeightsError(f"{path}: {e}") from None
 
 
-def read_json(path: Path) -> Any:
-    """The value of a JSON file; OSError as reading it raises, ValueError in one line where it is not UTF-8 JSON or
-    nests deeper than Python's parser recurses (a config nested 100,000 deep)."""
-    text = path.read_text(encoding="utf-8")
+# A JSON config (a checkpoint's, an adapter's, an SAE's) or a training state is a few KB and GPT-2's vocab.json 1 MB:
+# a file past this is refused before it is read (a sparse file of 5 GB, /dev/zero, would otherwise be read whole).
+JSON_BYTES = 64 << 20
+
+
+def size_text(size: int) -> str:
+    """A size as people read it: '5.0 GiB', '64 MiB', '4,096 bytes'."""
+    if size >= 1 << 30:
+        return f"{size / 2**30:,.1f} GiB"
+    return f"{size / 2**20:,.{0 if size % (1 << 20) == 0 else 1}f} MiB" if size >= 1 << 20 else f"{size:,} bytes"
+
+
+def read_bytes(path: str | Path, limit: int, expected: str, name: str | None = None,
+               stdin: IO[bytes] | None = None) -> bytes:
+    """The whole of a file (or of `stdin` for "-"), its size checked before it is read: one holding more than `limit`
+    bytes is an InputError '{name}: 5.0 GiB; expected {expected} of at most 64 MiB' (`name`: the path unless given;
+    'more than 64 MiB' where only reading tells, as from a device or a pipe). OSError as opening or reading raises."""
+    name = str(path) if name is None else name
+    if stdin is not None and str(path) == "-":
+        data, size = stdin.read(limit + 1), 0
+    else:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size  # 0 for a device or a pipe: the read stops at limit + 1 anyway
+            data = b"" if size > limit else f.read(limit + 1)
+    if size > limit or len(data) > limit:
+        found = size_text(size) if size > limit else f"more than {size_text(limit)}"
+        raise InputError(f"{name}: {found}; expected {expected} of at most {size_text(limit)}")
+    return data
+
+
+def read_json(path: Path, expected: str = "a JSON config") -> Any:
+    """The value of a JSON file of at most JSON_BYTES (past that an InputError naming `expected`); OSError as reading
+    it raises, ValueError in one line where it is not UTF-8 JSON or nests deeper than Python's parser recurses (a
+    config nested 100,000 deep)."""
+    text = read_bytes(path, JSON_BYTES, expected).decode("utf-8")
     try:
         return json.loads(text)
     except RecursionError:
@@ -132,6 +165,21 @@ def memory_limit() -> int:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     return total if soft == resource.RLIM_INFINITY else min(total, soft)
+
+
+def memory_left() -> int:
+    """The bytes this process may still allocate: memory_limit(), less what the process has mapped already where an
+    address-space limit (RLIMIT_AS) is set, since every mapping counts against it (torch and the interpreter alone
+    map a few GB)."""
+    limit = memory_limit()
+    if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+        return limit
+    try:
+        with open("/proc/self/status", "rb") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmSize:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return limit  # not Linux: the limit as it is
+    return max(0, limit - mapped)
 
 
 def check_size(config: GPT2Config, path: Path, copied: int = 4) -> None:

@@ -44,3 +44,7 @@ class SteeringError(GenerationError):
 
 class DownloadError(GPT2EngineError):
     """The hub could not be reached, a file was missing, or a download failed verification."""
+
+
+class InputError(GPT2EngineError):
+    """An input file that cannot be read: missing, unreadable, larger than its kind can be, or not what it holds."""

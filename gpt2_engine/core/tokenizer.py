@@ -10,7 +10,8 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str  # the pre-tokenisation regex tiktoken pins for GPT-2
 
-from .errors import TokenizerError
+from .config import JSON_BYTES, read_bytes
+from .errors import InputError, TokenizerError
 
 ENDOFTEXT = "<|endoftext|>"
 EOT_ID = 50256
@@ -143,7 +144,9 @@ def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:
 
 def _read_checked(path: Path, kind: str) -> bytes:
     try:
-        data = path.read_bytes()
+        data = read_bytes(path, JSON_BYTES, f"GPT-2's BPE {'vocabulary' if kind == 'vocab' else 'merges'} file")
+    except InputError as e:
+        raise TokenizerError(str(e)) from None
     except OSError as e:
         raise TokenizerError(f"{path}: cannot read ({e.strerror})") from None
     size, sha = OFFICIAL[kind]

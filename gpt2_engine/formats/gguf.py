@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.config import GPT2_VOCAB, GPT2Config, check_size
-from ..core.errors import WeightsError, one_line
+from ..core.config import GPT2_VOCAB, JSON_BYTES, GPT2Config, check_size, read_bytes
+from ..core.errors import InputError, WeightsError, one_line
 from ..core.tokenizer import load_tokenizer
 from ..core.weights import MATRICES, expected_shapes
 from .files import atomic_write
@@ -59,11 +59,14 @@ def bpe_tables(source: Path) -> tuple[list[str], list[str]]:
 
     for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
         if (source / vocab).is_file() and (source / merges).is_file():
-            ids = json.loads((source / vocab).read_text(encoding="utf-8"))
+            try:
+                ids = json.loads(read_bytes(source / vocab, JSON_BYTES, "GPT-2's BPE vocabulary file"))
+                lines = read_bytes(source / merges, JSON_BYTES, "GPT-2's BPE merges file").decode("utf-8").splitlines()
+            except InputError as e:
+                raise WeightsError(str(e)) from None
             tokens = [""] * len(ids)
             for text, i in ids.items():
                 tokens[i] = text
-            lines = (source / merges).read_text(encoding="utf-8").splitlines()
             return tokens, [m for m in lines if m and not m.startswith("#version")]
     raise WeightsError(f"{source}: no BPE files (vocab.json + merges.txt or encoder.json + vocab.bpe)")
 

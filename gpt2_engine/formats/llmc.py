@@ -23,6 +23,9 @@ LLMC_HEADER = 256  # int32 values
 
 
 LLMC_PAD = 128  # llm.c pads the vocabulary to a multiple of 128
+# The most padding rows read: llm.c writes fewer than LLMC_PAD; a header that declares more would have the whole
+# file mapped for rows nobody reads (2^27 rows: a 32 GB mapping the kernel refuses).
+LLMC_PAD_SLACK = 1024
 
 
 # per layer, in llm.c's order: (official name, shape as llm.c stores it, transposed from Conv1D's)
@@ -46,6 +49,10 @@ def llmc_config(header: np.ndarray, path: Path) -> GPT2Config:
     max_t, vocab, layers, heads, channels, padded = (int(x) for x in header[2:8])
     if vocab != GPT2_VOCAB or padded < vocab:
         raise WeightsError(f"{path}: vocabulary {vocab} (padded {padded}); the engine runs GPT-2's 50257 tokens")
+    if padded > vocab + LLMC_PAD_SLACK:
+        rounded = -(-vocab // LLMC_PAD) * LLMC_PAD
+        raise WeightsError(f"{path}: padded vocabulary {padded:,}; llm.c pads {vocab:,} to a multiple of {LLMC_PAD} "
+                           f"({rounded:,}), expected at most {vocab + LLMC_PAD_SLACK:,}")
     try:
         return GPT2Config(vocab_size=vocab, n_positions=max_t, n_embd=channels, n_layer=layers, n_head=heads)
     except ValueError as e:
@@ -76,7 +83,8 @@ def read_llmc(path: Path) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
         raise WeightsError(f"{path}: {found} bytes, expected {need} for an llm.c model with {config.n_layer} layers, "
                            f"{config.n_embd} channels ({'truncated' if found < need else 'bytes left over'})")
     check_size(config, path)
-    # copy-on-write: pages are shared with the page cache (and torch gets the writable array it expects)
+    # copy-on-write: pages are shared with the page cache, and torch gets the writable array it expects (a read-only
+    # map would fault on an in-place write, as finetune's updates are); the map is the file, bounded by check_size
     raw = torch.from_numpy(np.memmap(path, dtype="<i2" if size == 2 else "<f4", mode="c", offset=LLMC_HEADER * 4))
     out: dict[str, torch.Tensor] = {}
     offset = 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import GPT2Config, read_json
-from ..core.errors import GPT2EngineError
+from ..core.errors import GPT2EngineError, InputError
 from ..core.lora import ALL_TARGETS, TARGETS, LoraAdapter, LoraError, LoraSettings, module_name, target_shape
 from .files import atomic_write, output_directory
 from .hf import WEIGHT_LIMIT, check_values, read_tensors, weights_fingerprint
@@ -64,9 +64,9 @@ def save_adapter(directory: str | Path, adapter: LoraAdapter) -> None:
 def recorded_base(directory: str | Path) -> str:
     """The base_model_name_or_path an adapter directory records ("" when none, or when it is not readable)."""
     try:
-        cfg = read_json(Path(directory) / ADAPTER_CONFIG)
-    except (OSError, ValueError):
-        return ""
+        cfg = read_json(Path(directory) / ADAPTER_CONFIG, "a PEFT adapter config")
+    except (OSError, ValueError, InputError):
+        return ""  # load_adapter says why
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
     return base if isinstance(base, str) else ""
 
@@ -100,9 +100,11 @@ def read_adapter_config(directory: Path) -> dict:
         raise LoraError(f"{directory}: not a directory (expected a PEFT adapter: {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
     path = directory / ADAPTER_CONFIG
     try:
-        cfg = read_json(path)
+        cfg = read_json(path, "a PEFT adapter config")
     except FileNotFoundError:
         raise LoraError(f"{directory}: no {ADAPTER_CONFIG}; not a PEFT adapter directory") from None
+    except InputError as e:
+        raise LoraError(str(e)) from None
     except (OSError, ValueError) as e:
         raise LoraError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
@@ -217,7 +219,9 @@ def base_fingerprint(directory: Path) -> str:
     if not path.is_file():
         return ""
     try:
-        found = read_json(path).get("weights_fingerprint")
+        found = read_json(path, "the adapter's base record").get("weights_fingerprint")
+    except InputError as e:
+        raise LoraError(str(e)) from None
     except (OSError, ValueError, AttributeError) as e:
         raise LoraError(f"{path}: not readable JSON with a \"weights_fingerprint\" ({e})") from None
     if not isinstance(found, str):

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import GPT2Config
-from ..core.errors import GPT2EngineError, WeightsError
+from ..core.config import GPT2Config, read_json
+from ..core.errors import GPT2EngineError, InputError, WeightsError
 from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
 from ..core.lora import LoraAdapter, LoraError, LoraSettings, new_adapter, trainable
 from ..formats.shards import TokenStream
@@ -657,8 +657,10 @@ def read_state(path: Path, trajectory: dict, total: int, generator_bytes: int) -
     same trajectory (settings, data, base), and each field of the type and range _state() writes, so that a corrupt
     or hand-edited file is one line naming its field."""
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        state = read_json(path, "a training state")
+    except InputError as e:
+        raise TrainError(str(e)) from None
+    except (OSError, ValueError) as e:
         raise TrainError(f"{path}: not a readable training state ({e})") from None
     if not isinstance(state, dict):
         raise TrainError(f"{path}: expected a JSON object (the training state gpt2 finetune writes), found "
