@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import read_bytes
+from ..core.errors import one_line
 from ..formats.files import atomic_write, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, seed_value, steering_from_args)
@@ -143,7 +144,7 @@ def check_task_file(path: Path, loader: type, seen: set[Path], by: Path | None =
         raise UsageError(f"{name}: line {line}: the YAML tag {tag} is none of YAML's standard types, and lm-eval's "
                          "loader may build Python objects from it; pass --trust-task-code if you trust it") from None
     except (yaml.YAMLError, RecursionError) as e:
-        raise UsageError(f"{name}: not a task YAML lm-eval can read ({' '.join(str(e).split())[:300]})") from None
+        raise UsageError(f"{name}: not a task YAML lm-eval can read ({one_line(e, 300)})") from None
     includes = cfg.get("include") if isinstance(cfg, dict) else None
     if includes is None:
         return
@@ -172,7 +173,7 @@ def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, A
     except KeyError as e:  # lm-eval's "not a registered task/group/tag name or valid YAML path"
         raise UsageError(f"--tasks: {' '.join(str(e).strip(chr(39) + chr(34)).split())}") from None
     except (OSError, ConnectionError) as e:
-        raise UsageError(f"a task's data could not be loaded: {' '.join(str(e).split())[:300]} ({HUB_HINT})") from None
+        raise UsageError(f"a task's data could not be loaded: {one_line(e, 300)} ({HUB_HINT})") from None
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import GPT2Config, read_json
-from ..core.errors import GPT2EngineError, InputError, WeightsError
+from ..core.errors import GPT2EngineError, InputError, WeightsError, one_line
 from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
 from ..core.lora import LoraAdapter, LoraError, LoraSettings, new_adapter, trainable
 from ..formats.shards import TokenStream
@@ -340,7 +340,7 @@ def out_of_memory_as(what: str) -> Iterator[None]:
     except (MemoryError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("not enough memory", "out of memory")):
             raise
-        raise TrainError(f"{what}: out of memory ({' '.join(str(e).split())[:160]}); lower --batch-size or "
+        raise TrainError(f"{what}: out of memory ({one_line(e, 160)}); lower --batch-size or "
                          "--context, or add --recompute") from None
 
 
@@ -725,7 +725,7 @@ def read_moments(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, tor
     except FileNotFoundError:
         raise TrainError(f"{path}: missing (the optimizer state --resume continues from)") from None
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise TrainError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:300]})") from None
+        raise TrainError(f"{path}: not a readable safetensors file ({one_line(e, 300)})") from None
     if missing := [n for n in expected if n not in moments]:
         raise TrainError(f"{path}: no tensor {missing[0]}; expected AdamW's moments m.NAME and v.NAME of each of "
                          f"this run's {len(expected) // 2} trained tensors")
