@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .config import GPT2Config, memory_limit
+from .config import GPT2Config, memory_left
 from .errors import GPT2EngineError
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
@@ -68,7 +68,7 @@ def check_batch_fits(batch_size: int, context: int, config: GPT2Config, extra_pe
     """Refuse, before anything is allocated, a pass of `batch_size` windows of `context` tokens whose activations
     cannot fit in the memory this process has: per token the residual stream, q, k, v and the MLP's hidden layer
     (about 12 x n_embd floats), a row of attention scores per head, and `extra_per_token` floats (an SAE's latents)."""
-    room = min(available_memory(), memory_limit())
+    room = min(available_memory(), memory_left())
     window = 4 * context * (12 * config.n_embd + config.n_head * context + extra_per_token)  # bytes
     if batch_size * window > room:
         fits = room // window

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.config import GPT2Config, memory_limit
+from ..core.config import GPT2Config, memory_left
 from ..core.errors import GPT2EngineError
 from ..core.model import KVCache, logits, residual_stream
 from ..core.pages import available_memory
@@ -71,7 +71,7 @@ class PrefixCounters:
 def check_capacity(capacity_mb: float, flag: str = "a prefix cache of") -> None:
     """GPT2EngineError unless `capacity_mb` is a positive size that fits in the memory this process has (the pool is
     allocated whole; 1e300 overflowed torch.empty's size, NaN and inf pass every other comparison)."""
-    room = min(available_memory(), memory_limit())
+    room = min(available_memory(), memory_left())
     if not 0 < capacity_mb * 2**20 <= room:
         raise GPT2EngineError(f"{flag} {capacity_mb:g} MB: expected a positive size within the {room / 2**20:,.0f} MB "
                               "of memory this process has available")
