@@ -759,7 +759,8 @@ def test_a_chat_template_that_fails_on_any_conversation_is_refused_at_startup(na
 
 
 TASK = "task: evil\ndataset_path: json\n"
-CODE = r"the task names Python code to run \(lm-eval's !function tag imports a module beside it\); pass --trust-task-code if you trust it$"
+CODE = (r"a task file is code to lm-eval \(it renders the file's Jinja templates unsandboxed, loads metrics by path and "
+        r"imports !function modules\); pass --trust-task-code if you trust (it|the files there)$")
 
 
 def task_files(files: dict[str, str | bytes]) -> Callable[[Path], list[str]]:
@@ -779,30 +780,36 @@ def in_include_path(tmp: Path) -> list[str]:
     return ["--tasks", "evil", "--include-path", str(tmp / "tasks")]
 
 
-@pytest.mark.parametrize("make, pattern", [
-    (task_files({"evil.yaml": TASK + "doc_to_text: !function evil.f\n"}), "evil.yaml: " + CODE),
-    # the check searched the bytes for "!function"; PyYAML resolves the same tag from a %TAG handle, a verbatim tag
-    # with URI escapes, an included file, and UTF-16
-    (task_files({"evil.yaml": "%TAG !f! !fun\n---\n" + TASK + "doc_to_text: !f!ction evil.f\n"}), "evil.yaml: " + CODE),
-    (task_files({"evil.yaml": TASK + "doc_to_text: !<!%66unction> evil.f\n"}), "evil.yaml: " + CODE),
-    (task_files({"a/evil.yaml": "include: ../b/base.yaml\ntask: evil\n", "b/base.yaml": TASK + "doc_to_text: !function evil.f\n"}),
-     r"b/base.yaml \(included by \S+/a/evil.yaml\): " + CODE),
-    (task_files({"evil.yaml": (TASK + "doc_to_text: !function evil.f\n").encode("utf-16")}), "evil.yaml: " + CODE),
-    (in_include_path, "tasks/sub/evil.yaml: " + CODE),
-    (task_files({"evil.txt": TASK + "doc_to_text: !function evil.f\n"}), "evil.txt: " + CODE),  # read as YAML too
-    (task_files({"evil.yaml": TASK + "doc_to_text: !!python/name:os.getcwd ''\n"}),
-     r"evil.yaml: line 3: the YAML tag tag:yaml.org,2002:python/name:os.getcwd is none of YAML's standard types, and "
-     r"lm-eval's loader may build Python objects from it; pass --trust-task-code if you trust it$"),
-    (task_files({"evil.yaml": TASK + "doc_to_text: [unclosed\n"}), r"evil.yaml: not a task YAML lm-eval can read \(while "),
-], ids=["plain", "tag-directive", "uri-escaped", "include", "utf-16", "include-path", "any-suffix", "python-tag",
-        "unparsable"])
-def test_a_task_file_that_imports_python_needs_trust_task_code(make: Callable[[Path], list[str]], pattern: str,
-                                                                tiny_dir: Path, tmp_path: Path) -> None:
-    """lm-eval's `!function` tag imports the module beside a task YAML: `gpt2 eval` ran it (a file from elsewhere
-    running code). Every task file lm-eval reads (given, in --include-path, included) is parsed as lm-eval parses it,
-    and one with a tag other than YAML's standard ones is refused by name unless --trust-task-code."""
+def task_folder(tmp: Path) -> list[str]:
+    task_files({"tasks/evil.yaml": TASK + JINJA})(tmp)
+    return ["--tasks", str(tmp / "tasks")]
+
+
+JINJA = "doc_to_text: \"{{ cycler.__init__.__globals__.os.popen('touch ran') }}\"\n"
+
+
+@pytest.mark.parametrize("make", [
+    task_files({"evil.yaml": TASK + "doc_to_text: !function evil.f\n"}),
+    # a byte search for "!function" missed a %TAG handle, a URI-escaped verbatim tag, an include and UTF-16; a parse
+    # of the YAML missed lm-eval's unsandboxed Jinja and metrics loaded by path: every task file is code to lm-eval
+    task_files({"evil.yaml": "%TAG !f! !fun\n---\n" + TASK + "doc_to_text: !f!ction evil.f\n"}),
+    task_files({"a/evil.yaml": "include: ../b/base.yaml\ntask: evil\n", "b/base.yaml": TASK + "doc_to_text: !function evil.f\n"}),
+    task_files({"evil.yaml": (TASK + "doc_to_text: !function evil.f\n").encode("utf-16")}),
+    task_files({"evil.yaml": TASK + JINJA}),
+    task_files({"evil.yaml": TASK + "metric_list:\n  - metric: evil.py\n"}),
+    task_files({"evil.txt": TASK + "doc_to_text: !function evil.f\n"}),  # lm-eval reads any existing path as YAML
+    task_folder,
+    in_include_path,
+], ids=["function-tag", "tag-directive", "include", "utf-16", "jinja", "metric-by-path", "any-suffix", "folder",
+        "include-path"])
+def test_a_task_file_runs_only_with_trust_task_code(make: Callable[[Path], list[str]], tiny_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """lm-eval runs what a task file says: `!function` imports the module beside it, its Jinja templates render
+    unsandboxed (`cycler.__init__.__globals__.os`), a metric named by path is imported by `evaluate`. `gpt2 eval` ran
+    them (a file from elsewhere running code); a task given as a file or folder, and --include-path, now need
+    --trust-task-code, and only lm-eval's own tasks run without it."""
     pytest.importorskip("lm_eval")
-    one_line_error(*run_cli(["eval", *make(tmp_path), "--weights", str(tiny_dir)]), pattern)
+    one_line_error(*run_cli(["eval", *make(tmp_path), "--weights", str(tiny_dir)]), CODE)
     assert not (tmp_path / "ran").exists()
 
 

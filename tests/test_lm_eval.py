@@ -57,7 +57,8 @@ def assert_same(results: dict, reference: dict) -> None:
 def test_gpt2_eval_gives_lm_evals_hf_metrics(tasks: list[str], hf_results: dict, trained_dir: Path,
                                              tmp_path: Path) -> None:
     out = tmp_path / "results.json"
-    assert main(["eval", "--tasks", *tasks, "--weights", str(trained_dir), "--output", str(out), "--log-samples"]) == 0
+    assert main(["eval", "--tasks", *tasks, "--trust-task-code", "--weights", str(trained_dir), "--output", str(out),
+                 "--log-samples"]) == 0
     assert_same(json.loads(out.read_text()), hf_results)
 
 
@@ -129,9 +130,11 @@ def test_gpt2_eval_steer_moves_a_planted_choice_and_equals_lm_evals_steered_mode
                                                            generator=torch.Generator().manual_seed(5)),
                             "steering_coefficient": 0.0, "action": "clamp", "bias": None, "head_index": None}}, steer)
     plain_out, steered_out = tmp_path / "plain.json", tmp_path / "steered.json"
-    assert main(["eval", "--tasks", str(task), "--weights", str(trained_dir), "--output", str(plain_out),
+    assert main(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(trained_dir),
+                 "--output", str(plain_out),
                  "--log-samples"]) == 0
-    assert main(["eval", "--tasks", str(task), "--weights", str(trained_dir), "--output", str(steered_out),
+    assert main(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(trained_dir),
+                 "--output", str(steered_out),
                  "--log-samples", "--steer", str(steer)]) == 0
     plain, steered = json.loads(plain_out.read_text()), json.loads(steered_out.read_text())
     reference = lm_eval.simple_evaluate(model="steered", tasks=[str(task)], device="cpu", log_samples=True,

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..core.config import read_bytes
 from ..core.errors import one_line
 from ..formats.files import atomic_write, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
@@ -28,13 +27,14 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                     "requests and metrics as `lm_eval --model hf`, with contexts shared across their continuations "
                     "and few-shot preambles through the prefix cache. Needs: pip install 'gpt2-engine[eval]'.",
         epilog="examples:\n  gpt2 eval --tasks lambada_openai --weights weights/\n"
-               "  gpt2 eval --tasks my_task.yaml --num-fewshot 5 --limit 100 --output results.json",
+               "  gpt2 eval --tasks my_task.yaml --trust-task-code --num-fewshot 5 --limit 100 --output results.json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", required=True, metavar="NAME|YAML",
                    help="lm-eval task or group names, or task YAML files (comma-separated lists work too)")
     p.add_argument("--include-path", type=Path, metavar="DIR", help="a directory of more task YAML files")
     p.add_argument("--trust-task-code", action="store_true",
-                   help="allow task YAML files that import Python (lm-eval's !function tag); off: such a file is refused")
+                   help="run task YAML files (given, or in --include-path): lm-eval runs their templates, metrics and "
+                        "!function imports as code; off, only lm-eval's own tasks run")
     p.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--limit", type=float, metavar="N",
                    help="documents per task: a count, or a fraction below 1 (for quick checks, not reportable figures)")
@@ -73,89 +73,22 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     return [t for spec in args.tasks for t in spec.split(",") if t]
 
 
-# A task YAML is a few KB; lm-eval's own task folder holds ~14,000 of them. The check reads no more than this.
-TASK_BYTES = 4 << 20
-TASK_FILES = 20_000  # files checked in all: those given, those in --include-path and those they include
-INCLUDE_DEPTH = 32  # lm-eval's includes, one inside another (its own tasks nest two or three deep)
-
-
-class ForeignTag(Exception):
-    """A YAML tag outside YAML's standard types, met where a task file is checked: (tag, line)."""
-
-
-def task_loader() -> type:
-    """The YAML loader lm-eval parses task files with (libyaml's where PyYAML has it, as lm_eval/tasks/_yaml_loader.py
-    picks), constructing YAML's standard types only: any other tag, as the parser resolves it (`!function` spelled
-    through a %TAG handle, a verbatim or URI-escaped tag, in UTF-16...), raises ForeignTag instead of running."""
-    import yaml
-
-    class TaskLoader(yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader):  # type: ignore[misc]
-        pass
-
-    def foreign(loader: Any, suffix: str, node: Any) -> None:
-        raise ForeignTag(node.tag, node.start_mark.line + 1)
-
-    TaskLoader.add_multi_constructor("", foreign)  # every tag the safe constructor has no constructor of its own for
-    return TaskLoader
+TASK_CODE = ("is code to lm-eval (it renders the file's Jinja templates unsandboxed, loads metrics by path and imports "
+             "!function modules)")
 
 
 def check_task_code(args: argparse.Namespace, tasks: list[str]) -> None:
-    """Refuse, unless --trust-task-code, a task YAML that names Python to import (lm-eval's `!function module.name`
-    tag runs the module beside the file): those given, those in --include-path, and every file they include, parsed
-    as lm-eval parses them, so that files from elsewhere run no code here."""
+    """Refuse, unless --trust-task-code, a task given as a file or folder and --include-path: lm-eval runs what a task
+    file says in several ways (above), so a file from elsewhere is code, and only lm-eval's own tasks run without
+    the flag."""
     if args.trust_task_code:
         return
-    import itertools
-
-    # lm-eval reads a task that names a file as a YAML, whatever its suffix
-    files = [Path(t).expanduser() for t in tasks if t.endswith((".yaml", ".yml")) or Path(t).expanduser().is_file()]
     if args.include_path is not None:
-        found = (p for suffix in ("*.yaml", "*.yml") for p in args.include_path.rglob(suffix))
-        files += sorted(itertools.islice(found, TASK_FILES + 1))
-    loader, seen = task_loader(), set[Path]()
-    for path in files:
-        check_task_file(path, loader, seen)
-
-
-def check_task_file(path: Path, loader: type, seen: set[Path], by: Path | None = None, depth: int = 0) -> None:
-    """One task YAML and, as lm-eval follows them, the files its `include:` names (relative to it, after links are
-    resolved), each once: a tag other than YAML's standard ones is refused, as is a file that does not parse."""
-    import yaml
-
-    path = path.resolve()
-    name = f"{path} (included by {by})" if by is not None else str(path)
-    if path in seen:
-        return  # checked already (or an include cycle, which lm-eval refuses itself)
-    seen.add(path)
-    if len(seen) > TASK_FILES:
-        raise UsageError(f"{name}: more than {TASK_FILES:,} task YAML files to check (given, in --include-path and "
-                         "included); expected a task folder, not a whole tree")
-    try:
-        data = read_bytes(path, TASK_BYTES, "a task YAML", name)
-    except OSError as e:
-        raise UsageError(f"{name}: cannot read the task file ({e.strerror or e})") from None
-    try:
-        cfg = yaml.load(data, Loader=loader)  # bytes, as lm-eval reads them: PyYAML detects UTF-16 by its BOM
-    except ForeignTag as e:
-        tag, line = e.args
-        if tag == "!function":
-            raise UsageError(f"{name}: the task names Python code to run (lm-eval's !function tag imports a module "
-                             "beside it); pass --trust-task-code if you trust it") from None
-        raise UsageError(f"{name}: line {line}: the YAML tag {tag} is none of YAML's standard types, and lm-eval's "
-                         "loader may build Python objects from it; pass --trust-task-code if you trust it") from None
-    except (yaml.YAMLError, RecursionError) as e:
-        raise UsageError(f"{name}: not a task YAML lm-eval can read ({one_line(e, 300)})") from None
-    includes = cfg.get("include") if isinstance(cfg, dict) else None
-    if includes is None:
-        return
-    if depth >= INCLUDE_DEPTH:
-        raise UsageError(f"{name}: includes nest more than {INCLUDE_DEPTH} deep; expected a task and its templates")
-    for include in includes if isinstance(includes, list) else [includes]:
-        if not isinstance(include, str):
-            raise UsageError(f"{name}: include {include!r}; expected the path of a YAML file, or a list of them")
-        included = Path(include) if Path(include).is_absolute() else path.parent / include  # lm-eval's order
-        if included.expanduser().is_file():  # one that is not is lm-eval's error, and runs nothing
-            check_task_file(included.expanduser(), loader, seen, path, depth + 1)
+        raise UsageError(f"--include-path {args.include_path}: a task file {TASK_CODE}; pass --trust-task-code if you "
+                         "trust the files there")
+    for task in tasks:
+        if Path(task).expanduser().exists() or task.endswith((".yaml", ".yml")):  # lm-eval reads an existing path as YAML
+            raise UsageError(f"--tasks {task}: a task file {TASK_CODE}; pass --trust-task-code if you trust it")
 
 
 def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:
