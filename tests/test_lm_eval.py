@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import eval_tasks
@@ -87,6 +88,16 @@ def test_tokenizer_info_and_tokenize_in_lm_evals_shape(trained_model: GPT2) -> N
         assert remote.eos_token_id == trained_model.tokenizer.eot_id == 50256
         assert remote.encode("Hello world") == trained_model.tokenizer.encode("Hello world")
         assert remote.decode(remote.encode("Hello world")) == "Hello world"
+
+
+def test_eval_never_writes_its_results_over_what_it_reads(capsys, trained_dir: Path, tmp_path: Path) -> None:
+    """--output naming the model's own file replaced a 28 MB checkpoint with 6 KB of JSON (exit 0)."""
+    model = tmp_path / "m"
+    shutil.copytree(trained_dir, model)
+    weights = model / "model.safetensors"
+    assert main(["eval", "--weights", str(model), "--tasks", "x", "--output", str(weights)]) == 2
+    assert capsys.readouterr().err == (f"gpt2 eval: error: --output {weights}: is {weights}, one of the inputs, which "
+                                       "writing would replace; write the results somewhere else\n")
 
 
 @pytest.mark.parametrize("args, fragment", [

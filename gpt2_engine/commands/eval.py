@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import one_line
-from ..formats.files import atomic_write, written_into
+from ..formats.files import atomic_write, check_not_an_input, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, seed_value, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
@@ -68,9 +68,13 @@ def check_flags(args: argparse.Namespace) -> list[str]:
              "--log-samples writes the samples into --output FILE: give --output too")):
         if bad:
             raise UsageError(message)
+    tasks = [t for spec in args.tasks for t in spec.split(",") if t]
     if args.output is not None:
         written_into(args.output)  # a directory or socket is refused before the run, not after it
-    return [t for spec in args.tasks for t in spec.split(",") if t]
+        weights = Path(args.weights)
+        read = [*(weights.iterdir() if weights.is_dir() else [weights]), *(Path(t) for t in tasks)]
+        check_not_an_input(args.output, read, "--output")
+    return tasks
 
 
 TASK_CODE = ("is code to lm-eval (it renders the file's Jinja templates unsandboxed, loads metrics by path and imports "
