@@ -239,6 +239,34 @@ def test_a_template_that_overruns_on_some_conversations_fails_those_requests_alo
     renderers.close()
 
 
+def test_an_operators_template_never_compiles_or_renders_in_the_server(tiny_model: GPT2, tmp_path: Path) -> None:
+    """Compiling folded constants in the server, unbounded ('x'|center(1500000000) in a branch never taken: 3.2 GB
+    at startup), and a 15 MB render tokenized on the event loop (a greedy completion waited 15 s): the template is
+    compiled and rendered in its renderers only, a render past 2 MiB is refused, and the tokenizing runs off the
+    event loop."""
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{% if m.content == 'never' %}{{ 'x'|center(1500000000) }}"
+                                      "{% elif m.content == 'long' %}{% for i in range(3000) %}{{ 'y' * 1000 }}"
+                                      "{% endfor %}{% endif %}{{ m.content }}{% endfor %}")
+    template = load_template(tmp_path / "t.jinja")
+    assert template.template is None  # nothing compiled here
+    with live(tiny_model, settings=ServerSettings(chat_template=template)) as (url, _):
+        r = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "long"}]}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["message"] == (
+            f"the server's chat template ({tmp_path / 't.jinja'}) rendered more than 2 MiB"), r.text[:300]
+        r = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert r.status_code == 200 and r.json()["tokens"] == tiny_model.tokenizer.encode("hi"), r.text[:300]
+
+
+def test_a_template_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    """A FIFO as --chat-template waited for a writer forever."""
+    import os
+
+    os.mkfifo(tmp_path / "t.jinja")
+    with pytest.raises(ChatTemplateError, match=r"t.jinja: not a regular file \(a FIFO, a device or a folder\); "
+                                                r"expected a chat template \(a Jinja text or a tokenizer_config.json\)$"):
+        load_template(tmp_path / "t.jinja")
+
+
 def test_the_plain_template_pickles_as_its_text() -> None:
     import pickle
 

@@ -1153,3 +1153,13 @@ def test_sigterm_during_convert_removes_the_partial_file(small_dir: Path, tmp_pa
     _, err = proc.communicate(timeout=TIMEOUT)
     assert (proc.returncode, err) == (143, "gpt2 convert: terminated\n")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_fifo_as_a_metadata_file_is_refused_without_waiting(tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO as config.json or adapter_config.json waited in open() for a writer, forever."""
+    shutil.copytree(tiny_dir, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").unlink()
+    os.mkfifo(tmp_path / "ckpt" / "config.json")
+    one_line_error(*run_cli(["generate", "hi", "-n", "2", "--weights", str(tmp_path / "ckpt")]),
+                   rf"{re.escape(str(tmp_path / 'ckpt' / 'config.json'))}: not a regular file \(a FIFO, a device or a "
+                   r"folder\); expected a JSON config$")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import stat
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import IO, Any
@@ -132,11 +133,16 @@ def size_text(size: int) -> str:
 
 
 def read_bytes(path: str | Path, limit: int, expected: str, name: str | None = None,
-               stdin: IO[bytes] | None = None) -> bytes:
+               stdin: IO[bytes] | None = None, regular: bool = False) -> bytes:
     """The whole of a file (or of `stdin` for "-"), its size checked before it is read: one holding more than `limit`
     bytes is an InputError '{name}: 5.0 GiB; expected {expected} of at most 64 MiB' (`name`: the path unless given;
-    'more than 64 MiB' where only reading tells, as from a device or a pipe). OSError as opening or reading raises."""
+    'more than 64 MiB' where only reading tells, as from a device or a pipe). `regular`: anything but a regular file
+    is refused before it is opened (opening a FIFO waits for a writer, forever). OSError as opening or reading
+    raises."""
     name = str(path) if name is None else name
+    if regular and not (stdin is not None and str(path) == "-") and os.path.exists(path) and \
+            not stat.S_ISREG(os.stat(path).st_mode):
+        raise InputError(f"{name}: not a regular file (a FIFO, a device or a folder); expected {expected}")
     if stdin is not None and str(path) == "-":
         data, size = stdin.read(limit + 1), 0
     else:
@@ -153,7 +159,7 @@ def read_json(path: Path, expected: str = "a JSON config") -> Any:
     """The value of a JSON file of at most JSON_BYTES (past that an InputError naming `expected`); OSError as reading
     it raises, ValueError in one line where it is not UTF-8 JSON or nests deeper than Python's parser recurses (a
     config nested 100,000 deep)."""
-    text = read_bytes(path, JSON_BYTES, expected).decode("utf-8")
+    text = read_bytes(path, JSON_BYTES, expected, regular=True).decode("utf-8")
     try:
         return json.loads(text)
     except RecursionError:

@@ -144,7 +144,7 @@ def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:
 
 def _read_checked(path: Path, kind: str) -> bytes:
     try:
-        data = read_bytes(path, JSON_BYTES, f"GPT-2's BPE {'vocabulary' if kind == 'vocab' else 'merges'} file")
+        data = read_bytes(path, JSON_BYTES, f"GPT-2's BPE {'vocabulary' if kind == 'vocab' else 'merges'} file", regular=True)
     except InputError as e:
         raise TokenizerError(str(e)) from None
     except OSError as e:

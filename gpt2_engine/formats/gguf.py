@@ -60,8 +60,8 @@ def bpe_tables(source: Path) -> tuple[list[str], list[str]]:
     for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
         if (source / vocab).is_file() and (source / merges).is_file():
             try:
-                ids = json.loads(read_bytes(source / vocab, JSON_BYTES, "GPT-2's BPE vocabulary file"))
-                lines = read_bytes(source / merges, JSON_BYTES, "GPT-2's BPE merges file").decode("utf-8").splitlines()
+                ids = json.loads(read_bytes(source / vocab, JSON_BYTES, "GPT-2's BPE vocabulary file", regular=True))
+                lines = read_bytes(source / merges, JSON_BYTES, "GPT-2's BPE merges file", regular=True).decode("utf-8").splitlines()
             except InputError as e:
                 raise WeightsError(str(e)) from None
             tokens = [""] * len(ids)

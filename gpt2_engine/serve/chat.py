@@ -23,7 +23,8 @@ import jinja2
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..core.errors import GPT2EngineError
+from ..core.config import read_bytes
+from ..core.errors import GPT2EngineError, InputError
 
 PLAIN_TEMPLATE = """\
 {%- for message in messages %}
@@ -64,7 +65,8 @@ class ChatTemplate:
 
     def __init__(self, text: str, stops: tuple[str, ...], source: str, isolated: bool = False) -> None:
         self.text, self.stops, self.source, self.isolated = text, stops, source, isolated
-        self.template = compile_template(text, source)
+        # an operator's template is compiled and rendered only in its renderers (bounded), never in this process
+        self.template = None if isolated else compile_template(text, source)
         self.renderers = Renderers(text, source) if isolated else None  # their processes start at the first render
 
     def __reduce__(self) -> tuple:
@@ -79,7 +81,8 @@ class ChatTemplate:
         return self.renderers.render(messages, eos_token)
 
     def render_here(self, messages: list[dict[str, str]], eos_token: str) -> str:
-        """render() in this process, unbounded but by the sandbox."""
+        """render() in this process, unbounded but by the sandbox (the engine's own template, and in a renderer)."""
+        assert self.template is not None, "an isolated template renders in its renderers"
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token=eos_token,
                                         eos_token=eos_token)
@@ -117,7 +120,9 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
 
 def compile_template(source: str, name: str) -> jinja2.Template:
     """A template in the sandbox transformers renders chat templates in: no file or attribute access beyond data."""
-    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    # optimized=False: no constant folding while compiling, where '{{ "x"|center(1500000000) }}' in a branch never
+    # taken would be evaluated, unbounded (the sandbox's checks apply when a template runs, not when it compiles)
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], optimized=False)
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(source)
@@ -137,14 +142,12 @@ TEMPLATE_BYTES = 1 << 20  # a chat template file (transformers' largest are a fe
 def load_template(path: Path) -> ChatTemplate:
     """A chat template file: the Jinja text itself, or a tokenizer_config.json that holds one as "chat_template"."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(TEMPLATE_BYTES + 1)
-        text = data.decode("utf-8")
+        text = read_bytes(path, TEMPLATE_BYTES, "a chat template (a Jinja text or a tokenizer_config.json)",
+                          regular=True).decode("utf-8")
+    except InputError as e:
+        raise ChatTemplateError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ChatTemplateError(f"{path}: cannot read the chat template ({e.__class__.__name__}: {e})") from None
-    if len(data) > TEMPLATE_BYTES:
-        raise ChatTemplateError(f"{path}: larger than {TEMPLATE_BYTES >> 20} MiB; expected a chat template file (a "
-                                "Jinja text or a tokenizer_config.json)")
     if path.suffix == ".json":
         try:
             text = json.loads(text)["chat_template"]
@@ -184,7 +187,7 @@ for line in sys.stdin:
 RENDER_SECONDS = 2.0  # a conversation's render; transformers' templates take milliseconds
 RENDERERS = 2  # child processes (the machines have 2 cores); a request waits for a free one
 WAIT_SECONDS = 10.0
-RENDER_BYTES = 16 << 20  # a rendered prompt (GPT-2's context is 1,024 tokens)
+RENDER_BYTES = 2 << 20  # a rendered prompt: GPT-2's context is 1,024 tokens, and a request body at most 1 MiB by default
 
 
 class Renderers:
@@ -238,9 +241,10 @@ class Renderers:
         if not line:
             raise TemplateFailed(f"{name} took over {self.seconds:g} s" if child.poll() is None else
                                  f"{name} failed: its renderer exited")
-        if not line.endswith(b"\n"):
+        reply = json.loads(line) if line.endswith(b"\n") else {}
+        if "prompt" not in reply and "failed" not in reply and "refused" not in reply or \
+                len(reply.get("prompt", "")) > RENDER_BYTES:  # characters: at least as many bytes
             raise TemplateFailed(f"{name} rendered more than {RENDER_BYTES >> 20} MiB")
-        reply = json.loads(line)
         if "failed" in reply:
             raise TemplateFailed(reply["failed"])  # and the child goes: what it allocated goes with it
         if "refused" in reply:

@@ -76,13 +76,16 @@ async def chat_prompt(messages: list[ChatMessage], template: ChatTemplate, token
     output (an <|endoftext|> in it is the special token). A template that fails is the server's 500; one that
     refuses the messages (raise_exception) the client's 400."""
     turns = [{"role": m.role, "content": m.text} for m in messages]
-    try:  # in a thread: a slow template must not hold the event loop, and every other client with it
-        prompt = await asyncio.to_thread(template.render, turns, tokenizer.decode([tokenizer.eot_id]))
+
+    def ids() -> list[int]:
+        return tokenizer.encode(template.render(turns, tokenizer.decode([tokenizer.eot_id])), allow_special=True)
+
+    try:  # in a thread, the tokenizing too: a slow template or a long prompt must not hold every other client
+        return await asyncio.to_thread(ids)
     except TemplateFailed as e:
         raise APIError(500, str(e), type="server_error", code="chat_template_failed") from None
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    return tokenizer.encode(prompt, allow_special=True)
 
 
 async def sequences(req: SamplingFields, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int | None,
