@@ -226,6 +226,10 @@ def test_resume_refuses_other_settings_and_out_refuses_a_second_run(trained_dir:
     assert other.stderr.strip().splitlines() == [
         f"gpt2 finetune: error: --resume: lr is 0.0003 but the run in {out / 'last'} used 0.0001"]
     assert finetune(*small_run(trained_dir, data, out, "--steps", "2", "--overwrite")).returncode == 0
+    mine = finetune(*small_run(out, data, out, "--steps", "2", "--overwrite"))  # --weights is the run being replaced
+    assert (mine.returncode, mine.stderr.strip().splitlines()) == (2, [
+        f"gpt2 finetune: error: --out {out}: holds the --weights checkpoint {out} the run starts from; write the run "
+        "somewhere else"])
 
 
 @pytest.mark.parametrize("case, extra, message", [

@@ -189,6 +189,10 @@ def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_pa
     assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(tmp_path / "peft"), "--overwrite"]) == 2
     assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'peft'}: is the adapter itself; write the merged "
                                             "model somewhere else\n")
+    inside = trained_dir / "last"  # not made: refused before anything is written
+    assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(inside), "--overwrite"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {inside}: is inside the base checkpoint {trained_dir}; write the "
+                                            "merged model somewhere else\n")
 
 
 def test_adapter_files_are_checked(trained_dir: Path, tmp_path: Path) -> None:

@@ -361,9 +361,21 @@ def summary(trainer: Trainer, progress: Progress, out: Path, wall: float) -> str
     return f"finetune: {head} | {result.tokens:,} tokens trained in {result.steps} updates | {wall:.1f} s"
 
 
+def check_out(args: argparse.Namespace) -> None:
+    """Refuse an --out that is, or holds, the --weights checkpoint trained from: --overwrite would replace the very
+    model the run starts from (convert and merge-lora refuse their sources the same way)."""
+    if getattr(args, "weights", None) is None or args.out is None or args.resume:
+        return
+    base, out = Path(args.weights).resolve(), Path(args.out).resolve()
+    if base == out or base.is_relative_to(out):
+        raise UsageError(f"--out {args.out}: holds the --weights checkpoint {args.weights} the run starts from; write "
+                         "the run somewhere else")
+
+
 def run_finetune(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_out(args)
     trainer = build_trainer(args, sys.stdin.buffer)
     progress = Progress(open_log(args.log))
     t0 = time.perf_counter()
