@@ -257,6 +257,25 @@ def test_an_operators_template_never_compiles_or_renders_in_the_server(tiny_mode
         assert r.status_code == 200 and r.json()["tokens"] == tiny_model.tokenizer.encode("hi"), r.text[:300]
 
 
+def test_closing_the_renderers_ends_the_renders_under_way(tmp_path: Path) -> None:
+    """The server's stop closes them: a render stuck in a loop fails at once (it had run to the grace timeout,
+    then the server printed tracebacks and plain-text 500s), and one that asks after that is told why."""
+    import concurrent.futures
+
+    renderers = Renderers(SLOW_ON_SOME, "t.jinja", count=1, seconds=600)
+    assert renderers.render([{"role": "user", "content": "hi"}], "") == "hi"  # its child is up
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stuck = pool.submit(renderers.render, [{"role": "user", "content": "slow"}], "")
+        with pytest.raises(concurrent.futures.TimeoutError):
+            stuck.result(timeout=0.5)  # at work (for hours, were it left to finish)
+        renderers.close()
+        with pytest.raises(TemplateFailed, match=r"^the server's chat template \(t.jinja\) failed: its renderer "
+                                                 r"exited$"):
+            stuck.result(timeout=60)
+    with pytest.raises(TemplateFailed, match=r"cannot render: the server is stopping$"):
+        renderers.render([{"role": "user", "content": "hi"}], "")
+
+
 def test_a_template_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
     """A FIFO as --chat-template waited for a writer forever."""
     import os

@@ -261,6 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
             (uvicorn's own handler re-raises the signal once it has stopped, which ends the process with -15)."""
             if state.engine is not None:
                 state.engine.stop()
+            settings.chat_template.close()  # renders under way fail now, in OpenAI's shape, not at the grace timeout
             self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C: now
             self.should_exit = True
 

@@ -24,7 +24,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..core.config import read_bytes
-from ..core.errors import GPT2EngineError, InputError
+from ..core.errors import GPT2EngineError, InputError, one_line
 
 PLAIN_TEMPLATE = """\
 {%- for message in messages %}
@@ -87,7 +87,7 @@ class ChatTemplate:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token=eos_token,
                                         eos_token=eos_token)
         except RaisedByTemplate as e:
-            raise ChatTemplateError(str(e)) from None
+            raise ChatTemplateError(one_line(e, 500)) from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template ({self.source}) failed: {e}") from None
         except (RecursionError, OverflowError, MemoryError) as e:
@@ -194,18 +194,22 @@ class Renderers:
     """Child processes that render one template (WORKER), handed to one render at a time."""
 
     def __init__(self, text: str, source: str, count: int = RENDERERS, seconds: float = RENDER_SECONDS) -> None:
-        self.text, self.source, self.seconds = text, source, seconds
+        self.text, self.source, self.seconds, self.count = text, source, seconds, count
         self.idle: queue.Queue[subprocess.Popen | None] = queue.Queue()
         self.children: set[subprocess.Popen] = set()
+        self.closed = False
         for _ in range(count):
             self.idle.put(None)  # started when first needed
 
     def render(self, messages: list[dict[str, str]], eos_token: str) -> str:
+        name = f"the server's chat template ({self.source})"
         try:
-            child = self.idle.get(timeout=WAIT_SECONDS)
+            child = None if self.closed else self.idle.get(timeout=WAIT_SECONDS)
         except queue.Empty:
-            raise TemplateFailed(f"the server's chat template ({self.source}) is busy: its {len(self.children)} "
-                                 f"renderers were at work for over {WAIT_SECONDS:.0f} s") from None
+            raise TemplateFailed(f"{name} is busy: its {len(self.children)} renderers were at work for over "
+                                 f"{WAIT_SECONDS:.0f} s") from None
+        if self.closed:
+            raise TemplateFailed(f"{name} cannot render: the server is stopping")
         try:
             if child is None or child.poll() is not None:
                 child = self._start()
@@ -235,12 +239,11 @@ class Renderers:
             child.stdin.flush()
         except OSError:  # it died between two renders (the machine's OOM killer)
             raise TemplateFailed(f"{name} failed: its renderer exited") from None
-        line = b""
-        if select.select([child.stdout], [], [], self.seconds)[0]:
-            line = child.stdout.readline(RENDER_BYTES * 2)  # JSON escapes may double the text
-        if not line:
-            raise TemplateFailed(f"{name} took over {self.seconds:g} s" if child.poll() is None else
-                                 f"{name} failed: its renderer exited")
+        if not select.select([child.stdout], [], [], self.seconds)[0]:
+            raise TemplateFailed(f"{name} took over {self.seconds:g} s")
+        line = child.stdout.readline(RENDER_BYTES * 2)  # JSON escapes may double the text
+        if not line:  # killed (the machine's OOM killer), or stopped with the server
+            raise TemplateFailed(f"{name} failed: its renderer exited")
         reply = json.loads(line) if line.endswith(b"\n") else {}
         if "prompt" not in reply and "failed" not in reply and "refused" not in reply or \
                 len(reply.get("prompt", "")) > RENDER_BYTES:  # characters: at least as many bytes
@@ -258,8 +261,13 @@ class Renderers:
             self.children.discard(child)
 
     def close(self) -> None:
+        """Stop every renderer: a render under way fails at once (its child gone), and one waiting for a renderer
+        too (the server is stopping)."""
+        self.closed = True
         for child in list(self.children):
             self._stop(child)
+        for _ in range(self.count):
+            self.idle.put(None)  # wakes the renders waiting for a renderer
 
 
 TRIAL_SECONDS = 30
