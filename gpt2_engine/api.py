@@ -140,6 +140,9 @@ class GPT2:
         self.check_ids(ids)
         recorder = recorder or Recorder()
         name_predicate(list(hooks), self.config)  # a hook on a misspelt point would silently never run
+        if (bad := next((name for name, fn in hooks.items() if not callable(fn)), None)) is not None:
+            raise GPT2EngineError(f"hook on {bad}: expected a function fn(activation, name), got "
+                                  f"{type(hooks[bad]).__name__}")
         recorder.hooks = hooks
         positions, key_mask = None, None
         if attention_mask is not None:
@@ -310,7 +313,7 @@ class GPT2:
     def generate(self, prompt: str | Sequence[str], **kwargs: Any) -> str | list[str]:
         """The generated text (without the prompt); a list for a list of prompts or num_samples > 1."""
         single = isinstance(prompt, str)
-        completions = self.complete([prompt] if single else list(prompt), **kwargs)
+        completions = self.complete([prompt] if single else prompt, **kwargs)  # anything else: complete() says what
         texts = [c.text for c in completions]
         return texts[0] if single and len(texts) == 1 else texts
 
@@ -382,6 +385,9 @@ class GPT2:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             what = f"{ids.dtype} tensor of shape {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise GPT2EngineError(f"ids: expected an integer tensor of shape [B, T], got {what}")
+        if ids.layout != torch.strided or ids.device.type == "meta":  # sparse ids, or ids without values
+            kind = "meta" if ids.device.type == "meta" else str(ids.layout).removeprefix("torch.")
+            raise GPT2EngineError(f"ids: expected a dense tensor of token ids, got a {kind} one")
         B, T = ids.shape
         if B == 0 or T == 0:
             raise GPT2EngineError(f"ids: expected at least one token, got shape [{B}, {T}]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,13 @@ def test_requests_that_arrive_mid_pass_join_it(model: GPT2) -> None:
     assert [s for s, _ in got["late"]] == list(range(2, 6))  # past half the blocks: the next pass
     for name, r in (("first", first), ("early", early), ("late", late)):
         assert [t for _, t in got[name]] == alone(model, r), name
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (b"hi", "prompt: got bytes; decode it to a string first"),  # bytes iterate as ints: it ran as token ids [104, 105]
+    (None, "prompt must be a string, a list of strings, a list of token ids or a list of such lists; got NoneType"),
+    ([], "prompt must not be an empty list"),
+])
+def test_a_prompt_that_is_not_text_or_token_ids_is_refused(tiny_model: GPT2, prompt: object, message: str) -> None:
+    with pytest.raises(GenerationError, match="^" + re.escape(message) + "$"):
+        tiny_model.generate(prompt, max_new_tokens=2)

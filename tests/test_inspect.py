@@ -227,6 +227,9 @@ def test_bad_hooks_and_names_are_refused(trained_model: GPT2) -> None:
         trained_model.run_with_cache(ids, ["blocks.0.attn.hook_patern"])
     with pytest.raises(GPT2EngineError, match="unknown hook point 'blocks.9.hook_resid_pre'"):
         trained_model.run_with_hooks(ids, {"blocks.9.hook_resid_pre": lambda x, n: x})
+    with pytest.raises(GPT2EngineError, match="^hook on blocks.0.hook_resid_pre: expected a function "
+                                              r"fn\(activation, name\), got str$"):
+        trained_model.run_with_hooks(ids, {"blocks.0.hook_resid_pre": "x"})
     with pytest.raises(GPT2EngineError, match=r"hook on blocks.0.hook_resid_pre: expected a tensor of shape \[1, \d+, 256\]"):
         trained_model.run_with_hooks(ids, {"blocks.0.hook_resid_pre": lambda x, n: x[:, :-1]})
     with pytest.raises(GPT2EngineError, match="attention_mask: expected shape"):

@@ -93,6 +93,8 @@ def test_any_config_of_the_architecture_matches(tiny_model: GPT2, tiny_hf_model)
         (torch.full((1, 2), 50257), "token id 50257 is outside the vocabulary [0, 50257)"),
         (torch.full((1, 2), -1), "token id -1 is outside the vocabulary"),
         (torch.zeros(1, 1025, dtype=torch.long), "1025 tokens exceed the context length 1024"),
+        (torch.zeros(1, 2, dtype=torch.long).to_sparse(), "expected a dense tensor of token ids, got a sparse_coo one"),
+        (torch.zeros(1, 2, dtype=torch.long, device="meta"), "expected a dense tensor of token ids, got a meta one"),
     ],
 )
 def test_bad_ids_are_refused_with_a_message(model: GPT2, bad: torch.Tensor, message: str) -> None:

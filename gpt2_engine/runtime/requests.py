@@ -99,6 +99,8 @@ def encode_prompts(prompt: Prompt, tokenizer: Tokenizer, *, allow_special: bool 
     """Token ids of each prompt: a text, a list of texts, a list of token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt, allow_special=allow_special)]
+    if isinstance(prompt, (bytes, bytearray, memoryview)):  # a sequence of ints, which would pass for token ids
+        raise GenerationError(f"prompt: got {type(prompt).__name__}; decode it to a string first", param="prompt")
     if not isinstance(prompt, Seq):
         raise GenerationError("prompt must be a string, a list of strings, a list of token ids or a list of such "
                               f"lists; got {type(prompt).__name__}", param="prompt")
