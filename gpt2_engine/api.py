@@ -393,6 +393,7 @@ class GPT2:
             raise GPT2EngineError(f"ids: expected at least one token, got shape [{B}, {T}]")
         if T > self.config.n_positions:
             raise GPT2EngineError(f"ids: {T} tokens exceed the context length {self.config.n_positions}")
+        check_batch_fits(B, T, self.config, extra_per_token=self.config.vocab_size, ids=True)  # and [B, T, V] logits
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi

@@ -103,3 +103,14 @@ def test_bad_ids_are_refused_with_a_message(model: GPT2, bad: torch.Tensor, mess
     with pytest.raises(GPT2EngineError) as e:
         model(bad)
     assert message in str(e.value)
+
+
+def test_a_batch_whose_logits_cannot_fit_is_refused_before_the_forward(model: GPT2) -> None:
+    """model(ids) for 200,000 x 128 tokens asked torch for 77 GB and failed with its allocator's message."""
+    from gpt2_engine import GPT2EngineError
+
+    ids = torch.zeros(1, 1, dtype=torch.long).expand(200_000, 128)
+    with pytest.raises(GPT2EngineError, match=r"^ids of shape \[200000, 128\] need ~[\d,.]+ GB for a forward pass's "
+                                              r"activations; this process has [\d.]+ GB available: at most \d+ rows "
+                                              r"fit$"):
+        model(ids)

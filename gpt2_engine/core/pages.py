@@ -64,16 +64,22 @@ def available_memory() -> int:
     return free
 
 
-def check_batch_fits(batch_size: int, context: int, config: GPT2Config, extra_per_token: int = 0) -> None:
+def check_batch_fits(batch_size: int, context: int, config: GPT2Config, extra_per_token: int = 0,
+                     ids: bool = False) -> None:
     """Refuse, before anything is allocated, a pass of `batch_size` windows of `context` tokens whose activations
     cannot fit in the memory this process has: per token the residual stream, q, k, v and the MLP's hidden layer
-    (about 12 x n_embd floats), a row of attention scores per head, and `extra_per_token` floats (an SAE's latents)."""
+    (about 12 x n_embd floats), a row of attention scores per head, and `extra_per_token` floats (an SAE's latents,
+    the logits). The message names the command line's flags, or with `ids` the Python API's ids [B, T]."""
     room = min(available_memory(), memory_left())
     window = 4 * context * (12 * config.n_embd + config.n_head * context + extra_per_token)  # bytes
     if batch_size * window > room:
         fits = room // window
-        raise GPT2EngineError(f"--batch-size {batch_size} x --context {context} needs ~{batch_size * window / 1e9:,.1f} "
-                              f"GB for a forward pass's activations; this process has {room / 1e9:.1f} GB available: "
+        need = f"~{batch_size * window / 1e9:,.1f} GB for a forward pass's activations; this process has " \
+               f"{room / 1e9:.1f} GB available"
+        if ids:
+            raise GPT2EngineError(f"ids of shape [{batch_size}, {context}] need {need}: "
+                                  f"{f'at most {fits} rows fit' if fits else 'use fewer tokens'}")
+        raise GPT2EngineError(f"--batch-size {batch_size} x --context {context} needs {need}: "
                               f"{f'at most --batch-size {fits} fits' if fits else 'lower --context'}")
 
 
