@@ -193,7 +193,7 @@ class GPT2:
         ce_loss_score, kl_div_with_sae / with_ablation, kl_div_score, feature_density (per feature) and tokens.
         Three passes per batch: plain, spliced and ablated. `progress(n)` is told each batch's window count."""
         sae = check_saes(sae, self.config)[0].to(self.device)
-        self.check_ids(ids)
+        self.check_ids(ids, whole=False)  # run batch_size windows at a time: checked below
         check_batch_fits(min(batch_size, ids.shape[0]), ids.shape[-1], self.config, extra_per_token=3 * sae.d_sae)
         metrics = SAEMetrics(sae.d_in, sae.d_sae)
         keep = {f"{sae.hook_name}.{p}" for p in ("hook_sae_input", "hook_sae_acts_post", "hook_sae_output")}
@@ -380,8 +380,9 @@ class GPT2:
                                   "train a LoRA adapter on it: lora=R)")
         return None
 
-    def check_ids(self, ids: torch.Tensor) -> None:
-        """Raise GPT2EngineError unless `ids` is a [B, T] integer tensor of valid tokens that fits the context."""
+    def check_ids(self, ids: torch.Tensor, whole: bool = True) -> None:
+        """Raise GPT2EngineError unless `ids` is a [B, T] integer tensor of valid tokens that fits the context, and
+        (`whole`: run in one pass) whose activations and logits fit in memory."""
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             what = f"{ids.dtype} tensor of shape {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise GPT2EngineError(f"ids: expected an integer tensor of shape [B, T], got {what}")
@@ -393,7 +394,8 @@ class GPT2:
             raise GPT2EngineError(f"ids: expected at least one token, got shape [{B}, {T}]")
         if T > self.config.n_positions:
             raise GPT2EngineError(f"ids: {T} tokens exceed the context length {self.config.n_positions}")
-        check_batch_fits(B, T, self.config, extra_per_token=self.config.vocab_size, ids=True)  # and [B, T, V] logits
+        if whole:
+            check_batch_fits(B, T, self.config, extra_per_token=self.config.vocab_size, ids=True)  # and the logits
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
