@@ -17,7 +17,6 @@ import json
 import os
 import pickle
 import re
-import resource
 import shutil
 import socket
 import stat
@@ -42,36 +41,107 @@ MEMORY = 3 << 30  # address space of a child: the interpreter, torch and a small
 TIMEOUT = 180  # seconds a child may take (a loaded 2-core machine imports torch in a few)
 
 
+# The cases run in children forked from one server process per pytest worker that has imported torch and the engine
+# once (a fresh interpreter per case spent ~2 s of CPU importing them, most of this file's time). Each child is a
+# process of its own as before: its address space capped, stdin and stdout /dev/null, stderr captured, killed past
+# TIMEOUT; a crash (a signal) is its exit status, as subprocess reports it.
+FORK_SERVER = r"""
+import json, os, resource, select, signal, sys, time
+import torch
+import gpt2_engine.cli
+
+CALL_RESULT = 3
+
+def child(job, w):
+    resource.setrlimit(resource.RLIMIT_AS, (job["memory"], job["memory"]))
+    os.chdir(job["cwd"])
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0), os.dup2(null, 1), os.dup2(w, 2)
+    if "call" not in job:
+        try:
+            code = gpt2_engine.cli.main(job["args"])
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+        sys.stderr.flush()
+        os._exit(code)
+    try:
+        exec(job["call"], {})
+        result = [None, ""]
+    except Exception as e:
+        result = [type(e).__name__, str(e)]
+    sys.stderr.write(json.dumps(result))
+    sys.stderr.flush()
+    os._exit(0)
+
+for line in sys.stdin:
+    job = json.loads(line)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            child(job, w)
+        finally:
+            os._exit(70)
+    os.close(w)
+    out, deadline, timed_out = b"", time.monotonic() + job["timeout"], False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([r], [], [], left)[0]:
+            os.kill(pid, signal.SIGKILL)
+            timed_out = True
+            break
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        out += chunk
+    os.close(r)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(json.dumps([None if timed_out else code, out.decode("utf-8", "replace")]), flush=True)
+"""
+
+
+class ForkServer:
+    """One FORK_SERVER process, started at its first case."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, job: dict) -> tuple[int, str]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], cwd=ROOT, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        self.proc.stdin.write(json.dumps({"timeout": TIMEOUT, **job}) + "\n")
+        self.proc.stdin.flush()
+        code, err = json.loads(self.proc.stdout.readline())
+        assert code is not None, f"the case ran past {TIMEOUT} s: {job}"
+        return code, err
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+SERVER = ForkServer()  # this worker's; the fixture below closes it when the module's tests are done
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+    yield
+    SERVER.close()
+
+
 def run_cli(args: list[str], memory: int = MEMORY, cwd: Path = ROOT) -> tuple[int, str]:
     """`gpt2 ARGS` in a child capped at `memory` bytes of address space: (exit code, stderr)."""
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
-    done = subprocess.run([sys.executable, "-m", "gpt2_engine", *args], cwd=cwd, preexec_fn=cap,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    return done.returncode, done.stderr
-
-
-CALL = """
-import json, sys
-try:
-    exec(sys.argv[1])
-except Exception as e:
-    print(json.dumps([type(e).__name__, str(e)]))
-else:
-    print(json.dumps([None, ""]))
-"""
+    return SERVER.run({"args": [str(a) for a in args], "memory": memory, "cwd": str(cwd)})
 
 
 def run_call(statement: str, memory: int = MEMORY) -> tuple[str | None, str]:
     """A Python statement in a capped child: (the exception it raised or None, its message)."""
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
-    done = subprocess.run([sys.executable, "-c", CALL, statement], cwd=ROOT, preexec_fn=cap, capture_output=True,
-                          text=True, timeout=TIMEOUT, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    kind, message = json.loads(done.stdout.strip().splitlines()[-1])
+    code, out = SERVER.run({"call": statement, "memory": memory, "cwd": str(ROOT)})
+    assert code == 0, out[-2000:]
+    kind, message = json.loads(out.strip().splitlines()[-1])
     return kind, message
 
 
