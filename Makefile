@@ -36,24 +36,24 @@ lint: install
 	$(VENV)/bin/ruff check gpt2_engine tests scripts setup.py
 
 # The whole suite, as CI runs it. The test checkpoints are built first, outside pytest, so that their progress shows.
-# Two pytest-xdist workers, one torch thread each (tests/conftest.py): much of the suite waits on child processes,
-# servers and Python, not on the cores. worksteal: each worker takes a contiguous half (a file's module-scoped server
-# starts once) and the one that finishes first takes over the other's remaining tests.
+# Two pytest-xdist workers, one torch thread each (tests/conftest.py), a test file each at a time: a file's
+# module-scoped servers start once, and the Ray tests never start two clusters side by side (worksteal, which splits
+# files, did, and a Serve proxy died).
 test: install fixtures
-	$(PY) -m pytest -n 2 --dist worksteal
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The inner loop: the unit tier, on random checkpoints written in seconds (no trained one is built), without the
 # tests marked slow (the serving soak, lm-eval, Ray, the browser, the training runs killed and resumed, the long
 # parity sweeps, the hostile-input corpus); see docs/architecture.md's Tests section.
 test-fast: install
-	$(PY) -m pytest -n 2 --dist worksteal -m "not slow and not trained"
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow and not trained"
 
 # The whole suite as on a CPU with AVX2 only (a Zen 1/Zen 3 EPYC), on any CPU that also has AVX-512: the engine's
 # AVX-512, VNNI, BF16 and AMX paths off in pytest's process (tests/conftest.py's --cpu-isa), torch's and oneDNN's
 # kernels limited to AVX2 by their own settings in every process. Commands the tests start as processes of their
 # own still take this CPU's paths.
 test-avx2: install fixtures
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -n 2 --dist worksteal --cpu-isa avx2 $(ARGS)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -n 2 --dist loadfile --cpu-isa avx2 $(ARGS)
 
 weights: install
 	$(PY) scripts/download_weights.py --dest $(or $(WEIGHTS),weights) $(ARGS)
