@@ -48,7 +48,8 @@ def limit_to_avx2() -> None:
     to each native call), so the AVX2 code runs here as it does on a Zen 1/Zen 3 EPYC."""
     from gpt2_engine.core import kernels
 
-    native = kernels.cpu()
+    original = kernels.cpu
+    native = original()
     if not native.avx2:
         pytest.exit("--cpu-isa avx2: this CPU has no AVX2", returncode=4)
     limited = dataclasses.replace(native, avx512=False, avx512_bf16=False, avx512_vnni=False, avx512_vbmi=False,
@@ -58,7 +59,7 @@ def limit_to_avx2() -> None:
         return limited
 
     for module in [m for name, m in sys.modules.items() if name.startswith("gpt2_engine")]:
-        if getattr(module, "cpu", None) is kernels.cpu:
+        if getattr(module, "cpu", None) is original:
             module.cpu = cpu
     kernels.cpu = cpu  # for the modules imported from here on
 
