@@ -222,17 +222,22 @@ def report(args: argparse.Namespace, settings: ScoreSettings, totals: Totals, se
         print(f"per-document figures: {args.output}", file=out)
 
 
+def check_outputs(args: argparse.Namespace, inputs: list[Path]) -> None:
+    """Refuse --per-token or --output that is one of the documents scored (writing would replace it), or the two
+    naming one file."""
+    files = [(flag, Path(dest)) for flag, dest in (("--per-token", args.per_token), ("--output", args.output))
+             if dest is not None and str(dest) != "-"]
+    for flag, dest in files:
+        check_not_an_input(dest, inputs, flag)
+    if len(files) == 2 and files[0][1].resolve() == files[1][1].resolve():
+        raise InputError(f"--per-token and --output are the same file ({args.output}): give each its own")
+
+
 def run_score(args: argparse.Namespace) -> int:
     check_flags(args)
     if (shards := shard_files(args.files)) is None:  # token shards (a folder of them, too) are read as they are
         args.files = expand_paths(args.files)  # a folder is the text files under it, as gpt2 finetune reads it
-    inputs = shards or [Path(f) for f in args.files if str(f) != "-"]
-    for flag, dest in (("--per-token", args.per_token), ("--output", args.output)):
-        if dest is not None and str(dest) != "-":
-            check_not_an_input(Path(dest), inputs, flag)
-    if args.per_token is not None and str(args.per_token) != "-" and args.output is not None and \
-            Path(args.per_token).resolve() == Path(args.output).resolve():
-        raise InputError(f"--per-token and --output are the same file ({args.output}): give each its own")
+    check_outputs(args, shards or [Path(f) for f in args.files if str(f) != "-"])
     writers = {name: open_writer(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
                if dest is not None}
     out = sys.stderr if any(isinstance(w, StdoutWriter) for w in writers.values()) else sys.stdout  # the report
