@@ -146,8 +146,7 @@ class GPT2:
         recorder.hooks = hooks
         positions, key_mask = None, None
         if attention_mask is not None:
-            if attention_mask.shape != ids.shape:
-                raise GPT2EngineError(f"attention_mask: expected shape {list(ids.shape)} like ids, got {list(attention_mask.shape)}")
+            check_attention_mask(attention_mask, ids)
             key_mask = attention_mask.to(self.device).bool()  # [B, T]
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]: a left-padded row starts at position 0
         return forward(self.weights, self.config, ids.to(self.device), positions=positions, key_mask=key_mask, tap=recorder)
@@ -400,6 +399,26 @@ class GPT2:
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise GPT2EngineError(f"ids: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+
+
+def check_attention_mask(mask: torch.Tensor, ids: torch.Tensor) -> None:
+    """Raise GPT2EngineError unless `mask` is a [B, T] tensor like `ids` of 0s then 1s in each row (left padding, at
+    least one token): a hole or a row of padding alone has no meaning in the forward, and would run silently."""
+    if not isinstance(mask, torch.Tensor) or mask.layout != torch.strided or mask.device.type == "meta":
+        what = type(mask).__name__ if not isinstance(mask, torch.Tensor) else f"{str(mask.layout).removeprefix('torch.')}" \
+            f"{' meta' if mask.device.type == 'meta' else ''} tensor"
+        raise GPT2EngineError(f"attention_mask: expected a dense tensor of 0s and 1s, got {what}")
+    if mask.shape != ids.shape:
+        raise GPT2EngineError(f"attention_mask: expected shape {list(ids.shape)} like ids, got {list(mask.shape)}")
+    m = mask.detach().cpu()
+    if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):  # NaN, 0.5 or 2 would each mean something else
+        raise GPT2EngineError("attention_mask: expected only 0s and 1s (1 for a token, 0 for padding)")
+    m = m.to(torch.int8)  # [B, T]
+    bad = (m[:, -1] == 0) | (m[:, 1:] < m[:, :-1]).any(dim=1)  # [B]: a row ending in padding, or with a hole
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise GPT2EngineError(f"attention_mask: row {row} is {m[row].tolist()[:16]}{'...' if m.shape[1] > 16 else ''}"
+                              f"; expected left padding: 0s, then 1s up to the last position")
 
 
 # --- from_pretrained's steps ------------------------------------------------------------------------------------

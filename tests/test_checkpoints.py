@@ -215,12 +215,16 @@ def test_gpt2_convert_between_formats(trained_dir: Path, trained_model: GPT2, tm
     assert code == 2 and "no such checkpoint" in err
 
     # a model already at the destination is replaced only with --overwrite (a typo must not cost a checkpoint)
+    (tmp_path / "again" / "pytorch_model.bin").write_bytes(b"an older model")  # replaced with the folder's model
     for to, dst in (("hf", tmp_path / "again"), ("llmc", tmp_path / "m.bin")):
         code, err = cli("convert", str(trained_dir), str(dst), "--to", to)
-        held = "already holds a model (config.json, model.safetensors)" if to == "hf" else "already exists"
+        held = ("already holds a model (config.json, model.safetensors, pytorch_model.bin)" if to == "hf"
+                else "already exists")
         assert (code, err) == (2, f"gpt2 convert: error: {dst}: {held}; pass --overwrite to replace it"
                                   f"{', or write somewhere else' if to == 'hf' else ''}\n")
         assert cli("convert", str(trained_dir), str(dst), "--to", to, "--overwrite")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == [
+        "config.json", "generation_config.json", "merges.txt", "model.safetensors", "vocab.json"]
 
     code, err = cli("generate", "Return the", "-n", "4", "--temperature", "0", "--weights", str(tmp_path / "m.bin"))
     assert code == 0

@@ -883,6 +883,23 @@ def test_a_task_file_runs_only_with_trust_task_code(make: Callable[[Path], list[
     assert not (tmp_path / "ran").exists()
 
 
+def test_a_trusted_task_with_an_unknown_metric_is_one_line_naming_the_registry(tiny_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """lm-eval looks up an unknown metric's aggregation, finds None, and raises KeyError(None): that was quoted as
+    `--tasks: None`, naming nothing."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "d.jsonl").write_text('{"q": "a b", "a": " c"}\n')
+    (tmp_path / "t.yaml").write_text(
+        f"task: t_unknown_metric\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'd.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+        "metric_list:\n  - metric: no_such_metric_anywhere\n")
+    code, err = run_cli(["eval", "--tasks", str(tmp_path / "t.yaml"), "--trust-task-code", "--weights", str(tiny_dir)])
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "gpt2 eval: error: --tasks: lm-eval could not build the task (it looked up None in a registry: a metric, "
+        "filter or output_type the task's YAML names that lm-eval does not know?)")
+
+
 def sparse(path: Path, size: int = 5 << 30) -> Path:
     """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
     path.unlink(missing_ok=True)

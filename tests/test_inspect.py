@@ -232,8 +232,21 @@ def test_bad_hooks_and_names_are_refused(trained_model: GPT2) -> None:
         trained_model.run_with_hooks(ids, {"blocks.0.hook_resid_pre": "x"})
     with pytest.raises(GPT2EngineError, match=r"hook on blocks.0.hook_resid_pre: expected a tensor of shape \[1, \d+, 256\]"):
         trained_model.run_with_hooks(ids, {"blocks.0.hook_resid_pre": lambda x, n: x[:, :-1]})
+    with pytest.raises(GPT2EngineError, match=r"hook on blocks.0.hook_resid_pre: expected a floating-point tensor, "
+                                              "got torch.int64"):
+        trained_model.run_with_hooks(ids, {"blocks.0.hook_resid_pre": lambda x, n: x.long()})
     with pytest.raises(GPT2EngineError, match="attention_mask: expected shape"):
         trained_model.run_with_cache(ids, attention_mask=torch.ones(1, 3))
+    two = ids.repeat(2, 1)[:, :3]  # [2, 3]
+    for mask, message in [([[1, 1, 1], [1, 0, 1]], r"row 1 is \[1, 0, 1\]; expected left padding"),
+                          ([[0, 0, 0], [1, 1, 1]], r"row 0 is \[0, 0, 0\]; expected left padding"),
+                          ([[1, 1, 0], [1, 1, 1]], r"row 0 is \[1, 1, 0\]"),
+                          ([[1, 1, float("nan")], [1, 1, 1]], "expected only 0s and 1s"),
+                          ([[1, 1, 2], [1, 1, 1]], "expected only 0s and 1s")]:
+        with pytest.raises(GPT2EngineError, match="^attention_mask: " + message):
+            trained_model.run_with_cache(two, attention_mask=torch.tensor(mask))
+    with pytest.raises(GPT2EngineError, match="attention_mask: expected a dense tensor of 0s and 1s, got list"):
+        trained_model.run_with_cache(two, attention_mask=[[1, 1, 1], [1, 1, 1]])
     with pytest.raises(KeyError, match="is not in this cache"):
         trained_model.run_with_cache(ids, ["hook_embed"])[1]["hook_pos_embed"]
     with pytest.raises(GPT2EngineError, match="method: expected 'grad_x_input' or 'integrated_gradients'"):

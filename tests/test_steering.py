@@ -376,11 +376,19 @@ def test_steering_errors_are_one_line(trained_model, tmp_path: Path) -> None:
         (Steering("blocks.1.hook_resid_pre", torch.ones(C + 1)), f"that hook is {C} wide"),
         (Steering("blocks.1.mlp.hook_pre", torch.ones(C)), f"that hook is {4 * C} wide"),
         (Steering("blocks.1.hook_resid_pre", torch.ones(C), head=0), "only q/k/v/z hook points have heads"),
+        (Steering("blocks.1.hook_resid_pre", torch.ones(C // 8, 8)), rf"shape \[{C // 8}, 8\]; expected \[{C}\]"),
+        (Steering("blocks.1.attn.hook_q", torch.ones(C // 8, 8)), rf"expected \[{trained_model.config.n_head}, "),
     ]
     for s, fragment in bad:
         with pytest.raises(SteeringError, match=fragment) as e:
             trained_model.generate("The", max_new_tokens=2, steering=[s])
         assert "\n" not in str(e.value)
+    v = torch.randn(C, generator=torch.Generator().manual_seed(0))  # a row's own shape, flat or with leading 1s
+    nh = trained_model.config.n_head
+    for hook, shaped in [("blocks.1.hook_resid_pre", v.view(1, 1, C)), ("blocks.1.attn.hook_q", v.view(nh, -1))]:
+        got = [trained_model.generate("Once upon a time there was", max_new_tokens=6, temperature=0, steering=[Steering(hook, t, coef=40.0)])
+               for t in (shaped, v)]
+        assert got[0] == got[1] != trained_model.generate("Once upon a time there was", max_new_tokens=6, temperature=0)
     with pytest.raises(SteeringError, match="positions must be one of"):
         Steering("hook_embed", torch.ones(C), positions="later")
     with pytest.raises(SteeringError, match="expected finite values"):

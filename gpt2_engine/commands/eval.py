@@ -108,7 +108,11 @@ def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, A
                                log_samples=args.log_samples, random_seed=args.seed, numpy_random_seed=args.seed,
                                torch_random_seed=args.seed, fewshot_random_seed=args.seed)
     except KeyError as e:  # lm-eval's "not a registered task/group/tag name or valid YAML path"
-        raise UsageError(f"--tasks: {' '.join(str(e).strip(chr(39) + chr(34)).split())}") from None
+        said = " ".join(str(e).strip(chr(39) + chr(34)).split())
+        if not e.args or e.args[0] is None or len(said) < 8:  # a registry lookup of a name the YAML left unset
+            said = (f"lm-eval could not build the task (it looked up {said or 'nothing'} in a registry: a metric, "
+                    f"filter or output_type the task's YAML names that lm-eval does not know?)")
+        raise UsageError(f"--tasks: {one_line(said, 300)}") from None
     except (OSError, ConnectionError) as e:
         raise UsageError(f"a task's data could not be loaded: {one_line(e, 300)} ({HUB_HINT})") from None
 

@@ -321,6 +321,11 @@ def write_checkpoint(directory: Path, config: GPT2Config, weights: GPT2Weights, 
 
     tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in named_tensors(weights).items()}
     atomic(SAFETENSORS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    # A pytorch_model.bin of the model this one replaces (finetune --overwrite) would leave the folder holding two
+    # different models: this loader reads model.safetensors first, another tool might not.
+    stale = directory / PYTORCH_BIN
+    if stale.is_file() or stale.is_symlink():
+        stale.unlink()
     atomic(CONFIG, text(json.dumps(config.to_json_dict(), indent=2) + "\n"))
     atomic("generation_config.json", text(json.dumps(GENERATION_CONFIG, indent=2) + "\n"))
     for (vocab, merges) in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):

@@ -70,6 +70,8 @@ class Recorder:
                 if not isinstance(out, torch.Tensor) or out.shape != x.shape:
                     got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                     raise GPT2EngineError(f"hook on {name}: expected a tensor of shape {list(x.shape)} or None, got {got}")
+                if not out.is_floating_point():  # a.long() cast back would silently truncate every activation
+                    raise GPT2EngineError(f"hook on {name}: expected a floating-point tensor, got {out.dtype}")
                 x = out.to(x.dtype)
         if self.cache_filter(name):
             self.activations[name] = x

@@ -178,9 +178,16 @@ class Steering:
             return
         want = math.prod(shape)
         for name, t in (("vector", self.vector), ("bias", self.bias)):
-            if t is not None and t.numel() != want:
+            if t is None:
+                continue
+            if t.numel() != want:
                 raise SteeringError(f"steering {name} at {self.hook} has {t.numel()} values ({list(t.shape)}); "
                                     f"that hook is {want} wide{' per head' if self.head is not None else ''}")
+            row = tuple(t.shape[next((i for i, n in enumerate(t.shape) if n != 1), t.dim()):])  # leading 1s dropped
+            if row not in (shape, (want,)):  # [8, 8] on a 64-wide hook has the count but not the meaning
+                shapes = " or ".join(str(list(s)) for s in dict.fromkeys([shape, (want,)]))
+                raise SteeringError(f"steering {name} at {self.hook}: shape {list(t.shape)}; expected {shapes} "
+                                    f"(leading 1s allowed)")
 
     def __repr__(self) -> str:
         what = {"add": f"add coef={self.coef:g}" + (f" sae feature {self.feature}" if self.sae is not None else ""),

@@ -89,7 +89,7 @@ class ChatTemplate:
         except RaisedByTemplate as e:
             raise ChatTemplateError(one_line(e, 500)) from None
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template ({self.source}) failed: {e}") from None
+            raise ChatTemplateError(f"the chat template ({self.source}) failed: {one_line(e, 300)}") from None
         except (RecursionError, OverflowError, MemoryError) as e:
             raise TemplateFailed(f"the server's chat template ({self.source}) failed: {type(e).__name__}"
                                  f"{': ' + str(e) if str(e) else ''}") from None
