@@ -276,6 +276,33 @@ def test_closing_the_renderers_ends_the_renders_under_way(tmp_path: Path) -> Non
         renderers.render([{"role": "user", "content": "hi"}], "")
 
 
+ROLES = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user message') }}"
+         "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_a_refused_conversation_keeps_its_renderer_and_a_start_is_not_a_renders_time() -> None:
+    """A refused render (raise_exception: the client's 400) killed its renderer, and the new one's start (1.5 s,
+    importing torch) was counted in the next render's 2 s: two refused requests beside four good ones gave all four a
+    false 500 "took over 2 s". A refusal keeps its renderer; renderers start with the server, import jinja2 and the
+    template code only, and say when they are ready, before a render's time starts."""
+    import concurrent.futures
+
+    renderers = Renderers(ROLES, "roles.jinja", count=2, seconds=0.5)  # a render takes a millisecond
+    started = {c.pid for c in renderers.children}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(renderers.render, [{"role": role, "content": "hi"}], "")
+                       for role in ["assistant", "assistant", "user", "user", "user", "user"]]
+            outcomes = [f.exception() or f.result() for f in futures]
+        assert [type(o).__name__ if isinstance(o, Exception) else o for o in outcomes] == [
+            "ChatTemplateError", "ChatTemplateError", "hi", "hi", "hi", "hi"]
+        assert str(outcomes[0]) == "Conversations must start with a user message"
+        assert {c.pid for c in renderers.children} == started  # the same two processes served all six
+        assert not any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in started)
+    finally:
+        renderers.close()
+
+
 def test_a_template_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
     """A FIFO as --chat-template waited for a writer forever."""
     import os

@@ -1242,6 +1242,33 @@ def test_sigterm_during_convert_removes_the_partial_file(small_dir: Path, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def fifo_at(path: Path) -> Path:
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda tiny, tmp: ["sae", "features", "hi", "--weights", str(tiny), "--hook", "blocks.0.hook_resid_pre",
+                        "--sae", str(fifo_at(tmp / "openai.pt"))],
+     r"openai.pt: not a state dict torch can read safely \(a FIFO there, not a regular file\)$"),
+    (lambda tiny, tmp: ["sae", "features", "hi", "--weights", str(tiny),
+                        "--sae", str(fifo_at(saelens_dir(tmp) / "sae_weights.safetensors").parent)],
+     r"sae: sae_weights.safetensors is a FIFO, not a regular file \(expected SAELens's directory"),
+    (lambda tiny, tmp: ["generate", "Hi", "-n", "2", "--weights", str(tiny), "--steer",
+                        f"vector={fifo_at(tmp / 'v.pt')},hook=blocks.0.hook_resid_pre,coef=1"],
+     r"v.pt: a FIFO, not a regular file$"),
+    (lambda tiny, tmp: ["generate", "Hi", "-n", "2", "--weights",
+                        str(fifo_at(Path(shutil.copytree(tiny, tmp / "ckpt")) / "model.safetensors").parent)],
+     r"ckpt/model.safetensors: a FIFO, not a regular file$"),
+], ids=["openai-sae", "saelens-weights", "steering-vector", "model.safetensors"])
+def test_a_fifo_as_a_model_sae_or_vector_file_is_named_as_what_it_is(make: Callable, pattern: str, tiny_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """A FIFO as OpenAI's SAE .pt waited for a writer forever; as other files it was reported missing ("no such
+    file", "no model.safetensors found"): each is refused before it is opened, naming what is there."""
+    one_line_error(*run_cli(make(tiny_dir, tmp_path)), pattern)
+
+
 def test_a_fifo_as_a_metadata_file_is_refused_without_waiting(tiny_dir: Path, tmp_path: Path) -> None:
     """A FIFO as config.json or adapter_config.json waited in open() for a writer, forever."""
     shutil.copytree(tiny_dir, tmp_path / "ckpt")

@@ -193,6 +193,10 @@ def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_pa
     assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(inside), "--overwrite"]) == 2
     assert capsys.readouterr().err.endswith(f"error: {inside}: is inside the base checkpoint {trained_dir}; write the "
                                             "merged model somewhere else\n")
+    inside = tmp_path / "peft" / "last"  # an adapter run's resume state: a model beside it would be neither
+    assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(inside), "--overwrite"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {inside}: is inside the adapter {tmp_path / 'peft'}; write the "
+                                            "merged model somewhere else\n")
 
 
 def test_adapter_files_are_checked(trained_dir: Path, tmp_path: Path) -> None:

@@ -142,6 +142,10 @@ def test_python_api(trained_model: GPT2, trained_hf_model) -> None:
     assert (trained_model.token_logprobs(ids)[0] - ref).abs().max().item() <= 1e-4
     with pytest.raises(GPT2EngineError, match="expected a list of strings"):
         trained_model.score("one string")
+    with pytest.raises(GPT2EngineError, match="^bos: expected True or False, got 'no'$"):
+        trained_model.score(["x y"], bos="no")
+    with pytest.raises(GPT2EngineError, match="^context: expected an integer, got 64.5$"):
+        trained_model.score(["x y"], context=64.5)
 
 
 def test_trained_checkpoint_has_learned_its_corpus(trained_model: GPT2) -> None:

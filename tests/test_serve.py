@@ -153,6 +153,8 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
      "max_tokens (3) and max_completion_tokens (4) disagree"),
     ({"prompt": "x", "max_tokens": 513}, 400, "max_tokens", "asking for 513 new tokens exceeds the context of 512"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": "x", "model": "m" * 100_000}, 404, "model", "'" + "m" * 200 + "'... (100,000 characters) does not"),
+    ({"prompt": [True, False]}, 400, "prompt", "Input should be"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: int, param: str, fragment: str) -> None:
     body = {"model": "gpt2", **body}

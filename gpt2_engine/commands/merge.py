@@ -26,8 +26,9 @@ def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False, overwr
     for given, what in ((base, "the base checkpoint"), (adapter, "the adapter")):
         if out.resolve() == given.resolve():
             raise UsageError(f"{out}: is {what} itself; write the merged model somewhere else")
-    if out.resolve().is_relative_to(base.resolve()):  # e.g. the base run's last/, whose optimizer state would go stale
-        raise UsageError(f"{out}: is inside the base checkpoint {base}; write the merged model somewhere else")
+    for given, what in ((base, "the base checkpoint"), (adapter, "the adapter")):
+        if out.resolve().is_relative_to(given.resolve()):  # e.g. a run's last/, whose resume state would go stale
+            raise UsageError(f"{out}: is inside {what} {given}; write the merged model somewhere else")
     check_not_replacing(out, overwrite, CHECKPOINT_FILES + (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
     config = GPT2Config.from_json(base / CONFIG)
     lora = load_adapter(adapter, config)

@@ -23,7 +23,7 @@ from ..core.errors import WeightsError
 from ..core.pages import FilePages, file_mapping, file_pages, release_pages
 from ..core.weights import (Allocator, Block, GPT2Weights, LayerNorm, Linear, PanelMatrix, expected_shapes,
                             named_tensors)
-from .files import atomic_write, output_directory
+from .files import atomic_write, output_directory, what_is
 from .pickles import load_pickle
 
 DEFAULT_WEIGHTS = Path("weights")  # the project's default checkpoint directory
@@ -124,10 +124,13 @@ def find_weights_file(directory: Path) -> Path:
     if not directory.exists():
         raise WeightsError(f"{directory}: weights directory does not exist (run `make weights`, or `make demo` offline, or copy the official files there)")
     if not directory.is_dir():
-        raise WeightsError(f"{directory}: expected a directory holding {CONFIG} and {SAFETENSORS} or {PYTORCH_BIN}, found a file")
+        raise WeightsError(f"{directory}: expected a directory holding {CONFIG} and {SAFETENSORS} or {PYTORCH_BIN}, "
+                           f"found {what_is(directory)}")
     for name in (SAFETENSORS, PYTORCH_BIN):
         if (directory / name).is_file():
             return directory / name
+        if (directory / name).exists():  # a FIFO or a folder by that name: not missing, and never to be opened
+            raise WeightsError(f"{directory / name}: {what_is(directory / name)}, not a regular file")
     others = [name for name in OTHER_FORMATS if (directory / name).exists()]
     if others:
         raise WeightsError(f"{directory}: unsupported weights format {others[0]}; expected {SAFETENSORS} or {PYTORCH_BIN}")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..core.errors import one_line
+from .files import what_is
 
 
 def refusal(e: BaseException) -> str:
@@ -66,6 +67,12 @@ def check_values_stored(found: Any) -> None:
 def load_pickle(path: Path, mmap: bool = False) -> Any:
     """torch.load(path, weights_only=True) on the CPU, memory-mapped where asked and the file's format allows (files
     written before torch's zip format cannot be); ValueError in one line for a file it will not or cannot read."""
+    try:
+        kind = what_is(path)
+    except OSError as e:  # a symlink loop, a folder it may not enter
+        raise ValueError(f"not readable ({e.strerror})") from None
+    if kind != "a regular file":  # opening a FIFO waits for a writer, forever
+        raise ValueError(f"{kind or 'nothing'} there, not a regular file")
     try:
         check_stored(path)
     except (zipfile.BadZipFile, OSError) as e:

@@ -13,6 +13,7 @@ import torch
 
 from ..core.config import read_json
 from ..core.errors import GPT2EngineError
+from .files import what_is
 from .pickles import load_pickle
 
 SAELENS_CONFIG, SAELENS_WEIGHTS = "cfg.json", "sae_weights.safetensors"
@@ -140,7 +141,8 @@ def read_saelens(directory: Path, hook_name: str | None) -> tuple[SAEConfig, dic
     cfg_path, weights_path = directory / SAELENS_CONFIG, directory / SAELENS_WEIGHTS
     for f in (cfg_path, weights_path):
         if not f.is_file():
-            raise SAEError(f"--sae {directory}: no {f.name} (expected SAELens's directory with {SAELENS_CONFIG} and "
+            there = f"{f.name} is {what_is(f)}, not a regular file" if f.exists() else f"no {f.name}"
+            raise SAEError(f"--sae {directory}: {there} (expected SAELens's directory with {SAELENS_CONFIG} and "
                            f"{SAELENS_WEIGHTS})")
     try:
         raw = read_json(cfg_path)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..core.errors import SteeringError, one_line
+from .files import what_is
 from .pickles import load_pickle
 
 VECTOR_SUFFIXES = (".pt", ".pth", ".safetensors", ".npy")
@@ -24,7 +25,8 @@ def read_vector(path: str | Path) -> torch.Tensor:
     if p.suffix not in VECTOR_SUFFIXES:
         raise SteeringError(f"steering vector {path}: expected a {', '.join(VECTOR_SUFFIXES)} file")
     if not p.is_file():
-        raise SteeringError(f"steering vector {path}: no such file")
+        kind = what_is(p) if p.exists() else None  # a FIFO is there, not missing
+        raise SteeringError(f"steering vector {path}: {f'{kind}, not a regular file' if kind else 'no such file'}")
     try:
         if p.suffix == ".npy":
             with warnings.catch_warnings():  # a shape whose size overflows warns before it fails: the failure says it

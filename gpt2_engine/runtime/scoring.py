@@ -13,6 +13,7 @@ the first window. This is transformers' sliding-window perplexity recipe with it
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -99,6 +100,13 @@ class ScoreSettings:
     steering: tuple[Steering, ...] = ()  # edits on every position (interp/steering.py), as lm-eval's steered model
 
     def check(self, config: GPT2Config) -> None:
+        for name in ("bos", "details"):  # "no" would be true
+            if not isinstance(getattr(self, name), bool):
+                raise GPT2EngineError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        for name in ("context", "stride", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise GPT2EngineError(f"{name}: expected an integer, got {value!r}")
         if not 2 <= self.context <= config.n_positions:
             raise GPT2EngineError(f"context must be in 2..{config.n_positions} (the model's n_positions), got {self.context}")
         if not 1 <= self.stride < self.context:

@@ -251,7 +251,8 @@ def check_model(settings: ServerSettings, name: str | None) -> int | None:
     names = [settings.model_name] + [name for name, _ in settings.adapters]
     if name is not None and name not in names:
         served = ", ".join(repr(n) for n in names)
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
+        shown = repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name):,} characters)"
+        raise APIError(404, f"the model {shown} does not exist; this server serves {served}",
                        param="model", code="model_not_found")
     if not settings.adapters:
         return None

@@ -67,7 +67,7 @@ class ChatTemplate:
         self.text, self.stops, self.source, self.isolated = text, stops, source, isolated
         # an operator's template is compiled and rendered only in its renderers (bounded), never in this process
         self.template = None if isolated else compile_template(text, source)
-        self.renderers = Renderers(text, source) if isolated else None  # their processes start at the first render
+        self.renderers = Renderers(text, source) if isolated else None
 
     def __reduce__(self) -> tuple:
         # a compiled template does not pickle, and Ray ships the server's settings to its replicas: send the text
@@ -163,15 +163,22 @@ def load_template(path: Path) -> ChatTemplate:
 # An operator's template renders in child processes, each with 1 GiB of address space over the interpreter's own
 # and RENDER_SECONDS a conversation: a template that loops, recurses or doubles a string on some conversation fails
 # that request (a 500 naming the template) and costs the server nothing else. A child that overruns is killed and a
-# new one started; each dies with the server (PR_SET_PDEATHSIG), whatever it is rendering.
+# new one started; each dies with the server (PR_SET_PDEATHSIG), whatever it is rendering. A child imports this file
+# and jinja2 only (the package's __init__ files, which import torch, are skipped), and says when it is ready, so its
+# start-up (a tenth of a second) is never counted in a render's time.
 WORKER = """
-import ctypes, json, resource, signal, sys
+import ctypes, json, resource, signal, sys, types
 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-sys.path[:0] = json.loads(sys.argv[1])
+root = json.loads(sys.argv[1])
+for name in ("gpt2_engine", "gpt2_engine.core", "gpt2_engine.serve"):
+    package = types.ModuleType(name)
+    package.__path__ = [root + "/" + name.replace(".", "/")]
+    sys.modules[name] = package
 from gpt2_engine.serve.chat import ChatTemplate, ChatTemplateError, TemplateFailed
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()  # the interpreter's own mappings
 resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), used + (1 << 30)))
 text, source = json.loads(sys.stdin.readline())
+print(json.dumps({"ready": True}), flush=True)
 template = None
 for line in sys.stdin:
     messages, eos = json.loads(line)
@@ -187,19 +194,23 @@ for line in sys.stdin:
 RENDER_SECONDS = 2.0  # a conversation's render; transformers' templates take milliseconds
 RENDERERS = 2  # child processes (the machines have 2 cores); a request waits for a free one
 WAIT_SECONDS = 10.0
+START_SECONDS = 30.0  # a renderer's start-up, on a machine busy with the model (it takes a tenth of a second idle)
 RENDER_BYTES = 2 << 20  # a rendered prompt: GPT-2's context is 1,024 tokens, and a request body at most 1 MiB by default
 
 
 class Renderers:
-    """Child processes that render one template (WORKER), handed to one render at a time."""
+    """Child processes that render one template (WORKER), handed to one render at a time. They start with the
+    server; one that fails a render (over time, over memory, dead) is replaced at once, one whose template refused a
+    conversation (raise_exception: the client's error) keeps serving."""
 
     def __init__(self, text: str, source: str, count: int = RENDERERS, seconds: float = RENDER_SECONDS) -> None:
         self.text, self.source, self.seconds, self.count = text, source, seconds, count
         self.idle: queue.Queue[subprocess.Popen | None] = queue.Queue()
         self.children: set[subprocess.Popen] = set()
+        self.ready: set[subprocess.Popen] = set()
         self.closed = False
         for _ in range(count):
-            self.idle.put(None)  # started when first needed
+            self.idle.put(self._start())
 
     def render(self, messages: list[dict[str, str]], eos_token: str) -> str:
         name = f"the server's chat template ({self.source})"
@@ -212,23 +223,41 @@ class Renderers:
             raise TemplateFailed(f"{name} cannot render: the server is stopping")
         try:
             if child is None or child.poll() is not None:
+                self._stop(child)
                 child = self._start()
+            self._wait_ready(child, name)
             reply = self._ask(child, messages, eos_token)
+        except TemplateFailed:
+            self._stop(child)
+            child = None
+            raise
+        except ChatTemplateError:  # refused: the child answered, and renders the next conversation as well
+            raise
         except BaseException:
             self._stop(child)
             child = None
             raise
         finally:
-            self.idle.put(child)
+            self.idle.put(child if child is not None or self.closed else self._start())
         return reply
 
     def _start(self) -> subprocess.Popen:
         root = str(Path(__file__).resolve().parent.parent.parent)
-        child = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([root])], stdin=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(root)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.children.add(child)
         child.stdin.write((json.dumps([self.text, self.source]) + "\n").encode())
+        child.stdin.flush()
         return child
+
+    def _wait_ready(self, child: subprocess.Popen, name: str) -> None:
+        """Return once `child` has started (at once after its first time); TemplateFailed if it does not."""
+        if child in self.ready:
+            return
+        line = child.stdout.readline(256) if select.select([child.stdout], [], [], START_SECONDS)[0] else b""
+        if line != b'{"ready": true}\n':
+            raise TemplateFailed(f"{name} failed: its renderer did not start in {START_SECONDS:g} s")
+        self.ready.add(child)
 
     def _ask(self, child: subprocess.Popen, messages: list[dict[str, str]], eos_token: str) -> str:
         """The child's render of `messages`; TemplateFailed when it takes over `seconds`, renders more than
@@ -259,6 +288,7 @@ class Renderers:
             child.kill()
             child.wait()
             self.children.discard(child)
+            self.ready.discard(child)
 
     def close(self) -> None:
         """Stop every renderer: a render under way fails at once (its child gone), and one waiting for a renderer

@@ -148,7 +148,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: a prompt (text, token ids, or a list of either) continued; max_tokens 16 unless given."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is not token 1
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     # accepted for compatibility, rejected unless they ask for nothing different
