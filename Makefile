@@ -13,7 +13,7 @@ PROMPT ?= Hello, my dog is
 ARGS ?=
 export PROMPT
 
-.PHONY: install lint test test-fast test-avx2 generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-memory bench-eval check-gguf serve fixtures clean
+.PHONY: install lint test test-long test-fast test-avx2 generate demo weights compare bench bench-serve bench-inspect bench-sae bench-train bench-speculative bench-llamacpp bench-memory bench-eval check-gguf serve fixtures clean
 
 install: $(STAMP)
 
@@ -35,18 +35,23 @@ $(STAMP): pyproject.toml $(KERNELS)
 lint: install
 	$(VENV)/bin/ruff check gpt2_engine tests scripts setup.py
 
-# The whole suite, as CI runs it. The test checkpoints are built first, outside pytest, so that their progress shows.
-# Two pytest-xdist workers, one torch thread each (tests/conftest.py), a test file each at a time: a file's
-# module-scoped servers start once, and the Ray tests never start two clusters side by side (worksteal, which splits
-# files, did, and a Serve proxy died).
+# The suite but its longest reference runs (marked long: make test-long; CI runs both). The test checkpoints are
+# built first, outside pytest, so that their progress shows. Two pytest-xdist workers, one torch thread each
+# (tests/conftest.py), a test file each at a time: a file's module-scoped servers start once, and the Ray tests never
+# start two clusters side by side (worksteal, which splits files, did, and a Serve proxy died).
 test: install fixtures
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile -m "not long" $(ARGS)
+
+# The long runs: the quality targets of every format, 1,024-token parity, the ablation, Ray, lm-eval, the soak, the
+# runs killed and resumed, the docs' training sessions.
+test-long: install fixtures
+	$(PY) -m pytest -n 2 --dist loadfile -m long $(ARGS)
 
 # The inner loop: the unit tier, on random checkpoints written in seconds (no trained one is built), without the
 # tests marked slow (the serving soak, lm-eval, Ray, the browser, the training runs killed and resumed, the long
 # parity sweeps, the hostile-input corpus); see docs/architecture.md's Tests section.
 test-fast: install
-	$(PY) -m pytest -n 2 --dist loadfile -m "not slow and not trained"
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow and not trained and not long"
 
 # The whole suite as on a CPU with AVX2 only (a Zen 1/Zen 3 EPYC), on any CPU that also has AVX-512: the engine's
 # AVX-512, VNNI, BF16 and AMX paths off in pytest's process (tests/conftest.py's --cpu-isa), torch's and oneDNN's

@@ -255,6 +255,7 @@ def test_gpt2_finetune_trains_a_nanogpt_checkpoint(tmp_path: Path) -> None:
     assert tuned.config.activation_function == "gelu"  # the exported checkpoint keeps nanoGPT's GELU
 
 
+@pytest.mark.long
 def test_gguf_files_carry_llamacpps_names_and_tokenizer_and_read_back(trained_dir: Path, trained_model: GPT2,
                                                                      tmp_path: Path) -> None:
     """gpt2 convert --to gguf writes what llama.cpp's gpt2 loader reads (checked with gguf-py's own reader: the

@@ -198,6 +198,7 @@ JSON_KEYS = {"prompt", "engine", "tokens", "max_abs", "mean_abs", "max_rel", "kl
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_compare_passes_on_the_fixture_with_both_engines(capsys, small_dir: Path) -> None:
     code, out, _ = run(capsys, "compare", "--weights", str(small_dir), "--engine", "all", "--json")
     doc = json.loads(out)

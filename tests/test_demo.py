@@ -132,6 +132,7 @@ def test_without_weights_or_demo_the_error_names_both_ways(tmp_path: Path) -> No
                                     "in the project's checkout)")
 
 
+@pytest.mark.long
 def test_gpt2_compare_checks_the_demo_model(project: Path) -> None:
     out = gpt2("compare", cwd=project)
     assert out.returncode == 0, out.stderr

@@ -17,7 +17,7 @@ from gpt2_engine import GPT2
 from gpt2_engine.cli import build_parser, main
 from gpt2_engine.commands.serve import check_options
 
-pytestmark = pytest.mark.slow  # make test-fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-fast and make test leave it out
 
 ray = pytest.importorskip("ray", reason="Ray is in the test extra (pip install -e '.[test]')")
 serve = pytest.importorskip("ray.serve")

@@ -63,8 +63,10 @@ def blocks(page: Path, language: str) -> list[tuple[int, str]]:
 
 
 def params(pages: list[Path], language: str) -> list:
-    return [pytest.param(body, id=f"{page.relative_to(ROOT)}:{line}") for page in pages
-            for line, body in blocks(page, language)]
+    """A block per page and line; a session that trains a model is marked long (make test-long runs it)."""
+    return [pytest.param(body, id=f"{page.relative_to(ROOT)}:{line}",
+                         marks=[pytest.mark.long] if re.search(r"^\$ gpt2 finetune ", body, re.M) else [])
+            for page in pages for line, body in blocks(page, language)]
 
 
 def sessions(body: str) -> list[tuple[str, list[str]]]:

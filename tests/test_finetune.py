@@ -176,6 +176,7 @@ def test_finetune_lowers_validation_loss_and_writes_a_checkpoint_transformers_lo
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_resume_after_kill_reproduces_the_uninterrupted_losses(trained_dir: Path, tmp_path: Path) -> None:
     data = corpus(tmp_path)
     args = ("--steps", "14", "--save-every", "3", "--eval-every", "7", "--dropout", "0.1", "--lr", "1e-3")

@@ -608,6 +608,7 @@ def test_score_writes_its_outputs_into_a_device_and_a_fifo(tiny_dir: Path, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_full_disk_is_one_line_for_each_command_and_the_old_files_survive(tiny_dir: Path, tmp_path: Path) -> None:
     text = tmp_path / "a.txt"
     text.write_text("Return the value of the key in the mapping. " * 400)  # 4,000 tokens: 8 KB of shard, 1 MB scored
@@ -883,6 +884,7 @@ def test_a_task_file_runs_only_with_trust_task_code(make: Callable[[Path], list[
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.long
 def test_a_trusted_task_with_an_unknown_metric_is_one_line_naming_the_registry(tiny_dir: Path,
                                                                                tmp_path: Path) -> None:
     """lm-eval looks up an unknown metric's aggregation, finds None, and raises KeyError(None): that was quoted as

@@ -64,6 +64,7 @@ def test_the_model_copies_the_second_run(copier: GPT2, held_out) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_ablation_finds_the_heads_the_copying_depends_on(copier: GPT2, held_out) -> None:
     ids, scored = held_out
     rises = ablation_rises(copier, ids, scored)

@@ -16,7 +16,7 @@ from test_serve import live
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
 
-pytestmark = pytest.mark.slow  # make test-fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-fast and make test leave it out
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is part of the test extra")
 

@@ -343,6 +343,7 @@ def test_finetune_lora_trains_an_adapter_peft_loads_and_merges(trained_dir: Path
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_qlora_resumes_exactly(trained_dir: Path, tmp_path: Path, fmt: str) -> None:
     """A QLoRA run stopped after its save at update 3 and resumed logs the uninterrupted run's losses and ends with

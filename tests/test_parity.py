@@ -25,7 +25,7 @@ def assert_close(found: torch.Tensor, ref: torch.Tensor, rtol: float, what: str)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("length", [1, 7, 64, pytest.param(1024, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("length", [1, 7, 64, pytest.param(1024, marks=[pytest.mark.slow, pytest.mark.long])])
 def test_logits_match_transformers(model: GPT2, hf_model, batch: int, length: int) -> None:
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(length))
     ref, ref_blocks = reference_outputs(hf_model, ids)

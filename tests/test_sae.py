@@ -211,6 +211,7 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.long
 def test_dashboard_top_contexts_equal_a_brute_force_pass_and_resume_after_a_kill(made, tmp_path, trained_model) -> None:
     from gpt2_engine.inspect.sae import DashboardSettings, build_dashboard, corpus_windows, dashboard_data
 

@@ -96,6 +96,7 @@ def test_more_than_ten_windows_and_no_bos(trained_model: GPT2, trained_hf_model)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_full_size_fixture_nll_equals_transformers(model: GPT2, hf_model) -> None:
     check_parity(model, hf_model, [PROSE[:3000], "Hi", "x"], 1024, 512)  # ~700 tokens in one window, short ones
     check_parity(model, hf_model, [PROSE[:1200]], 128, 100)

@@ -22,7 +22,7 @@ from conftest import SERVER_START, free_port, healthy, wait_for
 from gpt2_engine import GPT2
 from gpt2_engine.serve.metrics import parse
 
-pytestmark = pytest.mark.slow  # make test-fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-fast and make test leave it out
 
 SECONDS = 30
 SLOTS = 4

@@ -180,6 +180,7 @@ def client(server: str):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.mark.long
 def test_fifty_sampled_requests_per_kind_through_gpt2_serve(client) -> None:
     kinds = [
         # the legacy completions API has no response_format in the client's signature: vLLM takes it in the body

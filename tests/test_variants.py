@@ -255,6 +255,7 @@ def held_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("variant", ["int8", "int4", "bfloat16"])
 def test_quality_targets_on_the_trained_checkpoint(capsys, trained_dir: Path, held_out: Path, variant: str) -> None:
     """The issue's quality targets, as `gpt2 compare` checks them by default: top-1 agreement with float32 over all
