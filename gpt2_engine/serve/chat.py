@@ -238,8 +238,16 @@ class Renderers:
             child = None
             raise
         finally:
-            self.idle.put(child if child is not None or self.closed else self._start())
+            self.idle.put(child if child is not None or self.closed else self._replacement())
         return reply
+
+    def _replacement(self) -> subprocess.Popen | None:
+        """A child started now, so that the next render finds it ready; None (started at that render) if the machine
+        cannot start one now."""
+        try:
+            return self._start()
+        except OSError:
+            return None
 
     def _start(self) -> subprocess.Popen:
         root = str(Path(__file__).resolve().parent.parent.parent)
@@ -254,9 +262,10 @@ class Renderers:
         """Return once `child` has started (at once after its first time); TemplateFailed if it does not."""
         if child in self.ready:
             return
-        line = child.stdout.readline(256) if select.select([child.stdout], [], [], START_SECONDS)[0] else b""
-        if line != b'{"ready": true}\n':
+        if not select.select([child.stdout], [], [], START_SECONDS)[0]:
             raise TemplateFailed(f"{name} failed: its renderer did not start in {START_SECONDS:g} s")
+        if child.stdout.readline(256) != b'{"ready": true}\n':
+            raise TemplateFailed(f"{name} failed: its renderer exited as it started")
         self.ready.add(child)
 
     def _ask(self, child: subprocess.Popen, messages: list[dict[str, str]], eos_token: str) -> str:
