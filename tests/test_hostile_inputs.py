@@ -900,6 +900,15 @@ def test_a_trusted_task_with_an_unknown_metric_is_one_line_naming_the_registry(t
         "filter or output_type the task's YAML names that lm-eval does not know?)")
 
 
+def test_a_fifo_task_file_is_named_as_one(tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO given as the task file was described as missing ('no such task file')."""
+    pytest.importorskip("lm_eval")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    code, err = run_cli(["eval", "--tasks", str(tmp_path / "fifo.yaml"), "--weights", str(tiny_dir)])
+    assert (code, err.strip().splitlines()) == (
+        2, [f"gpt2 eval: error: --tasks {tmp_path / 'fifo.yaml'}: a FIFO, not a task YAML file"])
+
+
 def sparse(path: Path, size: int = 5 << 30) -> Path:
     """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
     path.unlink(missing_ok=True)

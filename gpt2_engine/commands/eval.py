@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import json
 import math
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import one_line
-from ..formats.files import atomic_write, check_not_an_input, written_into
+from ..formats.files import atomic_write, check_not_an_input, what_is, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, seed_value, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
@@ -95,6 +96,26 @@ def check_task_code(args: argparse.Namespace, tasks: list[str]) -> None:
             raise UsageError(f"--tasks {task}: a task file {TASK_CODE}; pass --trust-task-code if you trust it")
 
 
+def kind_of(path: Path, name: str) -> str | None:
+    """what_is(path); a path that cannot be looked at (a symlink loop) is a UsageError naming `name`."""
+    try:
+        return what_is(path)
+    except OSError as e:
+        reason = "a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror or one_line(e)})"
+        raise UsageError(f"{name}: {reason}") from None
+
+
+def check_task_paths(tasks: list[str]) -> None:
+    """Refuse a task named by a YAML path where nothing is, and a path to something other than a file or folder (a
+    FIFO, which lm-eval's open would wait on forever)."""
+    for task in tasks:
+        kind = kind_of(Path(task).expanduser(), f"--tasks {task}")
+        if kind not in (None, "a regular file", "a directory"):
+            raise UsageError(f"--tasks {task}: {kind}, not a task YAML file")
+        if kind is None and task.endswith((".yaml", ".yml")):
+            raise UsageError(f"--tasks {task}: no such task file")
+
+
 def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:
     """lm-eval's simple_evaluate on the tasks, every seed --seed; an unknown task or data that cannot be loaded is
     a UsageError."""
@@ -120,9 +141,7 @@ def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, A
 def run_eval(args: argparse.Namespace) -> int:
     tasks = check_flags(args)
     steer = parse_steer_args(args.steer)
-    for t in tasks:
-        if t.endswith((".yaml", ".yml")) and not Path(t).is_file():
-            raise UsageError(f"--tasks {t}: no such task file")
+    check_task_paths(tasks)
     check_task_code(args, tasks)
 
     from lm_eval.utils import make_table
