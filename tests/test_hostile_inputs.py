@@ -1005,6 +1005,17 @@ def test_a_fifo_task_file_is_named_as_one(tiny_dir: Path, tmp_path: Path) -> Non
         2, [f"gpt2 eval: error: --tasks {tmp_path / 'fifo.yaml'}: a FIFO, not a task YAML file"])
 
 
+def test_a_template_naming_a_field_the_rows_lack_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """`doc_to_text: '{{q}}'` over rows without `q` was 'internal error: UndefinedError: 'q' is undefined'."""
+    pytest.importorskip("lm_eval")
+    task = data_task(tmp_path, FILES + "    test: {d}/d.jsonl\n")
+    (tmp_path / "d.jsonl").write_text('{"p": "a b", "a": " c"}\n')
+    code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
+    assert code == 2
+    assert err.splitlines()[-1] == ("gpt2 eval: error: --tasks: a task's template names 'q', which its data rows do "
+                                    "not have (jinja2: 'q' is undefined)")
+
+
 def sparse(path: Path, size: int = 5 << 30) -> Path:
     """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
     path.unlink(missing_ok=True)

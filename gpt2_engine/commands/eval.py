@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -247,8 +248,9 @@ def check_not_task_data(dest: Path, read: dict[Path, str]) -> None:
 
 
 def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:
-    """lm-eval's simple_evaluate on the tasks, every seed --seed; an unknown task or data that cannot be loaded is
-    a UsageError."""
+    """lm-eval's simple_evaluate on the tasks, every seed --seed; an unknown task, data that cannot be loaded or a
+    template naming what the data's rows lack is a UsageError."""
+    from jinja2 import UndefinedError
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -266,6 +268,12 @@ def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, A
         raise UsageError(f"--tasks: {one_line(said, 300)}") from None
     except (OSError, ConnectionError) as e:
         raise UsageError(f"a task's data could not be loaded: {one_line(e, 300)} ({HUB_HINT})") from None
+    except UndefinedError as e:  # lm-eval renders doc_to_text and the like with each data row's fields
+        said = one_line(e, 200)
+        name = re.fullmatch(r"'(.+)' is undefined", said)
+        what = repr(name[1]) if name else "something"
+        raise UsageError(f"--tasks: a task's template names {what}, which its data rows do not have (jinja2: "
+                         f"{said})") from None
 
 
 def run_eval(args: argparse.Namespace) -> int:
