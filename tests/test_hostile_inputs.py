@@ -902,6 +902,122 @@ def test_a_trusted_task_with_an_unknown_metric_is_one_line_naming_the_registry(t
         "filter or output_type the task's YAML names that lm-eval does not know?)")
 
 
+ROWS = '{"q": "a b", "a": " c"}\n'
+TASK_KEYS = "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+
+
+def data_task(tmp: Path, data: str) -> Path:
+    """d.jsonl and data/d.jsonl (one row each), and t.yaml, task t_data, reading them as `data` says ({d}: tmp)."""
+    (tmp / "data").mkdir()
+    for path in (tmp / "d.jsonl", tmp / "data" / "d.jsonl"):
+        path.write_text(ROWS)
+    (tmp / "t.yaml").write_text("task: t_data\n" + data.format(d=tmp) + TASK_KEYS)
+    return tmp / "t.yaml"
+
+
+FILES = "dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+
+
+@pytest.mark.parametrize("data, output, said", [
+    (FILES + "    test: {d}/d.jsonl\n", "d.jsonl", "is {d}/d.jsonl, one of the inputs (task t_data's data_files), "
+                                                   "which writing would replace"),
+    (FILES + "    - {d}/d.jsonl\n", "d.jsonl", "is {d}/d.jsonl, one of the inputs (task t_data's data_files), "
+                                               "which writing would replace"),
+    (FILES + "    test: [{d}/*.jsonl]\n", "new.jsonl", "matches {d}/*.jsonl, one of the inputs (task t_data's "
+                                                       "data_files)"),
+    ("dataset_path: json\ndataset_kwargs:\n  data_dir: {d}/data\n  data_files: d.jsonl\n", "data/results.json",
+     "is in {d}/data, one of the inputs (task t_data's data_dir), which the results would join"),
+    ("dataset_path: {d}/data\n", "data/results.json",
+     "is in {d}/data, one of the inputs (task t_data's dataset_path), which the results would join"),
+    ("include: base.yaml\n", "d.jsonl", "is {d}/d.jsonl, one of the inputs (task t_data's data_files), which "
+                                        "writing would replace"),
+    ("include: base.yaml\n", "base.yaml", "is {d}/base.yaml, one of the inputs (included by {d}/t.yaml), which "
+                                          "writing would replace"),
+], ids=["data-files", "data-files-list", "data-files-pattern", "data-dir", "dataset-path-folder", "in-an-include",
+        "the-include"])
+def test_eval_output_never_replaces_or_joins_a_tasks_data(data: str, output: str, said: str, tiny_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """`--output D` where D is the task's own data_files exited 0 and replaced the rows with lm-eval's results JSON
+    (the next run: 'q' is undefined); the files and folders a trusted task reads (through its includes too) are
+    inputs like the model's, refused before the run."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "base.yaml").write_text(FILES.format(d=tmp_path) + f"    test: {tmp_path / 'd.jsonl'}\n")
+    task = data_task(tmp_path, data)
+    code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir), "--output",
+                         str(tmp_path / output)])
+    assert (code, err.strip().splitlines()) == (2, [
+        f"gpt2 eval: error: --output {tmp_path / output}: {said.format(d=tmp_path)}; write the results somewhere else"])
+    assert (tmp_path / "d.jsonl").read_text() == (tmp_path / "data" / "d.jsonl").read_text() == ROWS
+    assert not (tmp_path / "data" / "results.json").exists() and not (tmp_path / "new.jsonl").exists()
+
+
+def zero_include(tmp: Path) -> str:
+    return "/dev/zero"
+
+
+def fifo_include(tmp: Path) -> str:
+    os.mkfifo(tmp / "fifo.yaml")
+    return "fifo.yaml"
+
+
+def looped_include(tmp: Path) -> str:
+    (tmp / "ll.yaml").symlink_to("ll2.yaml")
+    (tmp / "ll2.yaml").symlink_to("ll.yaml")
+    return "ll.yaml"
+
+
+def not_yaml_include(tmp: Path) -> str:
+    (tmp / "bad.yaml").write_text("doc_to_text: [unclosed\n")
+    return "bad.yaml"
+
+
+def cyclic_include(tmp: Path) -> str:
+    (tmp / "a.yaml").write_text("include: b.yaml\n")
+    (tmp / "b.yaml").write_text("include: a.yaml\n")
+    return "a.yaml"
+
+
+@pytest.mark.parametrize("make, said", [
+    (fifo_include, "include fifo.yaml: a FIFO; expected a task YAML file"),
+    (zero_include, "include /dev/zero: a character device; expected a task YAML file"),
+    (looped_include, "include ll.yaml: a symlink loop"),
+    (not_yaml_include, "include bad.yaml: not a task YAML file (while parsing a flow sequence in \"bad.yaml\", line "
+                       "1, column 14 did not find expected ',' or ']' in \"bad.yaml\", line 2, column 1)"),
+    (cyclic_include, "include a.yaml: {d}/a.yaml is read already for this task (an include cycle?); include it once"),
+], ids=["fifo", "dev-zero", "symlink-loop", "not-yaml", "cycle"])
+def test_a_trusted_tasks_bad_include_is_one_line_naming_it(make: Callable[[Path], str], said: str, tiny_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """Trusting a task's code is not accepting a hang (lm-eval opened a FIFO include and waited for a writer) or an
+    'internal error' (ReaderError from /dev/zero, RuntimeError from a symlink loop) for a mistake in a task file:
+    every include is looked at before lm-eval opens it. Without --trust-task-code the trust check refuses it first."""
+    pytest.importorskip("lm_eval")
+    task = data_task(tmp_path, f"include: {make(tmp_path)}\n" + FILES + "    test: {d}/d.jsonl\n")
+    args = ["eval", "--tasks", str(task), "--weights", str(tiny_dir)]
+    code, err = run_cli([*args, "--trust-task-code"])
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 eval: error: {said.format(d=tmp_path)}"])
+    one_line_error(*run_cli(args), CODE)
+
+
+def test_a_fifo_task_file_is_named_as_one(tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO given as the task file was described as missing ('no such task file')."""
+    pytest.importorskip("lm_eval")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    code, err = run_cli(["eval", "--tasks", str(tmp_path / "fifo.yaml"), "--weights", str(tiny_dir)])
+    assert (code, err.strip().splitlines()) == (
+        2, [f"gpt2 eval: error: --tasks {tmp_path / 'fifo.yaml'}: a FIFO, not a task YAML file"])
+
+
+def test_a_template_naming_a_field_the_rows_lack_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """`doc_to_text: '{{q}}'` over rows without `q` was 'internal error: UndefinedError: 'q' is undefined'."""
+    pytest.importorskip("lm_eval")
+    task = data_task(tmp_path, FILES + "    test: {d}/d.jsonl\n")
+    (tmp_path / "d.jsonl").write_text('{"p": "a b", "a": " c"}\n')
+    code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
+    assert code == 2
+    assert err.splitlines()[-1] == ("gpt2 eval: error: --tasks: a task's template names 'q', which its data rows do "
+                                    "not have (jinja2: 'q' is undefined)")
+
+
 def sparse(path: Path, size: int = 5 << 30) -> Path:
     """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
     path.unlink(missing_ok=True)

@@ -4,20 +4,28 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import fnmatch
 import importlib.util
+import io
 import json
 import math
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..core.config import read_bytes
 from ..core.errors import one_line
-from ..formats.files import atomic_write, check_not_an_input, written_into
+from ..formats.files import OutputError, atomic_write, check_not_an_input, what_is, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, seed_value, steering_from_args)
 from ..runtime.prefix import DEFAULT_CAPACITY_MB
 
 HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (docs/evaluation.md)"
+TASK_YAML_BYTES = 16 << 20  # a task file is a few KB; lm-eval reads any file an include names whole, 3 GB too
+SKIPPED_FOLDERS = {"__pycache__", ".ipynb_checkpoints"}  # lm-eval's index leaves their YAML files out
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
@@ -95,9 +103,154 @@ def check_task_code(args: argparse.Namespace, tasks: list[str]) -> None:
             raise UsageError(f"--tasks {task}: a task file {TASK_CODE}; pass --trust-task-code if you trust it")
 
 
+def kind_of(path: Path, name: str) -> str | None:
+    """what_is(path); a path that cannot be looked at (a symlink loop) is a UsageError naming `name`."""
+    try:
+        return what_is(path)
+    except OSError as e:
+        reason = "a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror or one_line(e)})"
+        raise UsageError(f"{name}: {reason}") from None
+
+
+def check_task_paths(tasks: list[str]) -> None:
+    """Refuse a task named by a YAML path where nothing is, and a path to something other than a file or folder (a
+    FIFO, which lm-eval's open would wait on forever)."""
+    for task in tasks:
+        kind = kind_of(Path(task).expanduser(), f"--tasks {task}")
+        if kind not in (None, "a regular file", "a directory"):
+            raise UsageError(f"--tasks {task}: {kind}, not a task YAML file")
+        if kind is None and task.endswith((".yaml", ".yml")):
+            raise UsageError(f"--tasks {task}: no such task file")
+
+
+def task_loader() -> type:
+    """lm-eval's task YAML loader (libyaml's safe loader where built), with a `!function` tag kept as its text
+    instead of importing the module it names."""
+    import yaml
+
+    base = yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.FullLoader
+    loader = type("TaskLoader", (base,), {})
+    loader.add_constructor("!function", lambda load, node: load.construct_scalar(node))
+    return loader
+
+
+def read_task_yaml(path: Path, name: str, loader: type) -> dict[str, Any]:
+    """A task YAML file parsed as lm-eval parses it; a UsageError naming `name` where it is missing, not a regular
+    file (checked before it is opened: lm-eval's open of a FIFO waits forever), too large, not YAML or not a
+    mapping."""
+    import yaml
+
+    kind = kind_of(path, name)
+    if kind != "a regular file":
+        raise UsageError(f"{name}: {kind or 'no such file'}; expected a task YAML file")
+    try:
+        stream = io.BytesIO(read_bytes(path, TASK_YAML_BYTES, "a task YAML file", name=name, regular=True))
+        stream.name = path.name  # what the parser's messages call it
+        cfg = yaml.load(stream, Loader=loader)  # noqa: S506 (a safe loader)
+    except OSError as e:
+        raise UsageError(f"{name}: cannot be read ({e.strerror or one_line(e)})") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"{name}: not a task YAML file ({one_line(e, 300)})") from None
+    except RecursionError:
+        raise UsageError(f"{name}: its values nest too deeply for a task YAML file") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{name}: holds {type(cfg).__name__}; expected a task YAML file (a mapping of task keys)")
+    return cfg
+
+
+def task_config(path: Path, name: str, loader: type, read: dict[Path, str], seen: set[str]) -> dict[str, Any]:
+    """The file's keys over those of its includes, merged as lm-eval's load_yaml merges them (an include's path is
+    taken from the real folder of the file naming it); each include is added to `read` with what it is."""
+    real = os.path.realpath(path)
+    if real in seen:  # lm-eval refuses a file read twice for one task
+        raise UsageError(f"{name}: {real} is read already for this task (an include cycle?); include it once")
+    seen.add(real)
+    cfg = read_task_yaml(path, name, loader)
+    includes = cfg.pop("include", [])
+    merged: dict[str, Any] = {}
+    for include in includes if isinstance(includes, list) else [includes]:
+        if not isinstance(include, str):
+            raise UsageError(f"{name}: include {include!r}: expected the path of a task YAML file")
+        included = Path(real).parent / include  # an absolute include replaces the folder
+        read[included] = f"included by {path}"
+        config = task_config(included, f"include {include}", loader, read, seen)
+        config.pop("task_list", None)  # as lm-eval: an included file's task_list is its own
+        merged.update(config)
+    return {**merged, **cfg}
+
+
+def strings(value: Any) -> list[str]:
+    """The paths in a data_files value: a string, a list of them, or a mapping of either per split."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [s for v in value for s in strings(v)] if isinstance(value, list) else []
+
+
+def data_inputs(cfg: dict[str, Any], task: str) -> dict[Path, str]:
+    """The local paths a task's data is read from, with what each is: datasets.load_dataset(dataset_path,
+    **dataset_kwargs) reads data_files under data_dir, both under dataset_path where that is a local folder."""
+    found: dict[Path, str] = {}
+    kwargs = cfg.get("dataset_kwargs") if isinstance(cfg.get("dataset_kwargs"), dict) else {}
+    base = Path()
+    if isinstance(cfg.get("dataset_path"), str) and cfg["dataset_path"]:
+        source = Path(cfg["dataset_path"]).expanduser()
+        if source.exists():
+            found[source] = f"task {task}'s dataset_path"
+            base = source if source.is_dir() else base
+    if isinstance(kwargs.get("data_dir"), str) and kwargs["data_dir"]:
+        base = base / Path(kwargs["data_dir"]).expanduser()
+        found[base] = f"task {task}'s data_dir"
+    for name in strings(kwargs.get("data_files")):
+        found.setdefault(base / Path(name).expanduser(), f"task {task}'s data_files")
+    return found
+
+
+def task_data(cfg: dict[str, Any], path: Path) -> dict[Path, str]:
+    """data_inputs of a task file's task, or of each task a group file defines inline (`task: [{task: ...}]`)."""
+    subtasks = cfg["task"] if isinstance(cfg.get("task"), list) else []
+    found = data_inputs(cfg, cfg["task"] if isinstance(cfg.get("task"), str) else path.name)
+    for sub in subtasks:
+        if isinstance(sub, dict):
+            found.update(data_inputs(sub, sub["task"] if isinstance(sub.get("task"), str) else path.name))
+    return found
+
+
+def task_inputs(args: argparse.Namespace, tasks: list[str]) -> dict[Path, str]:
+    """What the task files given and in --include-path read (their includes, local data files and folders), each
+    with what it is; every file walked with its includes before lm-eval reads them, so that an include that is not
+    a regular file, or not YAML, is one line naming it rather than a hang or an internal error."""
+    files = [(Path(t).expanduser(), f"--tasks {t}") for t in tasks if Path(t).expanduser().is_file()]
+    if args.include_path is not None:  # lm-eval indexes every YAML file there, includes and all
+        files += [(p, f"--include-path {p}") for p in sorted(args.include_path.glob("**/*.yaml"))
+                  if not SKIPPED_FOLDERS & set(p.parts)]
+    loader, read = task_loader(), {}
+    for path, name in files:
+        read.update(task_data(task_config(path, name, loader, read, set()), path))
+    return read
+
+
+def check_not_task_data(dest: Path, read: dict[Path, str]) -> None:
+    """Refuse an --output that is a file a task reads, lies in a folder its data is read from, or matches a
+    data_files pattern: writing it would replace the task's data, or put the results among it."""
+    check_not_an_input(dest, read, "--output")
+    real = Path(os.path.realpath(dest))
+    for path, role in read.items():
+        if path.is_dir() and real.is_relative_to(os.path.realpath(path)):
+            raise OutputError(f"--output {dest}: is in {path}, one of the inputs ({role}), which the results would "
+                              "join; write the results somewhere else")
+        pattern = os.path.abspath(path)
+        if any(c in str(path) for c in "*?[") and any(fnmatch.fnmatchcase(p, pattern)
+                                                       for p in (str(real), os.path.abspath(dest))):
+            raise OutputError(f"--output {dest}: matches {path}, one of the inputs ({role}); write the results "
+                              "somewhere else")
+
+
 def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:
-    """lm-eval's simple_evaluate on the tasks, every seed --seed; an unknown task or data that cannot be loaded is
-    a UsageError."""
+    """lm-eval's simple_evaluate on the tasks, every seed --seed; an unknown task, data that cannot be loaded or a
+    template naming what the data's rows lack is a UsageError."""
+    from jinja2 import UndefinedError
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -115,15 +268,23 @@ def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, A
         raise UsageError(f"--tasks: {one_line(said, 300)}") from None
     except (OSError, ConnectionError) as e:
         raise UsageError(f"a task's data could not be loaded: {one_line(e, 300)} ({HUB_HINT})") from None
+    except UndefinedError as e:  # lm-eval renders doc_to_text and the like with each data row's fields
+        said = one_line(e, 200)
+        name = re.fullmatch(r"'(.+)' is undefined", said)
+        what = repr(name[1]) if name else "something"
+        raise UsageError(f"--tasks: a task's template names {what}, which its data rows do not have (jinja2: "
+                         f"{said})") from None
 
 
 def run_eval(args: argparse.Namespace) -> int:
     tasks = check_flags(args)
     steer = parse_steer_args(args.steer)
-    for t in tasks:
-        if t.endswith((".yaml", ".yml")) and not Path(t).is_file():
-            raise UsageError(f"--tasks {t}: no such task file")
+    check_task_paths(tasks)
     check_task_code(args, tasks)
+    if args.trust_task_code:
+        read = task_inputs(args, tasks)
+        if args.output is not None:
+            check_not_task_data(args.output, read)
 
     from lm_eval.utils import make_table
 

@@ -21,7 +21,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -171,17 +171,19 @@ def check_not_replacing(dest: Path, overwrite: bool, held: tuple[str, ...] = ())
                           "write somewhere else")
 
 
-def check_not_an_input(dest: Path, inputs: list[Path], flag: str) -> None:
+def check_not_an_input(dest: Path, inputs: list[Path] | Mapping[Path, str], flag: str) -> None:
     """Refuse an output that is one of the files being read (by inode: through links and other spellings too), which
-    writing would replace with its own results."""
+    writing would replace with its own results; a mapping's values say what each input is, for the message."""
+    roles = inputs if isinstance(inputs, Mapping) else dict.fromkeys(inputs, "")
     try:
         if not dest.exists() or what_is(dest) != "a regular file":
             return
-        same = next((p for p in inputs if p.exists() and os.path.samefile(p, dest)), None)
+        same = next((p for p in roles if p.exists() and os.path.samefile(p, dest)), None)
     except OSError:
         return  # unreadable inputs are the readers' to name
     if same is not None:
-        raise OutputError(f"{flag} {dest}: is {same}, one of the inputs, which writing would replace; write the "
+        role = f" ({roles[same]})" if roles[same] else ""
+        raise OutputError(f"{flag} {dest}: is {same}, one of the inputs{role}, which writing would replace; write the "
                           "results somewhere else")
 
 
