@@ -1016,6 +1016,11 @@ def test_a_template_naming_a_field_the_rows_lack_is_one_line(tiny_dir: Path, tmp
     assert code == 2
     assert err.splitlines()[-1] == ("gpt2 eval: error: --tasks: a task's template names 'q', which its data rows do "
                                     "not have (jinja2: 'q' is undefined)")
+    task.write_text(task.read_text().replace("test_split: test\n", ""))  # lm-eval finds no split to test on
+    code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
+    assert code == 2
+    assert re.fullmatch(r"gpt2 eval: error: --tasks: lm-eval failed on the task file \(ValueError: Task dataset .*\); check "
+                        r"its keys against lm-eval's task guide", err.splitlines()[-1]), err
 
 
 def sparse(path: Path, size: int = 5 << 30) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import read_bytes
-from ..core.errors import one_line
+from ..core.errors import GPT2EngineError, one_line
 from ..formats.files import OutputError, atomic_write, check_not_an_input, what_is, written_into
 from ..options import (ModelOptions, UsageError, add_model_options, add_steer_option, load_model, parse_steer_args,
                        positive_int, seed_value, steering_from_args)
@@ -274,6 +274,28 @@ def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, A
         what = repr(name[1]) if name else "something"
         raise UsageError(f"--tasks: a task's template names {what}, which its data rows do not have (jinja2: "
                          f"{said})") from None
+    except GPT2EngineError:
+        raise
+    except Exception as e:
+        if not args.trust_task_code or in_the_engine(e):
+            raise
+        # lm-eval's own code failing on a task file the user wrote (a missing test_split: StopIteration, a wrong
+        # type: TypeError): the file's error, not the engine's
+        raise UsageError(f"--tasks: lm-eval failed on the task file ({type(e).__name__}: {one_line(e, 200)}); check "
+                         f"its keys against lm-eval's task guide") from None
+
+
+def in_the_engine(e: BaseException) -> bool:
+    """Whether `e` was raised in this package's code (the model lm-eval calls), not in lm-eval's alone."""
+    here = Path(__file__).resolve()
+    package = here.parent.parent
+    tb = e.__traceback__
+    while tb is not None:
+        frame = Path(tb.tb_frame.f_code.co_filename).resolve()
+        if frame != here and frame.is_relative_to(package):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def run_eval(args: argparse.Namespace) -> int:
