@@ -144,6 +144,23 @@ def test_a_damaged_tokenize_state_is_one_line(edit, what, tmp_path: Path) -> Non
         (2, f"gpt2 tokenize: error: {state}: not a tokenize state ({what}); delete it or give another --out\n")
 
 
+def test_tokenize_refuses_an_input_it_would_replace(tmp_path: Path) -> None:
+    """An input named as one of the run's outputs in DIR (a shard of its --prefix, its state) was replaced by them."""
+    out = tmp_path / "c3"
+    out.mkdir()
+    for name, prefix in (("shard_000000.bin", "shard"), ("P_000000.bin", "P"), ("tokenize.json", "shard")):
+        (out / name).write_text("some text\n")
+        assert cli("tokenize", str(out / name), "--out", str(out), "--prefix", prefix) == \
+            (2, f"gpt2 tokenize: error: --out {out / name}: is {out / name}, one of the inputs, which writing would "
+                "replace; write the results somewhere else\n")
+        assert (out / name).read_text() == "some text\n"
+        (out / name).unlink()
+    (tmp_path / "x.txt").write_text("some text\n")
+    os.link(tmp_path / "x.txt", out / "shard_000003.bin")  # another name of the same file
+    assert cli("tokenize", str(tmp_path / "x.txt"), "--out", str(out))[0] == 2
+    assert (tmp_path / "x.txt").read_text() == "some text\n"
+
+
 def test_gpt2_score_reads_shards_as_the_documents_they_hold(trained_dir: Path, tmp_path: Path, capsys) -> None:
     data = corpus(tmp_path, n=6)
     for i, t in enumerate(texts(data)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from itertools import islice
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 
 from ..core.config import read_json
 from ..core.errors import InputError, one_line
-from ..formats.files import atomic_write, output_directory, what_is
+from ..formats.files import atomic_write, check_not_an_input, output_directory, what_is
 from ..formats.shards import write_shard
 from ..core.tokenizer import load_tokenizer
 from ..documents import expand_paths, file_stamps, iter_documents
@@ -34,6 +35,16 @@ BATCH = 256  # documents encoded together
 
 def shard_name(prefix: str, i: int) -> str:
     return f"{prefix}_{i:06d}.bin"
+
+
+def check_outputs(paths: list[str], out: Path, prefix: str) -> None:
+    """Refuse an input that is one of the files the run writes: a shard of `prefix` or the state in `out`."""
+    if not out.is_dir():
+        return
+    shard = re.compile(rf"{re.escape(prefix)}_\d{{6,}}\.bin")
+    for dest in sorted(out.iterdir()):
+        if dest.name == STATE or shard.fullmatch(dest.name):
+            check_not_an_input(dest, [Path(p) for p in paths], "--out")
 
 
 def not_a_state(path: Path, what: str) -> UsageError:
@@ -106,8 +117,9 @@ def check_counts(path: Path, state: dict) -> None:
 
 def starting_state(paths: list[str], out: Path, shard_tokens: int, prefix: str) -> dict:
     """The state a run of these inputs and settings starts from: DIR/tokenize.json's, once checked, or a new one.
-    Errors, in one line, before anything is written: a state of other inputs or settings, a state that is not
-    one."""
+    Errors, in one line, before anything is written: an input that is one of the run's outputs, a state of other
+    inputs or settings, a state that is not one."""
+    check_outputs(paths, out, prefix)
     settings = {"inputs": file_stamps(paths), "shard_tokens": shard_tokens, "prefix": prefix}
     return read_state(out, settings) or {"settings": settings, "documents": 0, "shards": 0, "tokens": 0,
                                          "done": False}
