@@ -401,8 +401,8 @@ def test_no_state_is_resumed_for_a_model_that_is_not_its_checkpoints(tiny_dir: P
 
 
 def test_a_dashboard_state_that_is_no_file_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
-    """A FIFO at OUT/state.pt was skipped (is_file), then written into: the run hung at its end. A folder there is
-    refused too."""
+    """A FIFO at OUT/state.pt was skipped (is_file), then written into: the run hung at its end. A folder there, or a
+    corpus file named like an output, is refused before anything is written too."""
     sae = tiny_sae(tmp_path / "sae")
     (tmp_path / "d").mkdir()
     (tmp_path / "c.txt").write_text(TEXT)
@@ -415,6 +415,12 @@ def test_a_dashboard_state_that_is_no_file_is_refused(tiny_dir: Path, tmp_path: 
     assert cli("sae", "dashboard", str(tmp_path / "c.txt"), "--out", str(tmp_path / "e"), *args) == \
         (2, f"gpt2 sae: error: {tmp_path / 'e' / 'state.pt'}: not a dashboard state of this run (a directory); "
             "delete it to start over\n")
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "dashboard.json").write_text(TEXT)
+    assert cli("sae", "dashboard", str(tmp_path / "f" / "dashboard.json"), "--out", str(tmp_path / "f"), *args) == \
+        (2, f"gpt2 sae: error: --out {tmp_path / 'f' / 'dashboard.json'}: is {tmp_path / 'f' / 'dashboard.json'}, one "
+            "of the inputs, which writing would replace; write the results somewhere else\n")
+    assert (tmp_path / "f" / "dashboard.json").read_text() == TEXT
 
 
 def test_gpt2_sae_commands(made, tmp_path, trained_dir, capsys) -> None:

@@ -13,7 +13,8 @@ import torch
 
 from ..interp.sae import SAE, check_saes
 from ..documents import expand_paths, read_text
-from ..inspect.sae import (DashboardSettings, build_dashboard, corpus_windows, dashboard_data, feature_acts,
+from ..formats.files import check_not_an_input
+from ..inspect.sae import (STATE, DashboardSettings, build_dashboard, corpus_windows, dashboard_data, feature_acts,
                            parse_features, prompt_ids, write_dashboard)
 from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int, progress_bar
 
@@ -101,6 +102,8 @@ def run_dashboard(args: argparse.Namespace) -> int:
         raise UsageError(f"--context {args.context} exceeds this model's {model.config.n_positions} positions")
     settings = DashboardSettings(parse_features(args.features, sae.d_sae), args.top, args.context, args.batch_size)
     paths = expand_paths(args.data)
+    for name in (STATE, "dashboard.json", "dashboard.html"):  # a corpus file named like an output would be replaced
+        check_not_an_input(args.out / name, [Path(p) for p in paths], "--out")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with progress_bar(args.quiet, unit="window", desc="sae dashboard") as bar:
