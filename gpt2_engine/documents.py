@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
-from collections.abc import Iterator
-from typing import IO
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
 
 from .core.config import memory_left
 from .core.config import read_bytes as read_bounded
@@ -78,6 +79,22 @@ def check_tokenizable(name: str, size: int) -> None:
         raise InputError(f"{name}: {size / 2**20:,.0f} MiB of text may need {size * BPE_BYTES_PER_BYTE / 1e9:,.1f} GB to "
                          f"tokenize (a run without spaces is one piece); this process has {room / 1e9:,.1f} GB "
                          "available: split it into documents (a .jsonl file, one per line)")
+
+
+def file_stamps(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """Each input file's path, size and mtime_ns: what a resumable run (gpt2 tokenize, gpt2 sae dashboard) records to
+    tell whether its input changed since, as make judges a file by its time (a hash would read the corpus once more;
+    only an edit that keeps the size within one tick of the file system's clock goes unseen)."""
+    stamps = []
+    for path in paths:
+        try:
+            found = os.stat(path)
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such file") from None
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+        stamps.append({"path": path, "size": found.st_size, "mtime_ns": found.st_mtime_ns})
+    return stamps
 
 
 def read_documents(paths: list[str], stdin: IO[bytes]) -> list[tuple[str, str]]:

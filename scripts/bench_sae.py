@@ -74,7 +74,7 @@ def write_corpus(windows: int, context: int, tokenizer, scale: int = 1) -> Path:
 def engine_run(model: GPT2, sae: SAE, corpus: Path, settings: DashboardSettings) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
-        dash = build_dashboard(model, sae, [str(corpus)], settings, Path(out), "bench")
+        dash = build_dashboard(model, sae, [str(corpus)], settings, Path(out))
         return time.perf_counter() - t, dash.tokens
 
 
@@ -96,7 +96,7 @@ def peak_memory(weights: Path, sae: Path, corpus: Path, settings: DashboardSetti
             f"from gpt2_engine import GPT2, SAE\nfrom gpt2_engine.inspect.sae import DashboardSettings, build_dashboard\n"
             f"m = GPT2.from_pretrained({str(weights)!r}); s = SAE.load({str(sae)!r})\n"
             f"build_dashboard(m, s, [{str(corpus)!r}], DashboardSettings(**{settings.__dict__!r}), "
-            f"Path(tempfile.mkdtemp()), 'mem')\n"
+            f"Path(tempfile.mkdtemp()))\n"
             f"print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return int(out.strip().splitlines()[-1]) / 1024

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -219,7 +221,7 @@ def test_dashboard_top_contexts_equal_a_brute_force_pass_and_resume_after_a_kill
     sae = SAE.load(directory / "jumprelu-resid")
     text = corpus(tmp_path)
     settings = DashboardSettings(features=(0, 7, 100, 1023), top=5, context=64, batch_size=4)
-    whole = build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "a", "k")
+    whole = build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "a")
 
     windows = [w for w in corpus_windows(trained_model.tokenizer, [str(text)], 64, False)]
     assert whole.windows == len(windows) and whole.tokens == sum(map(len, windows))
@@ -245,13 +247,181 @@ def test_dashboard_top_contexts_equal_a_brute_force_pass_and_resume_after_a_kill
             raise Killed
 
     with pytest.raises(Killed):
-        build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "b", "k", progress=die_midway, save_every=1)
-    resumed = build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "b", "k")
+        build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "b", progress=die_midway, save_every=1)
+    resumed = build_dashboard(trained_model, sae, [str(text)], settings, tmp_path / "b")
     for name in ("top_key", "top_ids", "top_ctx", "fired", "hist"):
         assert torch.equal(getattr(resumed, name), getattr(whole, name)), name
     data = dashboard_data(trained_model, sae, resumed)
     assert [f["feature"] for f in data["features"]] == [0, 7, 100, 1023]
     assert data["features"][1]["logits"]["top"][0][1] >= data["features"][1]["logits"]["top"][-1][1]
+
+
+def tiny_sae(directory: Path, seed: int = 0) -> Path:
+    """A standard SAE of 8 random features (from `seed`) at the tiny model's blocks.0.hook_resid_post."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(exist_ok=True)
+    cfg = {"architecture": "standard", "d_in": 64, "d_sae": 8, "hook_name": "blocks.0.hook_resid_post",
+           "activation_fn": "relu", "apply_b_dec_to_input": False}
+    (directory / "cfg.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+    save_file({"W_enc": torch.randn(64, 8, generator=g), "W_dec": torch.randn(8, 64, generator=g),
+               "b_enc": torch.zeros(8), "b_dec": torch.zeros(64)}, str(directory / "sae_weights.safetensors"))
+    return directory
+
+
+TEXT = "The cat sat on the mat and looked at the dog.\n\nA second document, of other words entirely.\n"  # 29 tokens
+
+
+def test_a_dashboard_resumes_only_the_run_of_its_own_inputs(tiny_dir: Path, tmp_path: Path) -> None:
+    """A saved state is keyed on content: the weights' fingerprint, the SAE's digest, each corpus file's size and
+    mtime_ns, the settings. Any other is refused and kept (not resumed, which gave the old run's dashboard)."""
+    from safetensors.torch import load_file, save_file
+
+    weights, text, out = tmp_path / "w", tmp_path / "c.txt", tmp_path / "d"
+    shutil.copytree(tiny_dir, weights, ignore=shutil.ignore_patterns("pytorch_model.bin"))
+    sae = tiny_sae(tmp_path / "sae")
+    text.write_text(TEXT)
+    args = ["sae", "dashboard", str(text), "--sae", str(sae), "--weights", str(weights), "--out", str(out),
+            "--features", "0-7", "--top", "3", "--context", "8"]
+    code, err = cli(*args)
+    assert code == 0, err
+    first = (out / "dashboard.json").read_text()
+    code, err = cli(*args)
+    assert (code, err.splitlines()[0]) == (0, f"gpt2 sae dashboard: resuming from {out / 'state.pt'}: 4 windows "
+                                              "(29 tokens) already done")
+    assert (out / "dashboard.json").read_text() == first
+
+    refused = (f"gpt2 sae: error: {out}: holds a dashboard of other inputs or settings (state.pt: not this run's {{}}); "
+               f"give another --out, or delete {out / 'state.pt'} to start over\n")
+    saved = text.stat()
+    text.write_text(TEXT.replace("cat", "dog"))  # the same size, a later time
+    os.utime(text, ns=(saved.st_atime_ns, saved.st_mtime_ns + 10**9))
+    assert cli(*args) == (2, refused.format("corpus files"))
+    text.write_text(TEXT)
+    os.utime(text, ns=(saved.st_atime_ns, saved.st_mtime_ns))
+    assert cli(*args)[0] == 0  # the file as it was: resumed
+
+    original = (weights / "model.safetensors").read_bytes()
+    tensors = load_file(weights / "model.safetensors")
+    tensors["h.0.ln_1.weight"][0] += 1
+    save_file(tensors, str(weights / "model.safetensors"), metadata={"format": "pt"})
+    assert (weights / "model.safetensors").stat().st_size == len(original)
+    assert cli(*args) == (2, refused.format("model weights"))
+    (weights / "model.safetensors").write_bytes(original)
+    tiny_sae(sae, seed=1)
+    assert cli(*args) == (2, refused.format("SAE"))
+    tiny_sae(sae, seed=0)
+    assert cli(*args, "--top", "4") == (2, refused.format("settings (--top)"))
+    assert cli(*args, "--dtype", "bfloat16") == (2, refused.format("dtype"))
+    assert cli(*args)[0] == 0 and (out / "dashboard.json").read_text() == first
+
+    state = torch.load(out / "state.pt", weights_only=True)
+    torch.save({"key": "0123456789abcdef", "settings": state["run"]["settings"],
+                **{k: v for k, v in state.items() if k != "run"}}, out / "state.pt")  # as the last version wrote it
+    assert cli(*args) == (2, f"gpt2 sae: error: {out}: holds a dashboard state of an older gpt2 sae dashboard "
+                             "(state.pt), which cannot tell whether its inputs changed; give another --out, or delete "
+                             f"{out / 'state.pt'} to start over\n")
+
+
+def edit_state(**fields):
+    def edit(state: dict) -> dict:
+        return {**state, **{k: v(state[k]) if callable(v) else v for k, v in fields.items()}}
+    return edit
+
+
+DAMAGED_STATES = [  # (what is written as OUT/state.pt, the line's WHAT)
+    ("garbage", b"hello", r"not a readable PyTorch file \(KeyError: 101\)"),
+    ("a list", [1, 2], "a list, not a dict"),
+    ("code", {"run": Payload()}, "its pickle asks for print, code that loading weights only never runs"),
+    ("no top_ctx", edit_state(top_ctx=None), r"top_ctx is NoneType; expected torch.float32 of shape \[8, 3, 16\]"),
+    ("a key less", lambda s: {k: v for k, v in s.items() if k != "fired"},
+     r"its keys are \['hist', 'run', 'tokens', 'top_ctx', 'top_ids', 'top_key', 'windows'\]; expected run, top_key, "
+     "top_ids, top_ctx, hist, fired, tokens, windows"),
+    ("a tensor in the run", edit_state(run=lambda r: {**r, "sae": torch.zeros(2)}),
+     "its run record holds more than plain values"),
+    ("an id past the vocabulary", edit_state(top_ids=lambda t: t.fill_(999999999)),
+     r"top_ids holds ids outside the vocabulary of 50,257 \(or -1, for none\)"),
+    ("hist of 5 bins", edit_state(hist=torch.zeros(8, 5, dtype=torch.int64)),
+     r"hist is torch.int64 of shape \[8, 5\]; expected torch.int64 of shape \[8, 62\]"),
+    ("negative tokens", edit_state(windows=10**12, tokens=-5), "tokens is -5; expected a count"),
+    ("windows past 32-bit positions", edit_state(windows=10**12, tokens=8 * 10**12),
+     "8,000,000,000,000 tokens in 1,000,000,000,000 windows of at most 8"),
+    ("tokens not of the windows", edit_state(tokens=100), "100 tokens in 4 windows of at most 8"),
+    ("fired a million times", edit_state(fired=lambda t: t.fill_(10**6)),
+     r"hist and fired do not add up \(negative counts, or more than the tokens read\)"),
+    ("a position past the windows", edit_state(top_key=lambda t: t.fill_(0)),
+     r"top_key holds keys no run writes \(below -1, or positions past the windows read\)"),
+    ("negative activations", edit_state(top_ctx=lambda t: t.fill_(-1.0)), "top_ctx holds negative activations"),
+    ("more windows than the corpus", edit_state(windows=5, tokens=37), "it counts 5 windows done; the corpus holds 4"),
+]
+
+
+@pytest.mark.parametrize("name, write, what", DAMAGED_STATES, ids=[c[0] for c in DAMAGED_STATES])
+def test_a_damaged_dashboard_state_is_one_line_naming_it(name, write, what, tiny_model: GPT2, tmp_path: Path,
+                                                        capsys) -> None:
+    """OUT/state.pt is read as the other pickles are (tensors and plain values, nothing run) and each field checked
+    against the run before it is used: a damaged or edited state is refused, never an internal error nor a
+    dashboard of 1,000,000 density."""
+    from gpt2_engine import GPT2EngineError
+    from gpt2_engine.inspect.sae import DashboardSettings, build_dashboard
+
+    sae = SAE.load(tiny_sae(tmp_path / "sae"))
+    (tmp_path / "c.txt").write_text(TEXT)
+    settings, out = DashboardSettings(tuple(range(8)), top=3, context=8), tmp_path / "d"
+    build_dashboard(tiny_model, sae, [str(tmp_path / "c.txt")], settings, out)
+    state = torch.load(out / "state.pt", weights_only=True)
+    if isinstance(write, bytes):
+        (out / "state.pt").write_bytes(write)
+    else:
+        torch.save(write(state) if callable(write) else write, out / "state.pt")
+    with pytest.raises(GPT2EngineError) as e:
+        build_dashboard(tiny_model, sae, [str(tmp_path / "c.txt")], settings, out)
+    assert re.fullmatch(rf"{re.escape(str(out / 'state.pt'))}: not a dashboard state of this run \({what}\); delete "
+                        "it to start over", str(e.value)), str(e.value)
+    assert "this ran" not in capsys.readouterr().out
+
+
+def test_no_state_is_resumed_for_a_model_that_is_not_its_checkpoints(tiny_dir: Path, tmp_path: Path) -> None:
+    """A model fine-tuned in memory (or built there) has no fingerprint to match a state with: its first run writes
+    one, and a second is refused rather than resumed on weights that may have changed since."""
+    from gpt2_engine import GPT2EngineError
+    from gpt2_engine.inspect.sae import DashboardSettings, build_dashboard
+
+    model = GPT2.from_pretrained(tiny_dir)
+    model.source = None  # what finetune() leaves: the weights are no longer the directory's
+    sae = SAE.load(tiny_sae(tmp_path / "sae"))
+    (tmp_path / "c.txt").write_text(TEXT)
+    settings, out = DashboardSettings(tuple(range(8)), top=3, context=8), tmp_path / "d"
+    assert build_dashboard(model, sae, [str(tmp_path / "c.txt")], settings, out).tokens == 29
+    with pytest.raises(GPT2EngineError) as e:
+        build_dashboard(model, sae, [str(tmp_path / "c.txt")], settings, out)
+    assert str(e.value) == (f"{out}: holds a dashboard state (state.pt), and this model is not its checkpoint's (built "
+                            "in memory, fine-tuned or with an adapter), so no state can be matched to it; give another "
+                            f"--out, or delete {out / 'state.pt'} to start over")
+
+
+def test_a_dashboard_state_that_is_no_file_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO at OUT/state.pt was skipped (is_file), then written into: the run hung at its end. A folder there, or a
+    corpus file named like an output, is refused before anything is written too."""
+    sae = tiny_sae(tmp_path / "sae")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "c.txt").write_text(TEXT)
+    os.mkfifo(tmp_path / "d" / "state.pt")
+    args = ["--sae", str(sae), "--weights", str(tiny_dir), "--features", "0-7", "--context", "8"]
+    assert cli("sae", "dashboard", str(tmp_path / "c.txt"), "--out", str(tmp_path / "d"), *args) == \
+        (2, f"gpt2 sae: error: {tmp_path / 'd' / 'state.pt'}: not a dashboard state of this run (a FIFO); delete it "
+            "to start over\n")
+    (tmp_path / "e" / "state.pt").mkdir(parents=True)
+    assert cli("sae", "dashboard", str(tmp_path / "c.txt"), "--out", str(tmp_path / "e"), *args) == \
+        (2, f"gpt2 sae: error: {tmp_path / 'e' / 'state.pt'}: not a dashboard state of this run (a directory); "
+            "delete it to start over\n")
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "dashboard.json").write_text(TEXT)
+    assert cli("sae", "dashboard", str(tmp_path / "f" / "dashboard.json"), "--out", str(tmp_path / "f"), *args) == \
+        (2, f"gpt2 sae: error: --out {tmp_path / 'f' / 'dashboard.json'}: is {tmp_path / 'f' / 'dashboard.json'}, one "
+            "of the inputs, which writing would replace; write the results somewhere else\n")
+    assert (tmp_path / "f" / "dashboard.json").read_text() == TEXT
 
 
 def test_gpt2_sae_commands(made, tmp_path, trained_dir, capsys) -> None:

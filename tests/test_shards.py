@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +66,12 @@ def test_a_killed_tokenize_resumes_to_the_same_shards(tmp_path: Path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         tokenize_command.tokenize_corpus([str(data)], tmp_path / "killed", 300, progress=False)
     monkeypatch.setattr(tokenize_command, "write_shard", real)
-    assert json.loads((tmp_path / "killed" / "tokenize.json").read_text())["shards"] == 2
-    tokenize_command.tokenize_corpus([str(data)], tmp_path / "killed", 300, progress=False)
+    state = json.loads((tmp_path / "killed" / "tokenize.json").read_text())
+    assert state["shards"] == 2
+    code, err = cli("tokenize", str(data), "--out", str(tmp_path / "killed"), "--shard-tokens", "300")
+    assert (code, err.splitlines()[0]) == (0, f"gpt2 tokenize: resuming from {tmp_path / 'killed' / 'tokenize.json'}: "
+                                              f"{state['documents']} documents, {state['tokens']} tokens in 2 shard(s) "
+                                              "already written")
     names = sorted(p.name for p in (tmp_path / "whole").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "killed").iterdir())
     for name in names:
@@ -74,6 +79,86 @@ def test_a_killed_tokenize_resumes_to_the_same_shards(tmp_path: Path, monkeypatc
             assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "killed" / name).read_bytes()
     code, err = cli("tokenize", str(data), "--out", str(tmp_path / "whole"), "--shard-tokens", "500")
     assert code == 2 and "holds shards of other inputs or settings" in err
+
+
+def test_tokenize_resumes_only_its_own_inputs_and_says_when_there_is_nothing_to_do(tmp_path: Path) -> None:
+    """tokenize.json records each input's size and mtime_ns: an edited corpus is refused, not left with the old shards
+    (the same byte count, a later time); a finished run says so rather than reporting as if it had run."""
+    text, out = tmp_path / "a.txt", tmp_path / "out"
+    text.write_text("hello world one\n")
+    args = ["tokenize", str(text), "--out", str(out)]
+    assert cli(*args) == (0, f"gpt2 tokenize: 1 documents, 5 tokens in 1 shard(s) in {out}\n")
+    assert cli(*args) == (0, f"gpt2 tokenize: already tokenized ({out / 'tokenize.json'}): 1 documents, 5 tokens in "
+                             "1 shard(s); nothing to do\n")
+    refused = "gpt2 tokenize: error: {}: holds shards of other inputs or settings (tokenize.json: {}); give another --out " \
+              "or delete it\n"
+    saved = text.stat()
+    text.write_text("hello world two\n")
+    os.utime(text, ns=(saved.st_atime_ns, saved.st_mtime_ns + 10**9))
+    assert cli(*args) == (2, refused.format(out, f"{text} changed since it was tokenized"))
+    assert cli("tokenize", str(text), str(tmp_path / "b.txt"), "--out", str(out)) == \
+        (2, f"gpt2 tokenize: error: {tmp_path / 'b.txt'}: no such file\n")
+    (tmp_path / "b.txt").write_text("more\n")
+    assert cli("tokenize", str(text), str(tmp_path / "b.txt"), "--out", str(out), "--shard-tokens", "7") == \
+        (2, refused.format(out, "--shard-tokens was 100000000, other input files"))
+    state = json.loads((out / "tokenize.json").read_text())
+    state["settings"]["inputs"] = [str(text)]  # as the last version wrote it: paths only
+    (out / "tokenize.json").write_text(json.dumps(state))
+    text.write_text("hello world one\n")
+    os.utime(text, ns=(saved.st_atime_ns, saved.st_mtime_ns))
+    assert cli(*args) == (2, refused.format(out, "written by an older gpt2 tokenize, which did not record its inputs' "
+                                                 "sizes and times"))
+    state["settings"]["inputs"] = [{"path": str(text), "size": saved.st_size, "mtime_ns": saved.st_mtime_ns}]
+    (out / "tokenize.json").write_text(json.dumps(state))
+    assert cli(*args)[0] == 0  # the input as it was: nothing to do
+
+
+def with_fields(**fields):
+    """An edit of tokenize.json: these fields replaced."""
+    return lambda path: path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda p: p.write_text("{garbage"), "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+                                         "(char 1)"),
+    (lambda p: p.write_text("[1]"), "[1], not a JSON object"),
+    (lambda p: p.write_text('{"settings": "x"}'), '"settings" is "x"; expected an object'),
+    (lambda p: p.write_bytes(b'{"a": "\xff"}'), r"not JSON: 'utf-8' codec can't decode byte 0xff in position 7: invalid "
+                                               "start byte"),
+    (lambda p: (p.unlink(), os.mkfifo(p)), "a FIFO"),
+    (with_fields(documents="x"), "\"documents\" is 'x'; expected a count"),
+    (with_fields(documents=10**30, done=False), "\"documents\" is 1000000000000000000000000000000; expected a count"),
+    (with_fields(done=1), "\"done\" is 1; expected true or false"),
+    (with_fields(tokens=0), "1 documents and 0 tokens in 1 shard(s) do not add up"),
+    (with_fields(shards=2, documents=2), "it counts 2 shard(s), and shard_000001.bin is missing"),
+], ids=["garbage", "a list", "settings a string", "not UTF-8", "a FIFO", "documents a string", "documents past 2^63",
+        "done a number", "no tokens", "a shard missing"])
+def test_a_damaged_tokenize_state_is_one_line(edit, what, tmp_path: Path) -> None:
+    """tokenize.json is read with the bounded JSON reader and each field checked: a damaged one was an internal
+    error (JSONDecodeError, AttributeError, islice's ValueError), a FIFO hung the run."""
+    (tmp_path / "a.txt").write_text("hello world one\n")
+    assert cli("tokenize", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"))[0] == 0
+    state = tmp_path / "out" / "tokenize.json"
+    edit(state)
+    assert cli("tokenize", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out")) == \
+        (2, f"gpt2 tokenize: error: {state}: not a tokenize state ({what}); delete it or give another --out\n")
+
+
+def test_tokenize_refuses_an_input_it_would_replace(tmp_path: Path) -> None:
+    """An input named as one of the run's outputs in DIR (a shard of its --prefix, its state) was replaced by them."""
+    out = tmp_path / "c3"
+    out.mkdir()
+    for name, prefix in (("shard_000000.bin", "shard"), ("P_000000.bin", "P"), ("tokenize.json", "shard")):
+        (out / name).write_text("some text\n")
+        assert cli("tokenize", str(out / name), "--out", str(out), "--prefix", prefix) == \
+            (2, f"gpt2 tokenize: error: --out {out / name}: is {out / name}, one of the inputs, which writing would "
+                "replace; write the results somewhere else\n")
+        assert (out / name).read_text() == "some text\n"
+        (out / name).unlink()
+    (tmp_path / "x.txt").write_text("some text\n")
+    os.link(tmp_path / "x.txt", out / "shard_000003.bin")  # another name of the same file
+    assert cli("tokenize", str(tmp_path / "x.txt"), "--out", str(out))[0] == 2
+    assert (tmp_path / "x.txt").read_text() == "some text\n"
 
 
 def test_gpt2_score_reads_shards_as_the_documents_they_hold(trained_dir: Path, tmp_path: Path, capsys) -> None:

@@ -13,8 +13,9 @@ import torch
 
 from ..interp.sae import SAE, check_saes
 from ..documents import expand_paths, read_text
-from ..inspect.sae import (DashboardSettings, build_dashboard, corpus_windows, dashboard_data, feature_acts,
-                           parse_features, prompt_ids, run_key, write_dashboard)
+from ..formats.files import check_not_an_input
+from ..inspect.sae import (STATE, DashboardSettings, build_dashboard, corpus_windows, dashboard_data, feature_acts,
+                           parse_features, prompt_ids, write_dashboard)
 from ..options import ModelOptions, UsageError, add_model_options, load_model, positive_int, progress_bar
 
 
@@ -101,7 +102,8 @@ def run_dashboard(args: argparse.Namespace) -> int:
         raise UsageError(f"--context {args.context} exceeds this model's {model.config.n_positions} positions")
     settings = DashboardSettings(parse_features(args.features, sae.d_sae), args.top, args.context, args.batch_size)
     paths = expand_paths(args.data)
-    key = run_key(str(Path(args.sae).resolve()), str(Path(args.weights).resolve()), paths, settings)
+    for name in (STATE, "dashboard.json", "dashboard.html"):  # a corpus file named like an output would be replaced
+        check_not_an_input(args.out / name, [Path(p) for p in paths], "--out")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with progress_bar(args.quiet, unit="window", desc="sae dashboard") as bar:
@@ -110,7 +112,11 @@ def run_dashboard(args: argparse.Namespace) -> int:
 
             dash = dashboard_on_ray(args, model, sae, paths, settings, progress=bar.update)
         else:
-            dash = build_dashboard(model, sae, paths, settings, args.out, key, progress=bar.update)
+            def notice(line: str) -> None:  # above the bar, where one is drawn
+                bar.write(f"gpt2 sae dashboard: {line}", file=sys.stderr)
+
+            dash = build_dashboard(model, sae, paths, settings, args.out, progress=bar.update,
+                                   notice=None if args.quiet else notice)
     written = write_dashboard(dashboard_data(model, sae, dash), args.out)
     if not args.quiet:
         print(f"{len(settings.features)} features over {dash.tokens:,} tokens in {time.perf_counter() - t0:.1f} s; "

@@ -5,7 +5,8 @@ Documents are read one at a time (a .jsonl file line by line), encoded in batche
 releases the GIL), and each is written as <|endoftext|> followed by its tokens, as llm.c's data scripts write them.
 A shard closes at the document that would overflow it (a document longer than a shard is a shard of its own). After
 each shard, DIR/tokenize.json records how many documents the written shards hold: a killed run, started again with
-the same arguments, goes on from there and writes the same shards as an uninterrupted one.
+the same arguments, goes on from there and writes the same shards as an uninterrupted one. The state records each
+input's size and mtime_ns too, so that a run on an edited corpus is refused rather than left with the old shards.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-from ..formats.files import atomic_write, output_directory
+from ..core.config import read_json
+from ..core.errors import InputError, one_line
+from ..formats.files import atomic_write, check_not_an_input, output_directory, what_is
 from ..formats.shards import write_shard
 from ..core.tokenizer import load_tokenizer
-from ..documents import expand_paths, iter_documents
+from ..documents import expand_paths, file_stamps, iter_documents
 from ..options import UsageError, positive_int, progress_bar
 
 STATE = "tokenize.json"
@@ -33,21 +37,103 @@ def shard_name(prefix: str, i: int) -> str:
     return f"{prefix}_{i:06d}.bin"
 
 
+def check_outputs(paths: list[str], out: Path, prefix: str) -> None:
+    """Refuse an input that is one of the files the run writes: a shard of `prefix` or the state in `out`."""
+    if not out.is_dir():
+        return
+    shard = re.compile(rf"{re.escape(prefix)}_\d{{6,}}\.bin")
+    for dest in sorted(out.iterdir()):
+        if dest.name == STATE or shard.fullmatch(dest.name):
+            check_not_an_input(dest, [Path(p) for p in paths], "--out")
+
+
+def not_a_state(path: Path, what: str) -> UsageError:
+    return UsageError(f"{path}: not a tokenize state ({what}); delete it or give another --out")
+
+
+def read_state(out: Path, settings: dict) -> dict | None:
+    """DIR/tokenize.json where it is a state of this run's inputs and settings, each field checked (None where there
+    is none); UsageError in one line where it is of other inputs or settings, or not a tokenize state."""
+    path = out / STATE
+    kind = what_is(path)
+    if kind is None:
+        return None
+    if kind != "a regular file":  # a FIFO would hang the reader, then be written into
+        raise not_a_state(path, kind)
+    try:
+        found = read_json(path, "a tokenize state")
+    except InputError as e:  # larger than any state
+        raise not_a_state(path, str(e).removeprefix(f"{path}: ")) from None
+    except OSError as e:
+        raise not_a_state(path, f"cannot read it: {e.strerror or e}") from None
+    except ValueError as e:
+        raise not_a_state(path, f"not JSON: {one_line(e)}") from None
+    if not isinstance(found, dict):
+        raise not_a_state(path, f"{json.dumps(found)[:40]}, not a JSON object")
+    if not isinstance(found.get("settings"), dict):
+        raise not_a_state(path, f"\"settings\" is {json.dumps(found.get('settings'))[:40]}; expected an object")
+    if found["settings"] != settings:
+        raise UsageError(f"{out}: holds shards of other inputs or settings ({STATE}: "
+                         f"{changed(found['settings'], settings)}); give another --out or delete it")
+    check_counts(path, found)
+    return found
+
+
+def changed(saved: dict, settings: dict) -> str:
+    """What differs between a saved run's settings and this run's, as the command line names it."""
+    inputs = saved.get("inputs")
+    if isinstance(inputs, list) and inputs and all(isinstance(i, str) for i in inputs):
+        return "written by an older gpt2 tokenize, which did not record its inputs' sizes and times"
+    what = [f"{flag} was {json.dumps(saved.get(key))[:40]}" for key, flag in (("shard_tokens", "--shard-tokens"),
+                                                                               ("prefix", "--prefix"))
+            if saved.get(key) != settings[key]]
+    paths = [i["path"] for i in settings["inputs"]]
+    if inputs != settings["inputs"] and isinstance(inputs, list) and \
+            [i.get("path") if isinstance(i, dict) else None for i in inputs] == paths:
+        what += [f"{now['path']} changed since it was tokenized" for now, then in zip(settings["inputs"], inputs)
+                 if now != then][:3]
+    elif inputs != settings["inputs"]:
+        what.append("other input files")
+    return ", ".join(what) or "other settings"
+
+
+def check_counts(path: Path, state: dict) -> None:
+    """UsageError where a state's counts are not what a run writes: whole numbers with shards <= documents <= tokens
+    (each document is at least its <|endoftext|>), "done" true or false, and each shard counted on disk."""
+    counts = [state.get(name) for name in ("documents", "shards", "tokens")]
+    for name, value in zip(("documents", "shards", "tokens"), counts):
+        if type(value) is not int or not 0 <= value < 2**63:  # bool is no count; islice takes at most 2^63 - 1
+            raise not_a_state(path, f"\"{name}\" is {value!r:.40}; expected a count")
+    if type(state.get("done")) is not bool:
+        raise not_a_state(path, f"\"done\" is {state.get('done')!r:.40}; expected true or false")
+    documents, shards, tokens = counts
+    if not shards <= documents <= tokens or (shards == 0) != (documents == 0):
+        raise not_a_state(path, f"{documents:,} documents and {tokens:,} tokens in {shards:,} shard(s) do not add up")
+    prefix = state["settings"]["prefix"]
+    missing = next((name for i in range(shards) if not (path.parent / (name := shard_name(prefix, i))).is_file()), None)
+    if missing is not None:
+        raise not_a_state(path, f"it counts {shards:,} shard(s), and {missing} is missing")
+
+
+def starting_state(paths: list[str], out: Path, shard_tokens: int, prefix: str) -> dict:
+    """The state a run of these inputs and settings starts from: DIR/tokenize.json's, once checked, or a new one.
+    Errors, in one line, before anything is written: an input that is one of the run's outputs, a state of other
+    inputs or settings, a state that is not one."""
+    check_outputs(paths, out, prefix)
+    settings = {"inputs": file_stamps(paths), "shard_tokens": shard_tokens, "prefix": prefix}
+    return read_state(out, settings) or {"settings": settings, "documents": 0, "shards": 0, "tokens": 0,
+                                         "done": False}
+
+
 def tokenize_corpus(paths: list[str], out: Path, shard_tokens: int, prefix: str = "shard", workers: int = 1,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, state: dict | None = None) -> dict:
     """Write the documents of `paths` as shards of at most `shard_tokens` tokens into `out` (see the module
-    docstring); returns the final state: documents, shards, tokens."""
+    docstring), going on from `state` (default: starting_state's); returns the final state: documents, shards,
+    tokens."""
+    state = starting_state(paths, out, shard_tokens, prefix) if state is None else state
+    if state["done"]:
+        return state
     output_directory(out)
-    settings = {"inputs": paths, "shard_tokens": shard_tokens, "prefix": prefix}
-    state = {"settings": settings, "documents": 0, "shards": 0, "tokens": 0, "done": False}
-    if (out / STATE).is_file():
-        found = json.loads((out / STATE).read_text(encoding="utf-8"))
-        if found.get("settings") != settings:
-            raise UsageError(f"{out}: holds shards of other inputs or settings ({STATE}); give another --out or "
-                             f"delete it")
-        state = found
-        if state["done"]:
-            return state
     tokenizer = load_tokenizer(None)
     eot = tokenizer.eot_id
     docs = islice(iter_documents(paths, sys.stdin.buffer), state["documents"], None)  # what the shards hold: skipped
@@ -105,7 +191,15 @@ def run_tokenize(args: argparse.Namespace) -> int:
         raise UsageError("gpt2 tokenize reads files (a resumable run needs to read its input again), not stdin")
     if not args.prefix or "/" in args.prefix:
         raise UsageError(f"--prefix {args.prefix!r}: expected a file-name prefix")
-    state = tokenize_corpus(expand_paths(args.data), args.out, args.shard_tokens, args.prefix, args.workers)
+    paths = expand_paths(args.data)
+    state = starting_state(paths, args.out, args.shard_tokens, args.prefix)
+    done = f"{state['documents']:,} documents, {state['tokens']:,} tokens in {state['shards']} shard(s)"
+    if state["done"]:
+        print(f"gpt2 tokenize: already tokenized ({args.out / STATE}): {done}; nothing to do", file=sys.stderr)
+        return 0
+    if state["documents"]:
+        print(f"gpt2 tokenize: resuming from {args.out / STATE}: {done} already written", file=sys.stderr)
+    state = tokenize_corpus(paths, args.out, args.shard_tokens, args.prefix, args.workers, state=state)
     print(f"gpt2 tokenize: {state['documents']:,} documents, {state['tokens']:,} tokens in {state['shards']} shard(s) "
           f"in {args.out}", file=sys.stderr)
     return 0

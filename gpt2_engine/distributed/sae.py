@@ -31,7 +31,7 @@ class DashboardActor:
         return self.worker.add(first, windows)
 
     def part(self) -> dict:
-        return self.worker.dash.state("part")
+        return self.worker.dash.state()
 
 
 def dashboard_on_ray(args: argparse.Namespace, model, sae: SAE, paths: list[str], settings: DashboardSettings,
@@ -72,7 +72,7 @@ def dashboard_on_ray(args: argparse.Namespace, model, sae: SAE, paths: list[str]
     dash = Dashboard(settings)
     for state in ray.get([a.part.remote() for a in actors]):
         part = Dashboard(settings)
-        part.restore(state)
+        part.restore(state, model.tokenizer.n_vocab, from_start=False)
         dash.absorb(part)
     for a in actors:  # their CPUs go back to the cluster now, not when the driver exits
         ray.kill(a)

@@ -5,15 +5,16 @@ run), encodes each batch and keeps, per feature, its top-N activating tokens wit
 activation histogram on fixed log-spaced bins (so batches and resumed runs merge exactly) and its density; the
 decoder direction's direct effect on the logits comes from the weights alone. Memory is bounded by the features
 kept (F x N x CONTEXT), never by the corpus: the text is read and tokenized one file at a time, and the state is
-saved atomically every few batches so that a killed run resumes where it stopped.
+saved atomically every few batches so that a killed run resumes where it stopped. A saved state is resumed only by
+the run it belongs to, told by content (the weights' fingerprint, the SAE's digest, each corpus file's size and
+mtime_ns, the settings), and only once each of its fields is checked: anything else is refused in one line.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,13 +25,15 @@ import torch
 from ..core.pages import check_batch_fits
 from ..api import GPT2
 from ..core.errors import GPT2EngineError
-from ..formats.files import atomic_write
+from ..formats.files import atomic_write, what_is
+from ..formats.hf import weights_fingerprint
+from ..formats.pickles import load_pickle
 from ..interp.hooks import Recorder
 from ..core.model import logits, residual_stream
 from ..core.projection import as_float32
 from ..interp.sae import SAE, Spliced, check_saes
 from ..core.tokenizer import Tokenizer
-from ..documents import read_documents
+from ..documents import file_stamps, read_documents
 from .analysis import float64_head
 from .report import parse_indices
 
@@ -41,6 +44,10 @@ STATE = "state.pt"
 
 class StopForward(Exception):
     """Raised by the hook once the SAE's input is in hand: nothing after the hook needs computing."""
+
+
+class CorpusEnded(GPT2EngineError):
+    """corpus_batches was asked to skip more windows than the corpus holds (a saved count that is not its own)."""
 
 
 def feature_acts(model: GPT2, sae: SAE, ids: torch.Tensor) -> torch.Tensor:
@@ -161,12 +168,56 @@ class Dashboard:
 
     FIELDS = ("top_key", "top_ids", "top_ctx", "hist", "fired", "tokens", "windows")
 
-    def state(self, key: str) -> dict[str, Any]:
-        return {"key": key, "settings": asdict(self.settings), **{name: getattr(self, name) for name in self.FIELDS}}
+    def state(self) -> dict[str, Any]:
+        """The fields that make this dashboard, as restore() takes them back."""
+        return {name: getattr(self, name) for name in self.FIELDS}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: Mapping[str, Any], vocab: int, from_start: bool = True) -> None:
+        """Take a state's fields once each is checked against this dashboard's settings and a vocabulary of `vocab`
+        ids; ValueError naming the first that no run could have written (a damaged or edited file). `from_start`:
+        the state's windows are the corpus's first (a saved run's, not a Ray actor's part), so its top positions lie
+        within them."""
+        check_tensors(state, self.settings)
+        check_counts(state, self.settings, vocab, from_start)
         for name in self.FIELDS:
             setattr(self, name, state[name])
+
+
+def check_tensors(state: Mapping[str, Any], settings: DashboardSettings) -> None:
+    """ValueError naming the first of a state's tensors that is not of the dtype and shape Dashboard keeps."""
+    F, N, W = len(settings.features), settings.top, BEFORE + 1 + AFTER
+    expected = {"top_key": (torch.int64, [F, N]), "top_ids": (torch.int32, [F, N, W]),
+                "top_ctx": (torch.float32, [F, N, W]), "hist": (torch.int64, [F, len(BINS) + 1]),
+                "fired": (torch.int64, [F])}
+    for name, (dtype, shape) in expected.items():
+        t = state.get(name)
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype or list(t.shape) != shape:
+            found = f"{t.dtype} of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} is {found}; expected {dtype} of shape {shape}")
+
+
+def check_counts(state: Mapping[str, Any], settings: DashboardSettings, vocab: int, from_start: bool = True) -> None:
+    """ValueError naming the first of a state's counts or values that no run could have written: counts that are
+    negative or do not add up, positions past the windows read, token ids outside the vocabulary."""
+    tokens, windows, C = state.get("tokens"), state.get("windows"), settings.context
+    for name, value in (("tokens", tokens), ("windows", windows)):
+        if type(value) is not int or value < 0:  # bool is no count
+            raise ValueError(f"{name} is {value!r}; expected a count")
+    # every window holds `context` tokens but the corpus's last, which holds fewer; positions fit the key's 32 bits
+    if windows * C > 0xFFFFFFFF or not (tokens == windows == 0 or (windows - 1) * C < tokens <= windows * C):
+        raise ValueError(f"{tokens:,} tokens in {windows:,} windows of at most {C}")
+    hist, fired = state["hist"], state["fired"]
+    if (hist < 0).any() or not torch.equal(hist.sum(-1), fired) or (fired > tokens).any():
+        raise ValueError("hist and fired do not add up (negative counts, or more than the tokens read)")
+    key = state["top_key"]
+    position = 0xFFFFFFFF - (key & 0xFFFFFFFF)  # [F, N], where key >= 0; -1 is an empty slot
+    if (key < -1).any() or from_start and ((key >= 0) & (position >= windows * C)).any():
+        raise ValueError("top_key holds keys no run writes (below -1, or positions past the windows read)")
+    ids = state["top_ids"]
+    if ((ids < -1) | (ids >= vocab)).any():
+        raise ValueError(f"top_ids holds ids outside the vocabulary of {vocab:,} (or -1, for none)")
+    if (state["top_ctx"] < 0).any():
+        raise ValueError("top_ctx holds negative activations")
 
 
 def logit_effects(model: GPT2, sae: SAE, features: Sequence[int], k: int = 10) -> list[dict[str, list] | None]:
@@ -192,17 +243,79 @@ def logit_effects(model: GPT2, sae: SAE, features: Sequence[int], k: int = 10) -
             for f in range(len(features))]
 
 
-def run_key(sae_path: str, weights: str, paths: Sequence[str], settings: DashboardSettings) -> str:
-    """What a saved state belongs to: the SAE, the model, the corpus files (names and sizes) and the settings."""
-    sizes = [(p, Path(p).stat().st_size) for p in paths]
-    return hashlib.sha256(json.dumps([sae_path, weights, sizes, asdict(settings)]).encode()).hexdigest()[:16]
+def run_record(model: GPT2, sae: SAE, paths: Sequence[str], settings: DashboardSettings) -> dict[str, Any]:
+    """What a saved state belongs to, by content: the weights (their file's fingerprint, read whole, as adapters
+    record their base's, and the dtype and quantization they run in), the SAE's digest, each corpus file's size and
+    mtime_ns, and the settings. A model that is not its checkpoint's (built in memory, fine-tuned since, with an
+    adapter) has no fingerprint, "": no state is resumed for it."""
+    weights = weights_fingerprint(model.source) if model.source is not None and model.lora is None else ""
+    return {"weights": weights, "dtype": str(model.dtype), "quantize": model.quantize, "sae": sae.digest,
+            "corpus": file_stamps(paths), "settings": asdict(settings)}
+
+
+def not_a_state(path: Path, what: str) -> GPT2EngineError:
+    return GPT2EngineError(f"{path}: not a dashboard state of this run ({what}); delete it to start over")
+
+
+def check_run(path: Path, saved: dict[str, Any], record: dict[str, Any]) -> None:
+    """GPT2EngineError where the run a state records (`saved`) is not this one (`record`), naming what differs."""
+    if set(saved) != set(record):
+        raise not_a_state(path, f"its run records {sorted(map(str, saved))[:10]}; expected {sorted(record)}")
+    again = f"give another --out, or delete {path} to start over"
+    if not record["weights"]:
+        raise GPT2EngineError(f"{path.parent}: holds a dashboard state ({path.name}), and this model is not its "
+                              f"checkpoint's (built in memory, fine-tuned or with an adapter), so no state can be "
+                              f"matched to it; {again}")
+    names = {"weights": "model weights", "dtype": "dtype", "quantize": "quantization", "sae": "SAE",
+             "corpus": "corpus files", "settings": "settings"}
+    try:  # compared as JSON: an edited record's tensor or odd key is not compared as the values it stands for
+        found = {key: json.dumps(value, sort_keys=True) for key, value in saved.items()}
+    except (TypeError, ValueError, RecursionError):
+        raise not_a_state(path, "its run record holds more than plain values") from None
+    changed = [name for key, name in names.items() if found[key] != json.dumps(record[key], sort_keys=True)]
+    if "settings" in changed and isinstance(saved["settings"], dict):  # named as the options that set them
+        flags = [f"--{key.replace('_', '-')}" for key, value in record["settings"].items()
+                 if json.dumps(saved["settings"].get(key)) != json.dumps(value)]
+        changed[changed.index("settings")] = f"settings ({', '.join(flags)})" if flags else "settings"
+    if changed:
+        raise GPT2EngineError(f"{path.parent}: holds a dashboard of other inputs or settings ({path.name}: not this "
+                              f"run's {', '.join(changed)}); {again}")
+
+
+def restore_state(dash: Dashboard, path: Path, record: dict[str, Any], vocab: int) -> bool:
+    """Restore `dash` from `path` where it holds a state of this run (`record`); False where there is none.
+    GPT2EngineError, in one line, where it is a state of other inputs or settings, of an older version, or none."""
+    kind = what_is(path)
+    if kind is None:
+        return False
+    if kind != "a regular file":  # a FIFO would hang the reader, then be written into
+        raise not_a_state(path, kind)
+    try:
+        state = load_pickle(path)  # tensors and plain values only: nothing in the file runs
+    except ValueError as e:
+        raise not_a_state(path, str(e)) from None
+    if not isinstance(state, dict):
+        raise not_a_state(path, f"a {type(state).__name__}, not a dict")
+    if "key" in state and "run" not in state:
+        raise GPT2EngineError(f"{path.parent}: holds a dashboard state of an older gpt2 sae dashboard ({path.name}), "
+                              f"which cannot tell whether its inputs changed; give another --out, or delete {path} "
+                              "to start over")
+    if set(state) != {"run", *Dashboard.FIELDS} or not isinstance(state["run"], dict):
+        raise not_a_state(path, f"its keys are {sorted(map(str, state))[:10]}; expected run, "
+                                f"{', '.join(Dashboard.FIELDS)}")
+    check_run(path, state["run"], record)
+    try:
+        dash.restore(state, vocab)
+    except ValueError as e:
+        raise not_a_state(path, str(e)) from None
+    return True
 
 
 def corpus_batches(tokenizer: Tokenizer, paths: Sequence[str], settings: DashboardSettings, bos: bool,
                    skip: int = 0) -> Iterator[tuple[int, list[list[int]]]]:
     """(the first window's number, up to batch_size windows of one length) over the corpus, from window `skip` on."""
     batch: list[list[int]] = []
-    first = skip
+    first, n = skip, -1
     for n, window in enumerate(corpus_windows(tokenizer, paths, settings.context, bos)):
         if n < skip:
             continue
@@ -215,6 +328,8 @@ def corpus_batches(tokenizer: Tokenizer, paths: Sequence[str], settings: Dashboa
             first, batch = n + 1, []
     if batch:
         yield first, batch
+    if skip > n + 1:
+        raise CorpusEnded(f"it counts {skip:,} windows done; the corpus holds {n + 1:,}")
 
 
 class DashboardWorker:
@@ -238,27 +353,36 @@ class DashboardWorker:
         return len(windows)
 
 
-def build_dashboard(model: GPT2, sae: SAE, paths: Sequence[str], settings: DashboardSettings, out: Path, key: str,
-                    progress: Callable[[int], None] | None = None, save_every: int = 16) -> Dashboard:
-    """Stream the corpus into a Dashboard, resuming from out/state.pt when it belongs to the same run (`key`)."""
+def build_dashboard(model: GPT2, sae: SAE, paths: Sequence[str], settings: DashboardSettings, out: Path,
+                    progress: Callable[[int], None] | None = None, save_every: int = 16,
+                    notice: Callable[[str], None] | None = None) -> Dashboard:
+    """Stream the corpus into a Dashboard, resuming from out/state.pt where it is a state of this very run
+    (run_record; one of other inputs or settings is refused, never resumed nor replaced); `notice` is told, in one
+    line, that the run resumes."""
     worker = DashboardWorker(model, sae, settings)
     dash = worker.dash
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE
-    if state_path.is_file():
-        state = torch.load(state_path, weights_only=True)
-        if state.get("key") == key:
-            dash.restore(state)
+    record = run_record(model, sae, paths, settings)
+    if restore_state(dash, state_path, record, model.tokenizer.n_vocab) and notice is not None:
+        notice(f"resuming from {state_path}: {dash.windows:,} windows ({dash.tokens:,} tokens) already done")
     if progress is not None and dash.windows:
         progress(dash.windows)
-    for n, (first, batch) in enumerate(corpus_batches(model.tokenizer, paths, settings, sae.config.prepend_bos,
-                                                      skip=dash.windows), start=1):
-        done = worker.add(first, batch)
-        if progress is not None:
-            progress(done)
-        if n % save_every == 0:
-            atomic_write(state_path, lambda tmp: torch.save(dash.state(key), tmp))
-    atomic_write(state_path, lambda tmp: torch.save(dash.state(key), tmp))
+
+    def save() -> None:
+        atomic_write(state_path, lambda tmp: torch.save({"run": record, **dash.state()}, tmp))
+
+    batches = corpus_batches(model.tokenizer, paths, settings, sae.config.prepend_bos, skip=dash.windows)
+    try:
+        for n, (first, batch) in enumerate(batches, start=1):
+            done = worker.add(first, batch)
+            if progress is not None:
+                progress(done)
+            if n % save_every == 0:
+                save()
+    except CorpusEnded as e:
+        raise not_a_state(state_path, str(e)) from None
+    save()
     return dash
 
 
