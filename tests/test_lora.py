@@ -5,6 +5,7 @@ and QLoRA's frozen quantized base."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -193,10 +194,13 @@ def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_pa
     assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(inside), "--overwrite"]) == 2
     assert capsys.readouterr().err.endswith(f"error: {inside}: is inside the base checkpoint {trained_dir}; write the "
                                             "merged model somewhere else\n")
-    inside = tmp_path / "peft" / "last"  # an adapter run's resume state: a model beside it would be neither
-    assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(inside), "--overwrite"]) == 2
-    assert capsys.readouterr().err.endswith(f"error: {inside}: is inside the adapter {tmp_path / 'peft'}; write the "
-                                            "merged model somewhere else\n")
+    last = tmp_path / "run" / "last"  # an adapter run's resume state: a model beside it would be neither
+    shutil.copytree(tmp_path / "peft", last)
+    (last / "trainer_state.json").write_text("{}")
+    assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(last), "--overwrite"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {last}: holds an adapter or a run's resume state "
+                                            "(adapter_config.json, trainer_state.json); write the merged model "
+                                            "somewhere else\n")
 
 
 def test_adapter_files_are_checked(trained_dir: Path, tmp_path: Path) -> None:

@@ -249,8 +249,7 @@ def check_not_task_data(dest: Path, read: dict[Path, str]) -> None:
 
 def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, Any]:
     """lm-eval's simple_evaluate on the tasks, every seed --seed; an unknown task, data that cannot be loaded or a
-    template naming what the data's rows lack is a UsageError."""
-    from jinja2 import UndefinedError
+    template naming what the data's rows lack is a UsageError (task_error)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -260,29 +259,37 @@ def evaluate(args: argparse.Namespace, lm: Any, tasks: list[str]) -> dict[str, A
         return simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
                                log_samples=args.log_samples, random_seed=args.seed, numpy_random_seed=args.seed,
                                torch_random_seed=args.seed, fewshot_random_seed=args.seed)
-    except KeyError as e:  # lm-eval's "not a registered task/group/tag name or valid YAML path"
+    except GPT2EngineError:
+        raise
+    except Exception as e:
+        raise task_error(e, args.trust_task_code) from None
+
+
+def task_error(e: Exception, trusted: bool) -> Exception:
+    """What lm-eval's exception `e` means to the user: a UsageError for an unknown task, data that cannot be loaded,
+    a template naming what the rows lack, or (`trusted` task files) lm-eval failing on a file; else `e` itself."""
+    from jinja2 import UndefinedError
+
+    if isinstance(e, KeyError):  # lm-eval's "not a registered task/group/tag name or valid YAML path"
         said = " ".join(str(e).strip(chr(39) + chr(34)).split())
         if not e.args or e.args[0] is None or len(said) < 8:  # a registry lookup of a name the YAML left unset
             said = (f"lm-eval could not build the task (it looked up {said or 'nothing'} in a registry: a metric, "
                     f"filter or output_type the task's YAML names that lm-eval does not know?)")
-        raise UsageError(f"--tasks: {one_line(said, 300)}") from None
-    except (OSError, ConnectionError) as e:
-        raise UsageError(f"a task's data could not be loaded: {one_line(e, 300)} ({HUB_HINT})") from None
-    except UndefinedError as e:  # lm-eval renders doc_to_text and the like with each data row's fields
+        return UsageError(f"--tasks: {one_line(said, 300)}")
+    if isinstance(e, (OSError, ConnectionError)):
+        return UsageError(f"a task's data could not be loaded: {one_line(e, 300)} ({HUB_HINT})")
+    if isinstance(e, UndefinedError):  # lm-eval renders doc_to_text and the like with each data row's fields
         said = one_line(e, 200)
         name = re.fullmatch(r"'(.+)' is undefined", said)
         what = repr(name[1]) if name else "something"
-        raise UsageError(f"--tasks: a task's template names {what}, which its data rows do not have (jinja2: "
-                         f"{said})") from None
-    except GPT2EngineError:
-        raise
-    except Exception as e:
-        if not args.trust_task_code or in_the_engine(e):
-            raise
-        # lm-eval's own code failing on a task file the user wrote (a missing test_split: StopIteration, a wrong
-        # type: TypeError): the file's error, not the engine's
-        raise UsageError(f"--tasks: lm-eval failed on the task file ({type(e).__name__}: {one_line(e, 200)}); check "
-                         f"its keys against lm-eval's task guide") from None
+        return UsageError(f"--tasks: a task's template names {what}, which its data rows do not have (jinja2: "
+                          f"{said})")
+    if trusted and not in_the_engine(e):
+        # lm-eval's own code failing on a task file the user wrote (no split to test on, a wrong type): the file's
+        # error, not the engine's
+        return UsageError(f"--tasks: lm-eval failed on the task file ({type(e).__name__}: {one_line(e, 200)}); "
+                          f"check its keys against lm-eval's task guide")
+    return e
 
 
 def in_the_engine(e: BaseException) -> bool:

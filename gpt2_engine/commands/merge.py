@@ -16,6 +16,7 @@ from ..formats.files import check_not_replacing
 from ..formats.hf import CHECKPOINT_FILES, CONFIG, find_weights_file, load_weights, save_checkpoint
 from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..options import UsageError, add_force_option, add_overwrite_option
+from ..train.trainer import OPTIMIZER, STATE
 
 
 def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False, overwrite: bool = False) -> None:
@@ -26,9 +27,12 @@ def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False, overwr
     for given, what in ((base, "the base checkpoint"), (adapter, "the adapter")):
         if out.resolve() == given.resolve():
             raise UsageError(f"{out}: is {what} itself; write the merged model somewhere else")
-    for given, what in ((base, "the base checkpoint"), (adapter, "the adapter")):
-        if out.resolve().is_relative_to(given.resolve()):  # e.g. a run's last/, whose resume state would go stale
-            raise UsageError(f"{out}: is inside {what} {given}; write the merged model somewhere else")
+    if out.resolve().is_relative_to(base.resolve()):  # e.g. the base run's last/, whose optimizer state would go stale
+        raise UsageError(f"{out}: is inside the base checkpoint {base}; write the merged model somewhere else")
+    held = [name for name in (ADAPTER_CONFIG, STATE, OPTIMIZER) if (out / name).exists()]
+    if held:  # an adapter run's last/: a model beside its state would make the folder neither (--overwrite too)
+        raise UsageError(f"{out}: holds an adapter or a run's resume state ({', '.join(held)}); write the merged "
+                         f"model somewhere else")
     check_not_replacing(out, overwrite, CHECKPOINT_FILES + (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
     config = GPT2Config.from_json(base / CONFIG)
     lora = load_adapter(adapter, config)

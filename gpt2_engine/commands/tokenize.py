@@ -18,6 +18,7 @@ import re
 import sys
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -87,14 +88,17 @@ def changed(saved: dict, settings: dict) -> str:
     what = [f"{flag} was {json.dumps(saved.get(key))[:40]}" for key, flag in (("shard_tokens", "--shard-tokens"),
                                                                                ("prefix", "--prefix"))
             if saved.get(key) != settings[key]]
-    paths = [i["path"] for i in settings["inputs"]]
-    if inputs != settings["inputs"] and isinstance(inputs, list) and \
-            [i.get("path") if isinstance(i, dict) else None for i in inputs] == paths:
-        what += [f"{now['path']} changed since it was tokenized" for now, then in zip(settings["inputs"], inputs)
-                 if now != then][:3]
-    elif inputs != settings["inputs"]:
-        what.append("other input files")
+    if inputs != settings["inputs"]:
+        what += changed_inputs(inputs, settings["inputs"])
     return ", ".join(what) or "other settings"
+
+
+def changed_inputs(saved: Any, inputs: list[dict]) -> list[str]:
+    """The inputs that changed since a saved run, by path (at most three), or "other input files"."""
+    paths = [i["path"] for i in inputs]
+    if isinstance(saved, list) and [i.get("path") if isinstance(i, dict) else None for i in saved] == paths:
+        return [f"{now['path']} changed since it was tokenized" for now, then in zip(inputs, saved) if now != then][:3]
+    return ["other input files"]
 
 
 def check_counts(path: Path, state: dict) -> None:

@@ -176,18 +176,21 @@ class Steering:
         if self.action == "clamp":
             self.sae.check(config)
             return
-        want = math.prod(shape)
         for name, t in (("vector", self.vector), ("bias", self.bias)):
-            if t is None:
-                continue
-            if t.numel() != want:
-                raise SteeringError(f"steering {name} at {self.hook} has {t.numel()} values ({list(t.shape)}); "
-                                    f"that hook is {want} wide{' per head' if self.head is not None else ''}")
-            row = tuple(t.shape[next((i for i, n in enumerate(t.shape) if n != 1), t.dim()):])  # leading 1s dropped
-            if row not in (shape, (want,)):  # [8, 8] on a 64-wide hook has the count but not the meaning
-                shapes = " or ".join(str(list(s)) for s in dict.fromkeys([shape, (want,)]))
-                raise SteeringError(f"steering {name} at {self.hook}: shape {list(t.shape)}; expected {shapes} "
-                                    f"(leading 1s allowed)")
+            if t is not None:
+                self._check_row(name, t, shape)
+
+    def _check_row(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+        """SteeringError unless `t` is one row of the hook (`shape`, or flat, with leading 1s)."""
+        want = math.prod(shape)
+        if t.numel() != want:
+            raise SteeringError(f"steering {name} at {self.hook} has {t.numel()} values ({list(t.shape)}); "
+                                f"that hook is {want} wide{' per head' if self.head is not None else ''}")
+        row = tuple(t.shape[next((i for i, n in enumerate(t.shape) if n != 1), t.dim()):])  # leading 1s dropped
+        if row not in (shape, (want,)):  # [8, 8] on a 64-wide hook has the count but not the meaning
+            shapes = " or ".join(str(list(s)) for s in dict.fromkeys([shape, (want,)]))
+            raise SteeringError(f"steering {name} at {self.hook}: shape {list(t.shape)}; expected {shapes} "
+                                f"(leading 1s allowed)")
 
     def __repr__(self) -> str:
         what = {"add": f"add coef={self.coef:g}" + (f" sae feature {self.feature}" if self.sae is not None else ""),
