@@ -343,6 +343,31 @@ def test_a_body_over_the_limit_is_413(trained_model: GPT2) -> None:
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
 
 
+def test_a_body_that_stops_arriving_is_408_and_a_stream_is_not_cut(trained_model: GPT2) -> None:
+    """A client that sent a byte of its body and stopped held its connection and buffers open for as long as it
+    liked (19,950 such connections took the server from 490 to 930 MB): the next piece must come within
+    body_seconds. The wait for a streaming client's disconnect, after its body, is not bounded."""
+    import socket
+
+    with live(trained_model, settings=ServerSettings(body_seconds=0.3)) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{")
+            reply = b""
+            while b"}}" not in reply and (piece := s.recv(4096)):
+                reply += piece
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), reply
+        assert json.loads(body)["error"] == {"message": "the request body stopped arriving for 0.3 s",
+                                             "type": "invalid_request_error", "param": None,
+                                             "code": "request_timeout"}
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": "gpt2", "prompt": "The", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) == 121  # a chunk a token
+
+
 def test_a_compressed_body_is_415(server: str) -> None:
     """A gzip body was read as JSON (a 400 "not valid JSON"); it is refused by its encoding, and never inflated."""
     body = gzip.compress(json.dumps({"model": "gpt2", "prompt": "x", "max_tokens": 1}).encode())

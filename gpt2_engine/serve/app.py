@@ -9,6 +9,7 @@ ignored with a warning in the log, as OpenAI's clients expect of a server.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -52,6 +53,7 @@ class ServerSettings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
+    body_seconds: float = 30.0  # the longest wait for the next piece of a request's body (nginx's client_body_timeout)
     replica: str | None = None  # under Ray Serve: this replica's id, sent as the x-gpt2-replica response header
     chat_template: ChatTemplate = field(default_factory=plain_template)
     steering: SteeringRegistry = field(default_factory=SteeringRegistry)  # --sae, --steering-vector: by name
@@ -74,11 +76,14 @@ def error_response(err: APIError) -> JSONResponse:
 
 class Gate:
     """ASGI middleware in front of every route: the API key (all routes but /health and the page at /), then the body
-    size limit (413, by Content-Length or as the body streams in). Pure ASGI on purpose: Starlette's
-    BaseHTTPMiddleware reports a disconnect to streaming responses it wraps, which would cut streams short."""
+    size limit (413, by Content-Length or as the body streams in) and its pace (408 when no piece of it comes for
+    `body_seconds`: a client that sends a byte and stops would hold its connection and buffers for as long as it
+    likes). Pure ASGI on purpose: Starlette's BaseHTTPMiddleware reports a disconnect to streaming responses it
+    wraps, which would cut streams short."""
 
-    def __init__(self, app: Callable, api_key: str | None, limit: int, replica: str | None = None) -> None:
-        self.app, self.api_key, self.limit = app, api_key, limit
+    def __init__(self, app: Callable, api_key: str | None, limit: int, replica: str | None = None,
+                 body_seconds: float = 30.0) -> None:
+        self.app, self.api_key, self.limit, self.body_seconds = app, api_key, limit, body_seconds
         self.replica = replica.encode() if replica else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -93,24 +98,33 @@ class Gate:
         if (refused := self.refusal(scope, headers)) is not None:
             return await error_response(refused)(scope, receive, send)
         too_large = APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
-        seen, over = 0, False
+        too_slow = APIError(408, f"the request body stopped arriving for {self.body_seconds:g} s",
+                            code="request_timeout")
+        seen, refused, whole = 0, None, False
 
         async def limited() -> dict:
-            nonlocal seen, over
-            message = await receive()
+            nonlocal seen, refused, whole
+            if whole:  # the body is in: a streaming route waits here for the client's disconnect, unbounded
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_seconds)
+            except asyncio.TimeoutError:
+                refused = too_slow
+                raise too_slow from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                over = True
+                refused = too_large
                 raise too_large
             return message
 
         async def answer(message: dict) -> None:
             # a body without Content-Length (chunked) goes over as it streams in, where FastAPI turns the raise
-            # above into its own 400 about parsing: the 413 is sent in its place
-            if not over:
+            # above into its own 400 about parsing: the 413 (or 408) is sent in its place
+            if refused is None:
                 await send(message)
             elif message["type"] == "http.response.start":
-                await error_response(too_large)(scope, receive, send)
+                await error_response(refused)(scope, receive, send)
 
         await self.app(scope, limited, answer)
 
@@ -167,7 +181,7 @@ def build_app(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]] | 
         app.add_exception_handler(kind, handler)
     for method, path, handler, response_class in ROUTES:
         app.add_api_route(path, handler, methods=[method], response_class=response_class)
-    return Gate(app, settings.api_key, settings.max_body_bytes, settings.replica)
+    return Gate(app, settings.api_key, settings.max_body_bytes, settings.replica, settings.body_seconds)
 
 
 def load_into(state: ServerState, load: Callable[[], tuple[Any, AsyncEngine]]) -> None:
