@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -192,6 +192,8 @@ class GPT2:
         ce_loss_score, kl_div_with_sae / with_ablation, kl_div_score, feature_density (per feature) and tokens.
         Three passes per batch: plain, spliced and ablated. `progress(n)` is told each batch's window count."""
         sae = check_saes(sae, self.config)[0].to(self.device)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:  # -1 ran no batch
+            raise GPT2EngineError(f"batch_size: expected a positive integer, got {batch_size!r}")
         self.check_ids(ids, whole=False)  # run batch_size windows at a time: checked below
         check_batch_fits(min(batch_size, ids.shape[0]), ids.shape[-1], self.config, extra_per_token=3 * sae.d_sae)
         metrics = SAEMetrics(sae.d_in, sae.d_sae)
@@ -229,6 +231,8 @@ class GPT2:
         `steering`: edits on every position (Steering), as lm-eval's steered model scores."""
         if isinstance(texts, str):
             raise GPT2EngineError("texts: expected a list of strings, got one string (wrap it in a list)")
+        if isinstance(texts, (Mapping, set, frozenset, bytes)):  # a dict would score its keys, a set in no order
+            raise GPT2EngineError(f"texts: expected a list of strings, got a {type(texts).__name__}")
         context = context if context is not None else self.config.n_positions
         stride = stride if stride is not None else context // 2
         settings = ScoreSettings(context, stride, bos=bos, batch_size=batch_size, prefix_cache_mb=prefix_cache_mb,

@@ -26,6 +26,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from .api import GPT2
+from .core.errors import GenerationError
 from .core.model import KVCache
 from .interp.spec import Steering, check_steering
 from .interp.steering import check_scoring
@@ -34,8 +35,35 @@ from .runtime.prefix import DEFAULT_CAPACITY_MB, PrefixCache, prefill
 from .runtime.requests import GenerationSettings
 from .runtime.sampling import SamplingParams
 
+GENERATION_KWARGS = "until, max_gen_toks (or max_new_tokens), do_sample, temperature, top_p, top_k, num_beams 1"
+
 MAX_GEN_TOKS = 256  # lm-eval's default for generate_until tasks that set none (hf's max_gen_toks)
 SLOTS = 8  # sequences generated together
+
+
+def stop_sequences(until: Any, eos: str) -> list[str]:
+    """A task's `until` (a string or a list of strings) as lm-eval's hf model takes it, eos among them."""
+    if not (until is None or isinstance(until, str) or
+            isinstance(until, list) and all(isinstance(s, str) for s in until)):
+        raise GenerationError(f"the task's generation_kwargs: until is {until!r:.60}; expected a string or a list of "
+                              f"strings")
+    return handle_stop_sequences(until, eos=eos)
+
+
+def sampling_params(gen_kwargs: dict[str, Any]) -> SamplingParams:
+    """The sampling keys of a task's generation kwargs (taken out of it), as hf reads them: greedy unless do_sample
+    or a temperature says otherwise; one beam only."""
+    if gen_kwargs.pop("num_beams", 1) != 1:
+        raise GenerationError("the task's generation_kwargs: num_beams other than 1; the engine does not run beam "
+                              "search")
+    do_sample = gen_kwargs.pop("do_sample", None)
+    if do_sample not in (None, True, False):
+        raise GenerationError(f"the task's generation_kwargs: do_sample is {do_sample!r:.60}; expected true or false")
+    temperature = gen_kwargs.pop("temperature", 0.0)
+    if do_sample is False or (do_sample is None and temperature == 0.0):
+        temperature = 0.0
+    return SamplingParams(temperature=temperature, top_p=gen_kwargs.pop("top_p", 1.0),
+                          top_k=gen_kwargs.pop("top_k", 0) or 0)
 
 
 class EngineLM(TemplateLM):
@@ -138,18 +166,18 @@ class EngineLM(TemplateLM):
         return logprob, greedy
 
     def _settings(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[GenerationSettings, list[str]]:
-        """A task's generation kwargs as the engine's settings, and its stop strings (eos among them, as hf's)."""
-        until = handle_stop_sequences(gen_kwargs.pop("until", None), eos=eos)
-        max_gen_toks = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
-        do_sample = gen_kwargs.pop("do_sample", None)
-        temperature = float(gen_kwargs.pop("temperature", 0.0))
-        if do_sample is False or (do_sample is None and temperature == 0.0):
-            temperature = 0.0
-        sampling = SamplingParams(temperature=temperature, top_p=float(gen_kwargs.pop("top_p", 1.0)),
-                                  top_k=int(gen_kwargs.pop("top_k", 0) or 0))
+        """A task's generation kwargs as the engine's settings, and its stop strings (eos among them, as hf's);
+        GenerationError, naming the key, for a value of the wrong type or an option the engine does not run."""
+        until = stop_sequences(gen_kwargs.pop("until", None), eos)
+        max_gen_toks = gen_kwargs.pop("max_gen_toks", self.max_gen_toks)
+        max_gen_toks = gen_kwargs.pop("max_new_tokens", max_gen_toks)  # hf's generate takes it over max_gen_toks
+        if isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int) or max_gen_toks < 1:
+            raise GenerationError(f"the task's generation_kwargs: max_gen_toks is {max_gen_toks!r:.60}; expected a "
+                                  f"positive integer")
+        sampling = sampling_params(gen_kwargs)
         if gen_kwargs:
-            raise ValueError(f"generation options the engine does not run: {', '.join(sorted(gen_kwargs))}; "
-                             "expected until, max_gen_toks, do_sample, temperature, top_p, top_k")
+            raise GenerationError(f"the task's generation_kwargs: {', '.join(sorted(gen_kwargs))[:200]}: not run by "
+                                  f"the engine; expected {GENERATION_KWARGS}")
         stops = tuple(s for s in until if s != eos)  # <|endoftext|> itself ends a sequence (finish reason eos)
         return GenerationSettings(max_new_tokens=max_gen_toks, sampling=sampling, stop=stops, seed=self.seed,
                                   steering=self.steering), until

@@ -116,6 +116,8 @@ def test_stop_and_logprobs(client, trained_model: GPT2) -> None:
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages", "only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "a text part's \"text\" must be a string, got NoneType"),
     ({"messages": CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tool calling is not supported"),
     ({"messages": CONVERSATION, "response_format": {"type": "xml"}}, "response_format",
@@ -139,10 +141,14 @@ def test_unknown_fields_are_ignored_and_logged(trained_model: GPT2, caplog: pyte
                                                       "frobnicate": 1, "store": False}, timeout=60)
         chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": CONVERSATION, "max_tokens": 3,
                                                                "temperature": 0, "metadata": {"a": "b"}}, timeout=60)
-    assert r.status_code == 200 and chat.status_code == 200
+        many = httpx.post(f"{url}/v1/completions", timeout=60, json={  # a log line is not the client's to fill
+            "prompt": "The", "max_tokens": 1, **{f"k{i}" + "x" * (100 if i == 0 else 0): i for i in range(10_000)}})
+    assert r.status_code == 200 and chat.status_code == 200 and many.status_code == 200
     assert r.json()["choices"][0]["text"] == trained_model.generate("The", max_new_tokens=3, temperature=0)
-    assert "/v1/completions: ignoring unknown field(s) 'frobnicate', 'store'" in caplog.messages
-    assert "/v1/chat/completions: ignoring unknown field(s) 'metadata'" in caplog.messages
+    assert "/v1/completions: ignoring 2 unknown field(s): 'frobnicate', 'store'" in caplog.messages
+    assert "/v1/chat/completions: ignoring 1 unknown field(s): 'metadata'" in caplog.messages
+    assert (f"/v1/completions: ignoring 10000 unknown field(s): 'k0{'x' * 38}...', 'k1', 'k10', 'k100', 'k1000' and "
+            "9,995 more") in caplog.messages
 
 
 def test_max_completion_tokens_and_a_body_without_json_content_type(server: str, trained_model: GPT2) -> None:

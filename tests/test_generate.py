@@ -206,6 +206,7 @@ def test_several_samples_per_prompt(model: GPT2) -> None:
         (dict(top_kk=3), "unknown generation option(s): top_kk"),
         (dict(num_samples=10_001), "num_samples must be an integer in [1, 10000], got 10001"),  # the CLI's limit too
         (dict(top_logprobs=21), "top_logprobs must be an integer in [0, 20], got 21"),  # the server's
+        (dict(temperature=True), "temperature must be in [0, 2] (0 is greedy), got True"),  # ran at 1.0
     ],
 )
 def test_invalid_settings_are_refused(model: GPT2, kwargs: dict, message: str) -> None:

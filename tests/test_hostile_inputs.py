@@ -1023,6 +1023,69 @@ def test_a_template_naming_a_field_the_rows_lack_is_one_line(tiny_dir: Path, tmp
                         r"its keys against lm-eval's task guide", err.splitlines()[-1]), err
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"until": 5}, "until is 5; expected a string or a list of strings"),
+    ({"max_gen_toks": "abc"}, "max_gen_toks is 'abc'; expected a positive integer"),
+    ({"max_new_tokens": 0}, "max_gen_toks is 0; expected a positive integer"),
+    ({"num_beams": 4}, "num_beams other than 1; the engine does not run beam search"),
+    ({"do_sample": "yes"}, "do_sample is 'yes'; expected true or false"),
+    ({"penalty_alpha": 0.6}, "penalty_alpha: not run by the engine; expected until, max_gen_toks"),
+])
+def test_a_tasks_generation_kwargs_are_checked_by_name(kwargs: dict, message: str) -> None:
+    """A task's generation_kwargs reach the engine's lm-eval model: a wrong type was a ValueError from int() or
+    lm-eval's helpers, and an option the engine does not run its own plain ValueError, each an internal error."""
+    pytest.importorskip("lm_eval")
+    from gpt2_engine.core.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="^the task's generation_kwargs: " + re.escape(message)):
+        run_settings(kwargs)
+
+
+def run_settings(kwargs: dict) -> None:
+    """EngineLM._settings on `kwargs`, without a model (it reads only its own max_gen_toks, seed and steering)."""
+    from gpt2_engine.harness import EngineLM
+
+    lm = EngineLM.__new__(EngineLM)
+    lm.max_gen_toks, lm.seed, lm.steering = 256, 0, ()
+    lm._settings(dict(kwargs), "<|endoftext|>")
+
+
+def test_a_tasks_max_new_tokens_is_honoured_and_a_bad_key_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """lm-eval's own tasks (terretaqa, norrewrite_instruct) set hf's max_new_tokens and num_beams 1: both are run
+    as hf runs them; a key the engine does not run is one line, exit 2."""
+    pytest.importorskip("lm_eval")
+    from gpt2_engine.harness import GENERATION_KWARGS, EngineLM
+
+    lm = EngineLM.__new__(EngineLM)
+    lm.max_gen_toks, lm.seed, lm.steering = 256, 0, ()
+    settings, until = lm._settings({"until": ["\n"], "max_new_tokens": 150, "num_beams": 1}, "<|endoftext|>")
+    assert settings.max_new_tokens == 150 and settings.sampling.greedy and until == ["\n", "<|endoftext|>"]
+    task = data_task(tmp_path, FILES + "    test: {d}/d.jsonl\n")
+    task.write_text(task.read_text().replace("output_type: loglikelihood", "output_type: generate_until")
+                    + "generation_kwargs:\n  until: ['\\n']\n  penalty_alpha: 0.6\n")
+    code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
+    assert (code, err.splitlines()[-1]) == (2, "gpt2 eval: error: the task's generation_kwargs: penalty_alpha: not run "
+                                               f"by the engine; expected {GENERATION_KWARGS}")
+
+
+def test_finetune_log_is_never_one_of_its_inputs(tiny_dir: Path, tmp_path: Path) -> None:
+    """--log appended JSON lines into whatever it named: the checkpoint's config.json (every later command on it
+    failed) or the training text (trained on next time)."""
+    shutil.copytree(tiny_dir, tmp_path / "w")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("Some text to train on. " * 20)
+    before = {p: p.read_bytes() for p in [tmp_path / "w" / "config.json", tmp_path / "notes" / "a.txt"]}
+    run = ["finetune", str(tmp_path / "notes"), "--weights", str(tmp_path / "w"), "--out", str(tmp_path / "out"),
+           "--steps", "1", "--context", "16", "--log"]
+    for log, said in [(tmp_path / "w" / "config.json", f"is {tmp_path / 'w' / 'config.json'}, one of the inputs (a "
+                                                        "file of the --weights checkpoint), which writing would replace"),
+                      (tmp_path / "notes" / "a.txt", f"is in {tmp_path / 'notes'}, a DATA folder whose files are read "
+                                                     "as training text"),
+                      (tmp_path / "notes" / "log.jsonl", f"is in {tmp_path / 'notes'}, a DATA folder")]:
+        one_line_error(*run_cli([*run, str(log)]), re.escape(f"--log {log}: {said}"))
+    assert all(p.read_bytes() == data for p, data in before.items()) and not (tmp_path / "out").exists()
+
+
 def sparse(path: Path, size: int = 5 << 30) -> Path:
     """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
     path.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 import sae_reference as ref  # noqa: E402
 
-from gpt2_engine import GPT2, SAE, SAEError  # noqa: E402
+from gpt2_engine import GPT2, SAE, GPT2EngineError, SAEError  # noqa: E402
 
 SPLICEABLE = [s for s in ref.SPECS if "hook_head_index" not in s.extra]  # sae-lens's transformer splices these
 
@@ -148,6 +148,9 @@ def test_the_model_options_matter(made, trained_model, trained_hf_model) -> None
     for key in ("mse", "explained_variance", "ce_loss_with_sae", "kl_div_with_sae"):
         assert wrong[key] == pytest.approx(want[key], rel=1e-3, abs=1e-6), key  # the parity test's tolerance
         assert right[key] != pytest.approx(wrong[key], rel=1e-3, abs=1e-6), key  # and the options change it
+    for bad in (-1, 0, 1.5, True):  # -1 ran no batch and reported a perfect SAE over 0 tokens
+        with pytest.raises(GPT2EngineError, match=f"^batch_size: expected a positive integer, got {bad!r}$"):
+            trained_model.evaluate_sae(sae, ids, batch_size=bad)
 
 
 def edited(src: Path, dest: Path, **changes) -> Path:
@@ -352,7 +355,10 @@ DAMAGED_STATES = [  # (what is written as OUT/state.pt, the line's WHAT)
      r"hist and fired do not add up \(negative counts, or more than the tokens read\)"),
     ("a position past the windows", edit_state(top_key=lambda t: t.fill_(0)),
      r"top_key holds keys no run writes \(below -1, or positions past the windows read\)"),
-    ("negative activations", edit_state(top_ctx=lambda t: t.fill_(-1.0)), "top_ctx holds negative activations"),
+    ("negative activations", edit_state(top_ctx=lambda t: t.fill_(-1.0)),
+     "top_ctx holds negative or non-finite activations"),
+    ("nan activations", edit_state(top_ctx=lambda t: t.fill_(float("nan"))),  # dashboard.json got a bare NaN
+     "top_ctx holds negative or non-finite activations"),
     ("more windows than the corpus", edit_state(windows=5, tokens=37), "it counts 5 windows done; the corpus holds 4"),
 ]
 

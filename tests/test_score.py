@@ -143,6 +143,8 @@ def test_python_api(trained_model: GPT2, trained_hf_model) -> None:
     assert (trained_model.token_logprobs(ids)[0] - ref).abs().max().item() <= 1e-4
     with pytest.raises(GPT2EngineError, match="expected a list of strings"):
         trained_model.score("one string")
+    with pytest.raises(GPT2EngineError, match="^texts: expected a list of strings, got a dict$"):
+        trained_model.score({"a": "hello"})
     with pytest.raises(GPT2EngineError, match="^bos: expected True or False, got 'no'$"):
         trained_model.score(["x y"], bos="no")
     with pytest.raises(GPT2EngineError, match="^context: expected an integer, got 64.5$"):

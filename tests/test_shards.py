@@ -131,8 +131,11 @@ def with_fields(**fields):
     (with_fields(done=1), "\"done\" is 1; expected true or false"),
     (with_fields(tokens=0), "1 documents and 0 tokens in 1 shard(s) do not add up"),
     (with_fields(shards=2, documents=2), "it counts 2 shard(s), and shard_000001.bin is missing"),
+    (lambda p: ((p.parent / "shard_000000.bin").write_bytes(bytes(10)), with_fields(done=False)(p)),
+     "its shard shard_000000.bin is damaged: not a token shard (expected llm.c's magic 20240520 in a 1024-byte "
+     "header)"),
 ], ids=["garbage", "a list", "settings a string", "not UTF-8", "a FIFO", "documents a string", "documents past 2^63",
-        "done a number", "no tokens", "a shard missing"])
+        "done a number", "no tokens", "a shard missing", "a shard damaged"])
 def test_a_damaged_tokenize_state_is_one_line(edit, what, tmp_path: Path) -> None:
     """tokenize.json is read with the bounded JSON reader and each field checked: a damaged one was an internal
     error (JSONDecodeError, AttributeError, islice's ValueError), a FIFO hung the run."""

@@ -31,6 +31,7 @@ from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import Tokenizer, load_tokenizer
 from ..core.weights import GPT2Weights
 from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
+from ..formats.files import check_not_an_input
 from ..documents import expand_paths, read_documents
 from ..options import UsageError, add_overwrite_option, positive_int, progress_bar, seed_value, thread_count
 from ..runtime.generate import two_samples
@@ -298,8 +299,11 @@ class Progress:
 
     def __call__(self, event: Event) -> None:
         if self.log is not None:
-            self.log.write(json.dumps(record(event)) + "\n")
-            self.log.flush()
+            try:
+                self.log.write(json.dumps(record(event)) + "\n")
+                self.log.flush()
+            except OSError as e:  # a full disk under the log, not under --out
+                raise UsageError(f"--log {self.log.name}: cannot write ({e.strerror or e})") from None
         self.show[type(event)](event)
 
     def started(self, event: Started) -> None:
@@ -372,10 +376,31 @@ def check_out(args: argparse.Namespace) -> None:
                          "the run somewhere else")
 
 
+def check_log(args: argparse.Namespace) -> None:
+    """Refuse a --log that is one of the run's inputs (a DATA or --val file, a file of the --weights checkpoint) or
+    lies in a DATA or --val folder: appending JSON lines would damage it, or be read as training text next time."""
+    if args.log is None:
+        return
+    inputs: dict[Path, str] = {}
+    for flag, paths in (("DATA", args.data), ("--val", args.val or [])):
+        for given in (Path(p) for p in paths if p != "-"):
+            if given.is_dir() and Path(args.log).resolve().is_relative_to(given.resolve()):
+                raise UsageError(f"--log {args.log}: is in {given}, a {flag} folder whose files are read as training "
+                                 f"text; write the log somewhere else")
+            inputs[given] = f"a {flag} file"
+    weights = Path(args.weights) if getattr(args, "weights", None) else None
+    if weights is not None and weights.is_dir():
+        inputs.update({f: "a file of the --weights checkpoint" for f in weights.iterdir()})
+    elif weights is not None:
+        inputs[weights] = "the --weights checkpoint"
+    check_not_an_input(Path(args.log), inputs, "--log")
+
+
 def run_finetune(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     check_out(args)
+    check_log(args)
     trainer = build_trainer(args, sys.stdin.buffer)
     progress = Progress(open_log(args.log))
     t0 = time.perf_counter()

@@ -25,7 +25,7 @@ import numpy as np
 from ..core.config import read_json
 from ..core.errors import InputError, one_line
 from ..formats.files import atomic_write, check_not_an_input, output_directory, what_is
-from ..formats.shards import write_shard
+from ..formats.shards import ShardError, shard_length, write_shard
 from ..core.tokenizer import load_tokenizer
 from ..documents import expand_paths, file_stamps, iter_documents
 from ..options import UsageError, positive_int, progress_bar
@@ -113,10 +113,20 @@ def check_counts(path: Path, state: dict) -> None:
     documents, shards, tokens = counts
     if not shards <= documents <= tokens or (shards == 0) != (documents == 0):
         raise not_a_state(path, f"{documents:,} documents and {tokens:,} tokens in {shards:,} shard(s) do not add up")
-    prefix = state["settings"]["prefix"]
-    missing = next((name for i in range(shards) if not (path.parent / (name := shard_name(prefix, i))).is_file()), None)
-    if missing is not None:
-        raise not_a_state(path, f"it counts {shards:,} shard(s), and {missing} is missing")
+    check_shards(path, state["settings"]["prefix"], shards)
+
+
+def check_shards(path: Path, prefix: str, shards: int) -> None:
+    """UsageError unless each of the `shards` a state counts is there, its header matching its size (a damaged
+    shard would be kept, and trained on)."""
+    for name in (shard_name(prefix, i) for i in range(shards)):
+        shard = path.parent / name
+        if not shard.is_file():
+            raise not_a_state(path, f"it counts {shards:,} shard(s), and {name} is missing")
+        try:
+            shard_length(shard)
+        except ShardError as e:
+            raise not_a_state(path, f"its shard {name} is damaged: {str(e).removeprefix(f'{shard}: ')}") from None
 
 
 def starting_state(paths: list[str], out: Path, shard_tokens: int, prefix: str) -> dict:

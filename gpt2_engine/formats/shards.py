@@ -42,16 +42,7 @@ def is_shard(path: Path) -> bool:
 
 def read_shard(path: Path) -> np.ndarray:
     """A shard's tokens, memory-mapped [n] uint16, after checking its header against its size."""
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    if header.shape[0] != HEADER_INTS or header[0] != SHARD_MAGIC:
-        raise ShardError(f"{path}: not a token shard (expected llm.c's magic {SHARD_MAGIC} in a 1024-byte header)")
-    if header[1] != SHARD_VERSION:
-        raise ShardError(f"{path}: token shard version {int(header[1])} (expected {SHARD_VERSION})")
-    n = int(header[2])
-    size = path.stat().st_size
-    if size != HEADER_INTS * 4 + 2 * n:
-        raise ShardError(f"{path}: the header says {n} tokens, the file holds {(size - HEADER_INTS * 4) // 2} "
-                         f"({'truncated' if size < HEADER_INTS * 4 + 2 * n else 'bytes left over'})")
+    n = shard_length(path)
     if n == 0:
         return np.zeros(0, dtype="<u2")  # numpy cannot map nothing
     try:
@@ -62,6 +53,21 @@ def read_shard(path: Path) -> np.ndarray:
         raise ShardError(f"{path}: cannot map its {n:,} tokens ({2 * n / 2**30:.1f} GiB) into memory: {why}") from None
     check_ids(tokens, path)
     return tokens
+
+
+def shard_length(path: Path) -> int:
+    """The number of tokens a shard's header declares, once checked against its magic, version and size."""
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header.shape[0] != HEADER_INTS or header[0] != SHARD_MAGIC:
+        raise ShardError(f"{path}: not a token shard (expected llm.c's magic {SHARD_MAGIC} in a 1024-byte header)")
+    if header[1] != SHARD_VERSION:
+        raise ShardError(f"{path}: token shard version {int(header[1])} (expected {SHARD_VERSION})")
+    n = int(header[2])
+    size = path.stat().st_size
+    if size != HEADER_INTS * 4 + 2 * n:
+        raise ShardError(f"{path}: the header says {n} tokens, the file holds {(size - HEADER_INTS * 4) // 2} "
+                         f"({'truncated' if size < HEADER_INTS * 4 + 2 * n else 'bytes left over'})")
+    return n
 
 
 CHECK_TOKENS = 1 << 24  # tokens scanned at a time (32 MB of the mapping)

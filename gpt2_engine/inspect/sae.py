@@ -216,8 +216,8 @@ def check_counts(state: Mapping[str, Any], settings: DashboardSettings, vocab: i
     ids = state["top_ids"]
     if ((ids < -1) | (ids >= vocab)).any():
         raise ValueError(f"top_ids holds ids outside the vocabulary of {vocab:,} (or -1, for none)")
-    if (state["top_ctx"] < 0).any():
-        raise ValueError("top_ctx holds negative activations")
+    if not bool(((state["top_ctx"] >= 0) & torch.isfinite(state["top_ctx"])).all()):  # NaN is no activation
+        raise ValueError("top_ctx holds negative or non-finite activations")
 
 
 def logit_effects(model: GPT2, sae: SAE, features: Sequence[int], k: int = 10) -> list[dict[str, list] | None]:

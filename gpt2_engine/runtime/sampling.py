@@ -29,7 +29,7 @@ REPETITION_PENALTY = (0.01, 100)
 
 
 def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float))
+    return isinstance(v, (int, float)) and not isinstance(v, bool)  # True is not temperature 1
 
 
 def penalty(v: Any) -> bool:

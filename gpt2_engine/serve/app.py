@@ -242,8 +242,11 @@ def server_of(request: Request) -> ServerState:
 
 
 def ignoring(route: str, fields: list[str]) -> None:
+    """Log a request's unknown fields: the first few, each cut short (a client must not write its body to the log)."""
     if fields:
-        log.warning("%s: ignoring unknown field(s) %s", route, ", ".join(repr(f) for f in fields))
+        shown = ", ".join(repr(f[:40] + "..." if len(f) > 40 else f) for f in fields[:5])
+        more = f" and {len(fields) - 5:,} more" if len(fields) > 5 else ""
+        log.warning("%s: ignoring %d unknown field(s): %s%s", route, len(fields), shown, more)
 
 
 def ready(state: ServerState) -> tuple[Any, AsyncEngine]:

@@ -176,9 +176,11 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_parts(cls, v: Any) -> Any:
         for part in v if isinstance(v, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise ValueError(f"only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
-                                 f"{str(part.get('type'))!r}")
+                                 f"{str(part.get('type'))[:40]!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"a text part's \"text\" must be a string, got {type(part.get('text')).__name__}")
         return v
 
     @property
