@@ -90,6 +90,8 @@ class GPT2:
         (dtype), decode steps replayed as CUDA graphs. runner: "native" (the CPU's default: the engine's own kernels)
         or "torch" (the default on a GPU; on the CPU, the same runner the GPU runs, on torch's CPU kernels).
         """
+        if not isinstance(directory, (str, Path)):
+            raise GPT2EngineError(f"directory: expected a checkpoint's path (or \"demo\"), got {type(directory).__name__}")
         directory, _ = weights_directory(Path(directory))
         device, runner = check_device(device, runner)
         dtype = parse_dtype(dtype, runner)

@@ -153,6 +153,32 @@ def test_the_model_options_matter(made, trained_model, trained_hf_model) -> None
             trained_model.evaluate_sae(sae, ids, batch_size=bad)
 
 
+def test_the_python_api_refuses_bad_arguments_in_one_line(made, trained_model) -> None:
+    """Each was a raw IndexError, RuntimeError or TypeError from torch or pathlib, and select([-1]) silently picked
+    the last feature."""
+    directory, _ = made
+    sae = SAE.load(directory / "standard-resid")
+    d_in, d_sae = sae.d_in, sae.d_sae
+    ids = torch.tensor([trained_model.tokenizer.encode("hello world")])
+    for call, message in [
+        (lambda: GPT2.from_pretrained(None), "directory: expected a checkpoint's path (or \"demo\"), got NoneType"),
+        (lambda: SAE.load(None), "path: expected a directory or file path, got NoneType"),
+        (lambda: sae.select([-1]), f"features: expected indices in 0..{d_sae - 1}, got -1"),
+        (lambda: sae.select([]), f"features: expected indices in 0..{d_sae - 1}, got none"),
+        (lambda: sae.select([True]), f"features: expected indices in 0..{d_sae - 1}, got True"),
+        (lambda: sae.encode(torch.tensor(1.0)), f"x: expected a tensor [..., {d_in}], got a 0-dimensional tensor"),
+        (lambda: sae.encode(torch.zeros(2, 7)), f"x: expected a tensor [..., {d_in}], got shape [2, 7]"),
+        (lambda: sae.decode(torch.zeros(2, 3)), f"f: expected a tensor [..., {d_sae}], got shape [2, 3]"),
+        (lambda: sae.to("tpu"), "device: Expected one of cpu, cuda"),
+        (lambda: trained_model.run_with_cache(ids, names=5), "names: expected None, a hook point's name, a list of "
+                                                              "them or a predicate, got int"),
+    ]:
+        with pytest.raises(GPT2EngineError) as e:
+            call()
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    assert sae.select([0, 3]).d_sae == 2 and sae.encode(torch.zeros(2, d_in)).shape == (2, d_sae)
+
+
 def edited(src: Path, dest: Path, **changes) -> Path:
     shutil.copytree(src, dest)
     cfg = json.loads((dest / "cfg.json").read_text())

@@ -41,6 +41,9 @@ def name_predicate(names: NameFilter, config: GPT2Config) -> Callable[[str], boo
         return names
     if isinstance(names, str):
         names = [names]
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in names):
+        raise GPT2EngineError(f"names: expected None, a hook point's name, a list of them or a predicate, got "
+                              f"{type(names).__name__}")
     known = set(hook_names(config))
     if unknown := [n for n in names if n not in known]:
         raise GPT2EngineError(f"unknown hook point {unknown[0]!r}; expected names like 'blocks.0.attn.hook_pattern' "

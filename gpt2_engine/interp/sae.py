@@ -100,6 +100,8 @@ class SAE:
         `norm_scaling_factor`: the expected_average_only_in factor SAELens's registry gives for a release (folded
         into the weights as SAELens folds it; without it that normalization is left out, as SAELens's disk loader
         leaves it)."""
+        if not isinstance(path, (str, Path)):
+            raise SAEError(f"path: expected a directory or file path, got {type(path).__name__}")
         p = Path(path)
         if not p.exists():
             raise SAEError(f"--sae {path}: no such file or directory (expected SAELens's directory with {SAELENS_CONFIG} "
@@ -121,6 +123,10 @@ class SAE:
         """This SAE with its weights on `device` (itself where they are all there): what a model on a GPU splices.
         The digest is the loaded SAE's (the same values)."""
         names = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "b_gate", "b_mag", "r_mag", "dec_norm")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise SAEError(f"device: {str(e).splitlines()[0][:200]}") from None
         moved = {n: None if (t := getattr(self, n)) is None else t.to(device) for n in names}
         if all(moved[n] is getattr(self, n) for n in names):
             return self
@@ -148,9 +154,13 @@ class SAE:
         """The SAE cut down to `features` (its encoder columns, decoder rows): each of them activates exactly as in
         the whole SAE, at a fraction of the encoding work. None for topk, where a feature fires only if it beats
         every other feature's pre-activation."""
+        chosen = list(features)
+        bad = next((f for f in chosen if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < self.d_sae), None)
+        if not chosen or bad is not None:  # -1 would pick the last feature, silently
+            raise SAEError(f"features: expected indices in 0..{self.d_sae - 1}, got {'none' if not chosen else repr(bad)}")
         if self.config.architecture == "topk":
             return None
-        index = torch.tensor(list(features))
+        index = torch.tensor(chosen)
         weights = {"W_enc": self.W_enc[:, index], "W_dec": self.W_dec[index], "b_dec": self.b_dec}
         for name in ("b_enc", "threshold", "b_gate", "b_mag", "r_mag"):
             if (t := getattr(self, name)) is not None:
@@ -203,20 +213,30 @@ class SAE:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """[..., d_in] (or [..., nh, hs] for a hook_z SAE) -> [..., d_sae] feature activations."""
-        x = self.flatten(x.float())
+        x = self.flatten(self.checked(x, self.d_in, "x").float())
         n, _ = self.normalize(x)
         return self.activate(n, self.pre_activations(n))
 
     def decode(self, f: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """[..., d_sae] features -> [..., d_in] reconstruction. An SAE that normalizes its input maps back with the
         statistics of the input `x` the features came from, which it then needs."""
-        r = self.reconstruct(f.float())
+        r = self.reconstruct(self.checked(f, self.d_sae, "f").float())
         if self.config.normalize_activations in ("layer_norm", "constant_norm_rescale"):
             if x is None:
                 raise SAEError(f"decode: this SAE normalizes its input ({self.config.normalize_activations}); pass the "
                                f"input x the features came from")
             r = self.normalize(self.flatten(x.float()))[1](r)
         return r
+
+    def checked(self, t: Any, width: int, name: str) -> torch.Tensor:
+        """`t` itself, once it is a dense tensor of rows `width` wide (or a head-shaped [..., nh, hs] of that width)."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dim() == 0:
+            got = f"a {t.dim()}-dimensional tensor" if isinstance(t, torch.Tensor) and t.dim() == 0 else \
+                type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.layout} tensor"
+            raise SAEError(f"{name}: expected a tensor [..., {width}], got {got}")
+        if t.shape[-1] != width and not (t.dim() >= 2 and t.shape[-2] * t.shape[-1] == width == self.d_in):
+            raise SAEError(f"{name}: expected a tensor [..., {width}], got shape {list(t.shape)}")
+        return t
 
     def flatten(self, x: torch.Tensor) -> torch.Tensor:
         """A head-shaped activation [..., nh, hs] flattened to [..., nh*hs] where the SAE reads every head."""
