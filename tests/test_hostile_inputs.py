@@ -1465,6 +1465,22 @@ def test_a_fifo_as_a_model_sae_or_vector_file_is_named_as_what_it_is(make: Calla
     one_line_error(*run_cli(make(tiny_dir, tmp_path)), pattern)
 
 
+@pytest.mark.parametrize("name, make, kind", [
+    ("adapter_model.safetensors", fifo_at, "a FIFO"),
+    ("adapter_model.safetensors", lambda p: (p.unlink(), p.mkdir()), "a directory"),
+    ("adapter_base.json", fifo_at, "a FIFO"),
+], ids=["weights-fifo", "weights-folder", "base-record-fifo"])
+def test_an_adapters_file_that_is_not_regular_is_named_as_what_it_is(name: str, make: Callable, kind: str,
+                                                                     tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO or folder as adapter_model.safetensors was reported as 'no adapter_model.safetensors', and a FIFO
+    adapter_base.json was taken as absent, so the check of the adapter's base was skipped without a word."""
+    d = lora_dir(tiny_dir, tmp_path / "adapter", lambda weights, cfg: None)
+    (d / name).touch()
+    make(d / name)
+    code, err = run_cli(["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--lora", str(d)])
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {d / name}: {kind}, not a regular file"])
+
+
 def test_a_fifo_as_a_metadata_file_is_refused_without_waiting(tiny_dir: Path, tmp_path: Path) -> None:
     """A FIFO as config.json or adapter_config.json waited in open() for a writer, forever."""
     shutil.copytree(tiny_dir, tmp_path / "ckpt")
