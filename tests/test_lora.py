@@ -201,6 +201,13 @@ def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_pa
     assert capsys.readouterr().err.endswith(f"error: {last}: holds an adapter or a run's resume state "
                                             "(adapter_config.json, trainer_state.json); write the merged model "
                                             "somewhere else\n")
+    (tmp_path / "peftlink").symlink_to(tmp_path / "peft")
+    for inside in (tmp_path / "peft" / "sub", tmp_path / "peftlink" / "new"):  # the model would join the adapter
+        assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(inside), "--overwrite", "--force"]) == 2
+        assert capsys.readouterr().err.endswith(f"error: {inside}: is inside the adapter {tmp_path / 'peft'}; write "
+                                                "the merged model somewhere else\n")
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["README.md", "adapter_config.json",
+                                                                      "adapter_model.safetensors"]
 
 
 def test_adapter_files_are_checked(trained_dir: Path, tmp_path: Path) -> None:
