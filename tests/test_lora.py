@@ -5,6 +5,7 @@ and QLoRA's frozen quantized base."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -208,6 +209,14 @@ def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_pa
                                                 "the merged model somewhere else\n")
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["README.md", "adapter_config.json",
                                                                       "adapter_model.safetensors"]
+    # a FIFO in OUT is never written into: the merge blocked on it, after model.safetensors had been replaced
+    (tmp_path / "merged" / "config.json").unlink()
+    os.mkfifo(tmp_path / "merged" / "config.json")
+    before = (tmp_path / "merged" / "model.safetensors").stat().st_mtime_ns
+    assert main(again + ["--overwrite"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'merged' / 'config.json'}: a FIFO, not a regular "
+                                            "file; a checkpoint's files are replaced, never written into\n")
+    assert (tmp_path / "merged" / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_adapter_files_are_checked(trained_dir: Path, tmp_path: Path) -> None:
