@@ -1481,6 +1481,20 @@ def test_an_adapters_file_that_is_not_regular_is_named_as_what_it_is(name: str, 
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {d / name}: {kind}, not a regular file"])
 
 
+@pytest.mark.parametrize("name", ["config.json", "vocab.json"])
+def test_convert_to_hf_never_writes_into_a_fifo_in_out(name: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint's files are replaced together: a FIFO among them in OUT (--overwrite) blocked the writer after
+    model.safetensors had been replaced; it is refused before anything is written."""
+    shutil.copytree(tiny_dir, tmp_path / "out")
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+    fifo_at(tmp_path / "out" / name)
+    code, err = run_cli(["convert", str(tiny_dir), str(tmp_path / "out"), "--to", "hf", "--overwrite"])
+    assert (code, err.strip().splitlines()) == (2, [
+        f"gpt2 convert: error: {tmp_path / 'out' / name}: a FIFO, not a regular file; a checkpoint's files are "
+        "replaced, never written into"])
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
+
+
 def test_a_fifo_as_a_metadata_file_is_refused_without_waiting(tiny_dir: Path, tmp_path: Path) -> None:
     """A FIFO as config.json or adapter_config.json waited in open() for a writer, forever."""
     shutil.copytree(tiny_dir, tmp_path / "ckpt")
