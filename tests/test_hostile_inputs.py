@@ -951,6 +951,79 @@ def test_eval_output_never_replaces_or_joins_a_tasks_data(data: str, output: str
     assert not (tmp_path / "data" / "results.json").exists() and not (tmp_path / "new.jsonl").exists()
 
 
+def inline_task(data: str) -> str:
+    """Task tn as a flow mapping inside a group's task list, reading its data as `data` says."""
+    return "{task: tn, test_split: test, output_type: loglikelihood, doc_to_text: '{{q}}', doc_to_target: '{{a}}'" + data + "}"
+
+
+DATA = ", dataset_path: json, dataset_kwargs: {data_files: {test: {d}/d.jsonl}}"  # {d}: the test's folder
+
+
+@pytest.mark.parametrize("group", [
+    "{group: gn, task: [{group: inner, task: [" + inline_task(DATA) + "]}]}\n",
+    "{group: gn, task: [{group: inner" + DATA + ", task: [" + inline_task("") + "]}]}\n",
+    "{group: gn" + DATA + ", task: [{group: inner, task: [{group: deeper, task: [" + inline_task("") + "]}]}]}\n",
+], ids=["in-the-task", "from-the-inner-group", "from-the-outer-group"])
+def test_eval_output_never_replaces_the_data_of_a_task_in_a_nested_group(group: str, tiny_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """A task defined inline in a group inside a group (`task: [{group: inner, task: [{task: tn, ...}]}]`) had its
+    data_files replaced by `--output` (exit 0): the walk looked one level deep. Every level is walked now, with the
+    keys each group passes down to its tasks."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "g.yaml").write_text(group.replace("{d}", str(tmp_path)))
+    (tmp_path / "d.jsonl").write_text(ROWS)
+    code, err = run_cli(["eval", "--tasks", "gn", "--include-path", str(tmp_path / "inc"), "--trust-task-code",
+                         "--weights", str(tiny_dir), "--output", str(tmp_path / "d.jsonl")])
+    assert (code, err.strip().splitlines()) == (2, [
+        f"gpt2 eval: error: --output {tmp_path / 'd.jsonl'}: is {tmp_path / 'd.jsonl'}, one of the inputs (task tn's "
+        "data_files), which writing would replace; write the results somewhere else"])
+    assert (tmp_path / "d.jsonl").read_text() == ROWS
+
+
+def test_a_group_nested_past_32_inline_levels_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """The walk of inline groups is bounded: a file nesting them 33 deep is refused, not recursed into."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "inc").mkdir()
+    group = inline_task("")
+    for depth in range(33):
+        group = f"{{group: g{depth}, task: [{group}]}}"
+    (tmp_path / "inc" / "g.yaml").write_text(f"group: gn\ntask: [{group}]\n")
+    code, err = run_cli(["eval", "--tasks", "gn", "--include-path", str(tmp_path / "inc"), "--trust-task-code",
+                         "--weights", str(tiny_dir)])
+    assert (code, err.strip().splitlines()) == (2, [
+        f"gpt2 eval: error: --include-path {tmp_path / 'inc' / 'g.yaml'}: its groups nest inline more than 32 deep; "
+        "expected a few levels"])
+
+
+@pytest.mark.parametrize("output, said", [
+    ("inc/g.yaml", "is {d}/inc/g.yaml, one of the inputs (a task file in --include-path {d}/inc), which writing would "
+                   "replace"),
+    ("elsewhere.yaml", "is {d}/inc/link.yaml, one of the inputs (a task file in --include-path {d}/inc), which "
+                       "writing would replace"),
+    ("inc/results.json", "is in {d}/inc, the --include-path folder, whose YAML files lm-eval reads"),
+    ("inc/sub/results.yaml", "is in {d}/inc, the --include-path folder, whose YAML files lm-eval reads"),
+], ids=["a-task-file", "a-task-file-linked-in", "a-new-file", "in-a-subfolder"])
+def test_eval_output_never_replaces_or_joins_the_include_path(output: str, said: str, tiny_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """`--output DIR/g.yaml` replaced the user's group file in --include-path with the results JSON (exit 0), though
+    lm-eval indexed it in that very run; every task file there is an input, and the folder itself is no place for
+    results (the next run indexes them, and a .yaml name makes them a task)."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "inc" / "sub").mkdir(parents=True)
+    task = ("group: gn\ntask: [" + inline_task(DATA) + "]\n").replace("{d}", str(tmp_path))
+    (tmp_path / "inc" / "g.yaml").write_text(task)
+    (tmp_path / "elsewhere.yaml").write_text("task: te\n" + TASK_KEYS)
+    (tmp_path / "inc" / "link.yaml").symlink_to(tmp_path / "elsewhere.yaml")
+    (tmp_path / "d.jsonl").write_text(ROWS)
+    code, err = run_cli(["eval", "--tasks", "gn", "--include-path", str(tmp_path / "inc"), "--trust-task-code",
+                         "--weights", str(tiny_dir), "--output", str(tmp_path / output)])
+    assert (code, err.strip().splitlines()) == (2, [
+        f"gpt2 eval: error: --output {tmp_path / output}: {said.format(d=tmp_path)}; write the results somewhere else"])
+    assert (tmp_path / "inc" / "g.yaml").read_text() == task
+    assert sorted(p.name for p in (tmp_path / "inc").rglob("*")) == ["g.yaml", "link.yaml", "sub"]
+
+
 def zero_include(tmp: Path) -> str:
     return "/dev/zero"
 
@@ -1453,6 +1526,36 @@ def test_a_fifo_as_a_model_sae_or_vector_file_is_named_as_what_it_is(make: Calla
     """A FIFO as OpenAI's SAE .pt waited for a writer forever; as other files it was reported missing ("no such
     file", "no model.safetensors found"): each is refused before it is opened, naming what is there."""
     one_line_error(*run_cli(make(tiny_dir, tmp_path)), pattern)
+
+
+@pytest.mark.parametrize("name, make, kind", [
+    ("adapter_model.safetensors", fifo_at, "a FIFO"),
+    ("adapter_model.safetensors", lambda p: (p.unlink(), p.mkdir()), "a directory"),
+    ("adapter_base.json", fifo_at, "a FIFO"),
+], ids=["weights-fifo", "weights-folder", "base-record-fifo"])
+def test_an_adapters_file_that_is_not_regular_is_named_as_what_it_is(name: str, make: Callable, kind: str,
+                                                                     tiny_dir: Path, tmp_path: Path) -> None:
+    """A FIFO or folder as adapter_model.safetensors was reported as 'no adapter_model.safetensors', and a FIFO
+    adapter_base.json was taken as absent, so the check of the adapter's base was skipped without a word."""
+    d = lora_dir(tiny_dir, tmp_path / "adapter", lambda weights, cfg: None)
+    (d / name).touch()
+    make(d / name)
+    code, err = run_cli(["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--lora", str(d)])
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {d / name}: {kind}, not a regular file"])
+
+
+@pytest.mark.parametrize("name", ["config.json", "vocab.json"])
+def test_convert_to_hf_never_writes_into_a_fifo_in_out(name: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint's files are replaced together: a FIFO among them in OUT (--overwrite) blocked the writer after
+    model.safetensors had been replaced; it is refused before anything is written."""
+    shutil.copytree(tiny_dir, tmp_path / "out")
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+    fifo_at(tmp_path / "out" / name)
+    code, err = run_cli(["convert", str(tiny_dir), str(tmp_path / "out"), "--to", "hf", "--overwrite"])
+    assert (code, err.strip().splitlines()) == (2, [
+        f"gpt2 convert: error: {tmp_path / 'out' / name}: a FIFO, not a regular file; a checkpoint's files are "
+        "replaced, never written into"])
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
 
 
 def test_a_fifo_as_a_metadata_file_is_refused_without_waiting(tiny_dir: Path, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ and QLoRA's frozen quantized base."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -201,6 +202,21 @@ def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_pa
     assert capsys.readouterr().err.endswith(f"error: {last}: holds an adapter or a run's resume state "
                                             "(adapter_config.json, trainer_state.json); write the merged model "
                                             "somewhere else\n")
+    (tmp_path / "peftlink").symlink_to(tmp_path / "peft")
+    for inside in (tmp_path / "peft" / "sub", tmp_path / "peftlink" / "new"):  # the model would join the adapter
+        assert main(["merge-lora", str(trained_dir), str(tmp_path / "peft"), str(inside), "--overwrite", "--force"]) == 2
+        assert capsys.readouterr().err.endswith(f"error: {inside}: is inside the adapter {tmp_path / 'peft'}; write "
+                                                "the merged model somewhere else\n")
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["README.md", "adapter_config.json",
+                                                                      "adapter_model.safetensors"]
+    # a FIFO in OUT is never written into: the merge blocked on it, after model.safetensors had been replaced
+    (tmp_path / "merged" / "config.json").unlink()
+    os.mkfifo(tmp_path / "merged" / "config.json")
+    before = (tmp_path / "merged" / "model.safetensors").stat().st_mtime_ns
+    assert main(again + ["--overwrite"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'merged' / 'config.json'}: a FIFO, not a regular "
+                                            "file; a checkpoint's files are replaced, never written into\n")
+    assert (tmp_path / "merged" / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_adapter_files_are_checked(trained_dir: Path, tmp_path: Path) -> None:

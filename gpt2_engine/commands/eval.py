@@ -25,6 +25,7 @@ from ..runtime.prefix import DEFAULT_CAPACITY_MB
 
 HUB_HINT = "tasks whose data lm-eval downloads need the Hugging Face Hub; a task on a local file needs none (docs/evaluation.md)"
 TASK_YAML_BYTES = 16 << 20  # a task file is a few KB; lm-eval reads any file an include names whole, 3 GB too
+GROUP_DEPTH = 32  # lm-eval nests inline groups without a bound; its own suites nest two or three deep
 SKIPPED_FOLDERS = {"__pycache__", ".ipynb_checkpoints"}  # lm-eval's index leaves their YAML files out
 
 
@@ -207,35 +208,49 @@ def data_inputs(cfg: dict[str, Any], task: str) -> dict[Path, str]:
     return found
 
 
-def task_data(cfg: dict[str, Any], path: Path) -> dict[Path, str]:
-    """data_inputs of a task file's task, or of each task a group file defines inline (`task: [{task: ...}]`)."""
-    subtasks = cfg["task"] if isinstance(cfg.get("task"), list) else []
-    found = data_inputs(cfg, cfg["task"] if isinstance(cfg.get("task"), str) else path.name)
-    for sub in subtasks:
-        if isinstance(sub, dict):
-            found.update(data_inputs(sub, sub["task"] if isinstance(sub.get("task"), str) else path.name))
+def task_data(cfg: dict[str, Any], name: str, passed: dict[str, Any] | None = None, depth: int = 0) -> dict[Path, str]:
+    """data_inputs of a task file's task, or of each task a group defines inline at any depth (`task: [{group: g,
+    task: [{task: t, ...}]}]`), with the keys each group passes down merged in as lm-eval's factory merges them."""
+    if depth > GROUP_DEPTH:
+        raise UsageError(f"{name}: its groups nest inline more than {GROUP_DEPTH} deep; expected a few levels")
+    members = cfg.get("task")
+    if not isinstance(members, list):  # a task: its own keys win over its groups'
+        return data_inputs({**(passed or {}), **cfg}, members if isinstance(members, str) else name)
+    # a group: an enclosing group's keys win over an inline group's own (lm-eval's _build_group), and the result is
+    # what a member named by reference (a registered task) is built with, so its data are read here too
+    passed = {**{k: v for k, v in cfg.items() if k not in ("group", "task")}, **(passed or {})}
+    found = data_inputs(passed, f"group {cfg['group']}" if isinstance(cfg.get("group"), str) else name)
+    for member in members:
+        if isinstance(member, dict):
+            found.update(task_data(member, name, passed, depth + 1))
     return found
 
 
 def task_inputs(args: argparse.Namespace, tasks: list[str]) -> dict[Path, str]:
-    """What the task files given and in --include-path read (their includes, local data files and folders), each
-    with what it is; every file walked with its includes before lm-eval reads them, so that an include that is not
-    a regular file, or not YAML, is one line naming it rather than a hang or an internal error."""
-    files = [(Path(t).expanduser(), f"--tasks {t}") for t in tasks if Path(t).expanduser().is_file()]
+    """What the task files given and in --include-path are and read (their includes, local data files and folders),
+    each with what it is; every file walked with its includes before lm-eval reads them, so that an include that is
+    not a regular file, or not YAML, is one line naming it rather than a hang or an internal error."""
+    files = [(Path(t).expanduser(), f"--tasks {t}", "a task file") for t in tasks if Path(t).expanduser().is_file()]
     if args.include_path is not None:  # lm-eval indexes every YAML file there, includes and all
-        files += [(p, f"--include-path {p}") for p in sorted(args.include_path.glob("**/*.yaml"))
-                  if not SKIPPED_FOLDERS & set(p.parts)]
+        files += [(p, f"--include-path {p}", f"a task file in --include-path {args.include_path}")
+                  for p in sorted(args.include_path.glob("**/*.yaml")) if not SKIPPED_FOLDERS & set(p.parts)]
     loader, read = task_loader(), {}
-    for path, name in files:
-        read.update(task_data(task_config(path, name, loader, read, set()), path))
+    for path, name, role in files:
+        read.setdefault(path, role)
+        read.update(task_data(task_config(path, name, loader, read, set()), name))
     return read
 
 
-def check_not_task_data(dest: Path, read: dict[Path, str]) -> None:
-    """Refuse an --output that is a file a task reads, lies in a folder its data is read from, or matches a
-    data_files pattern: writing it would replace the task's data, or put the results among it."""
+def check_not_task_data(dest: Path, read: dict[Path, str], include_path: Path | None) -> None:
+    """Refuse an --output that is a file a task reads (or a task file), lies in a folder its data is read from or in
+    --include-path, or matches a data_files pattern: writing it would replace the task's data or file, or put the
+    results among them."""
     check_not_an_input(dest, read, "--output")
     real = Path(os.path.realpath(dest))
+    if include_path is not None and real.is_relative_to(os.path.realpath(include_path)):
+        # a results file there is indexed by the next run, and one named .yaml is read as a task
+        raise OutputError(f"--output {dest}: is in {include_path}, the --include-path folder, whose YAML files "
+                          "lm-eval reads; write the results somewhere else")
     for path, role in read.items():
         if path.is_dir() and real.is_relative_to(os.path.realpath(path)):
             raise OutputError(f"--output {dest}: is in {path}, one of the inputs ({role}), which the results would "
@@ -313,7 +328,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.trust_task_code:
         read = task_inputs(args, tasks)
         if args.output is not None:
-            check_not_task_data(args.output, read)
+            check_not_task_data(args.output, read, args.include_path)
 
     from lm_eval.utils import make_table
 

@@ -411,6 +411,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         progress.close()
     print(summary(trainer, progress, args.out, time.perf_counter() - t0), file=sys.stderr)
     if args.merge:
-        merge_lora(args.weights, args.out, args.out / "merged", overwrite=True)  # the run owns its --out
+        merge_lora(args.weights, args.out, args.out / "merged", overwrite=True,
+                   in_adapter=True)  # the run owns its --out
         print(f"finetune: the base with the adapter merged in is saved in {args.out / 'merged'}", file=sys.stderr)
     return 0

@@ -19,27 +19,38 @@ from ..options import UsageError, add_force_option, add_overwrite_option
 from ..train.trainer import OPTIMIZER, STATE
 
 
-def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False, overwrite: bool = False) -> None:
+def merge_lora(base: Path, adapter: Path, out: Path, force: bool = False, overwrite: bool = False,
+               in_adapter: bool = False) -> None:
     """Write base + adapter, merged, to `out` (official layout; each file written beside its destination and
     renamed over it); an adapter recording another base is an error unless `force`, a model already in `out`
-    unless `overwrite`."""
+    unless `overwrite`, and `out` inside the adapter's folder unless `in_adapter` (a caller that owns that folder)."""
     find_weights_file(base)
-    for given, what in ((base, "the base checkpoint"), (adapter, "the adapter")):
-        if out.resolve() == given.resolve():
-            raise UsageError(f"{out}: is {what} itself; write the merged model somewhere else")
-    if out.resolve().is_relative_to(base.resolve()):  # e.g. the base run's last/, whose optimizer state would go stale
-        raise UsageError(f"{out}: is inside the base checkpoint {base}; write the merged model somewhere else")
-    held = [name for name in (ADAPTER_CONFIG, STATE, OPTIMIZER) if (out / name).exists()]
-    if held:  # an adapter run's last/: a model beside its state would make the folder neither (--overwrite too)
-        raise UsageError(f"{out}: holds an adapter or a run's resume state ({', '.join(held)}); write the merged "
-                         f"model somewhere else")
-    check_not_replacing(out, overwrite, CHECKPOINT_FILES + (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
+    check_out(base, adapter, out, overwrite, in_adapter)
     config = GPT2Config.from_json(base / CONFIG)
     lora = load_adapter(adapter, config)
     if not force:
         check_base(lora, adapter, base)
     tokenizer = load_tokenizer(base)
     save_checkpoint(out, config, merge(load_weights(base, config), lora), tokenizer.source)
+
+
+def check_out(base: Path, adapter: Path, out: Path, overwrite: bool, in_adapter: bool) -> None:
+    """Refuse an `out` that is the base or the adapter, lies inside the base (or the adapter, unless `in_adapter`),
+    holds an adapter or a run's resume state, or holds a model and not `overwrite`."""
+    for given, what in ((base, "the base checkpoint"), (adapter, "the adapter")):
+        if out.resolve() == given.resolve():
+            raise UsageError(f"{out}: is {what} itself; write the merged model somewhere else")
+    if out.resolve().is_relative_to(base.resolve()):  # e.g. the base run's last/, whose optimizer state would go stale
+        raise UsageError(f"{out}: is inside the base checkpoint {base}; write the merged model somewhere else")
+    if not in_adapter and out.resolve().is_relative_to(adapter.resolve()):
+        # a model of hundreds of MB would travel with the adapter (copied, uploaded, served) and a later run there
+        # replace it; finetune --merge alone writes one there, OUT/merged in the run folder it owns
+        raise UsageError(f"{out}: is inside the adapter {adapter}; write the merged model somewhere else")
+    held = [name for name in (ADAPTER_CONFIG, STATE, OPTIMIZER) if (out / name).exists()]
+    if held:  # an adapter run's last/: a model beside its state would make the folder neither (--overwrite too)
+        raise UsageError(f"{out}: holds an adapter or a run's resume state ({', '.join(held)}); write the merged "
+                         f"model somewhere else")
+    check_not_replacing(out, overwrite, CHECKPOINT_FILES + (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
 
 
 def add_merge_lora(sub: argparse._SubParsersAction) -> None:

@@ -23,7 +23,7 @@ from ..core.errors import WeightsError
 from ..core.pages import FilePages, file_mapping, file_pages, release_pages
 from ..core.weights import (Allocator, Block, GPT2Weights, LayerNorm, Linear, PanelMatrix, expected_shapes,
                             named_tensors)
-from .files import atomic_write, output_directory, what_is
+from .files import OutputError, atomic_write, output_directory, what_is
 from .pickles import load_pickle
 
 DEFAULT_WEIGHTS = Path("weights")  # the project's default checkpoint directory
@@ -301,12 +301,31 @@ def save_checkpoint(directory: str | Path, config: GPT2Config, weights: GPT2Weig
 
     made = not Path(directory).exists()
     directory = output_directory(Path(directory))
+    check_members(directory)
     try:
         write_checkpoint(directory, config, weights, bpe_source)
     except BaseException:
         if made:
             shutil.rmtree(directory, ignore_errors=True)
         raise
+
+
+# What write_checkpoint writes into a folder (pytorch_model.bin: a stale one is removed)
+CHECKPOINT_WRITES = (SAFETENSORS, PYTORCH_BIN, CONFIG, "generation_config.json", "vocab.json", "merges.txt")
+
+
+def check_members(directory: Path) -> None:
+    """Refuse, before anything is written, a folder where a checkpoint file is something other than a regular file
+    (links followed): atomic_write writes into a FIFO or device, as cp does, which for one file of a set replaced
+    together is never meant (a FIFO blocks, after the files before it were replaced)."""
+    for name in CHECKPOINT_WRITES:
+        try:
+            kind = what_is(directory / name)
+        except OSError as e:  # a symlink loop
+            raise OutputError(f"{directory / name}: cannot be looked at ({e.strerror or e})") from None
+        if kind not in (None, "a regular file"):
+            raise OutputError(f"{directory / name}: {kind}, not a regular file; a checkpoint's files are replaced, "
+                              "never written into")
 
 
 def write_checkpoint(directory: Path, config: GPT2Config, weights: GPT2Weights, bpe_source: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 from ..core.config import GPT2Config, read_json
 from ..core.errors import GPT2EngineError, InputError
 from ..core.lora import ALL_TARGETS, TARGETS, LoraAdapter, LoraError, LoraSettings, module_name, target_shape
-from .files import atomic_write, output_directory
+from .files import atomic_write, output_directory, what_is
 from .hf import WEIGHT_LIMIT, check_values, read_tensors, weights_fingerprint
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -175,8 +175,8 @@ def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
     """Read a PEFT LoRA adapter for this model (written by peft or by the engine), checking every tensor."""
     directory = Path(directory)
     cfg = read_adapter_config(directory)
-    path = directory / ADAPTER_WEIGHTS
-    if not path.is_file():
+    path = adapter_file(directory, ADAPTER_WEIGHTS)
+    if path is None:
         raise LoraError(f"{directory}: no {ADAPTER_WEIGHTS} (the engine reads adapters in safetensors)")
     r = cfg.get("r", 8)
     tensors, targets, ranks = adapter_tensors(path, config, r if type(r) is int and r >= 1 else None)
@@ -193,6 +193,19 @@ def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
                         "overflows float32 activations)")
     check_updates(directory, settings, tensors)
     return LoraAdapter(settings, tensors, cfg.get("base_model_name_or_path") or "", base_fingerprint(directory))
+
+
+def adapter_file(directory: Path, name: str) -> Path | None:
+    """directory/name where it is a regular file (links followed), None where nothing is; anything else there (a
+    FIFO, whose open waits for a writer forever, or a folder) is a LoraError naming it, not a file gone missing."""
+    path = directory / name
+    try:
+        kind = what_is(path)
+    except OSError as e:  # a symlink loop
+        raise LoraError(f"{path}: cannot be looked at ({e.strerror or e})") from None
+    if kind not in (None, "a regular file"):
+        raise LoraError(f"{path}: {kind}, not a regular file")
+    return None if kind is None else path
 
 
 def check_updates(directory: Path, settings: LoraSettings, tensors: dict[str, torch.Tensor]) -> None:
@@ -215,8 +228,8 @@ def check_updates(directory: Path, settings: LoraSettings, tensors: dict[str, to
 
 def base_fingerprint(directory: Path) -> str:
     """The fingerprint adapter_base.json records ("" where there is none: adapters written by peft)."""
-    path = directory / ADAPTER_BASE
-    if not path.is_file():
+    path = adapter_file(directory, ADAPTER_BASE)
+    if path is None:
         return ""
     try:
         found = read_json(path, "the adapter's base record").get("weights_fingerprint")
