@@ -83,6 +83,20 @@ def test_generate_stop_string_with_escape(capsys, tiny_dir: Path, tiny_model: GP
     assert code == 0 and out == full[: full.find(full[5:8])] + "\n"
 
 
+def test_stop_escapes_are_pythons_and_other_characters_stay_as_given(capsys, tiny_dir: Path) -> None:
+    """The whole string was decoded as unicode_escape: its UTF-8 bytes read as Latin-1 ('é\\n' became 'Ã©\n', a stop
+    that never matched) and a malformed escape was an internal UnicodeDecodeError."""
+    from gpt2_engine.commands.generate import unescape
+
+    assert unescape("é\\n", "--stop") == "é\n" and unescape("\\x41\\u00e9\\N{BULLET}\\\\", "--stop") == "Aé•\\"
+    for stop, said in [("\\x", "\\x is not an escape; expected \\n, \\t, \\\\, \\xHH, \\uHHHH, \\UHHHHHHHH or \\N{name}"),
+                       ("a\\", "a \\ at the end is not an escape"),
+                       ("\\N{nope}", "\\N{nope}: unknown Unicode character name"),
+                       ("\\U00110000", "\\U00110000: illegal Unicode character")]:
+        code, _, err = run(capsys, "generate", "hi", "-n", "2", "--stop", stop, "--weights", str(tiny_dir))
+        assert code == 2 and err.startswith(f"gpt2 generate: error: --stop '{stop}': {said}"), err
+
+
 def test_generate_json_under_a_stop_string(capsys, tiny_dir: Path, tiny_model: GPT2) -> None:
     """token_ids and logprobs hold every generated token, the stop's included; text ends before the stop string."""
     full = tiny_model.generate("Hi", max_new_tokens=20, temperature=0, ignore_eos=True)

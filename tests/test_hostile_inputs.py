@@ -1157,6 +1157,19 @@ def test_finetune_log_is_never_one_of_its_inputs(tiny_dir: Path, tmp_path: Path)
                       (tmp_path / "notes" / "log.jsonl", f"is in {tmp_path / 'notes'}, a DATA folder")]:
         one_line_error(*run_cli([*run, str(log)]), re.escape(f"--log {log}: {said}"))
     assert all(p.read_bytes() == data for p, data in before.items()) and not (tmp_path / "out").exists()
+    init = tmp_path / "init.json"  # the --init config and the resume state: the next run failed on them
+    init.write_text((tiny_dir / "config.json").read_text())
+    one_line_error(*run_cli(["finetune", str(tmp_path / "notes"), "--init", str(init), "--out", str(tmp_path / "o2"),
+                             "--steps", "1", "--context", "16", "--log", str(init)]),
+                   re.escape(f"--log {init}: is {init}, one of the inputs (the --init config)"))
+    (tmp_path / "out" / "last").mkdir(parents=True)
+    (tmp_path / "out" / "last" / "trainer_state.json").write_text("{}")
+    state = tmp_path / "out" / "last" / "trainer_state.json"
+    one_line_error(*run_cli([*run, str(state), "--resume"]),
+                   re.escape(f"--log {state}: is {state}, one of the inputs (a file of the run's resume state)"))
+    code, err = run_cli([*run[:-1], "--out", str(tmp_path / "o3"), "--log", "/dev/full"])  # named as the log's, not --out's
+    assert (code, err.splitlines()[-1]) == (2, "gpt2 finetune: error: --log /dev/full: cannot write (No space left on "
+                                               "device)")
 
 
 def sparse(path: Path, size: int = 5 << 30) -> Path:
@@ -1480,6 +1493,14 @@ def test_score_refuses_to_write_over_a_document_it_scores(tiny_dir: Path, tmp_pa
                     "--weights", str(tiny_dir))
     assert (code, err) == (2, f"gpt2 score: error: --per-token and --output are the same file ({tmp_path / 'f.json'}): "
                               "give each its own\n")
+    shutil.copytree(tiny_dir, tmp_path / "w")  # the checkpoint's own files: it became unloadable
+    for flag, name in (("--per-token", "config.json"), ("--output", "model.safetensors")):
+        dest = tmp_path / "w" / name
+        code, err = cli("score", str(doc), flag, str(dest), "--weights", str(tmp_path / "w"))
+        assert (code, err) == (2, f"gpt2 score: error: {flag} {dest}: is {dest}, one of the inputs (a file of the "
+                                  "--weights checkpoint), which writing would replace; write the results somewhere "
+                                  "else\n")
+    assert (tmp_path / "w" / "config.json").read_bytes() == (tiny_dir / "config.json").read_bytes()
 
 
 def test_sigterm_during_convert_removes_the_partial_file(small_dir: Path, tmp_path: Path) -> None:

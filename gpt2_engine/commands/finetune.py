@@ -31,7 +31,7 @@ from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import Tokenizer, load_tokenizer
 from ..core.weights import GPT2Weights
 from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
-from ..formats.files import check_not_an_input
+from ..formats.files import check_not_an_input, files_of
 from ..documents import expand_paths, read_documents
 from ..options import UsageError, add_overwrite_option, positive_int, progress_bar, seed_value, thread_count
 from ..runtime.generate import two_samples
@@ -291,7 +291,7 @@ class Progress:
     and the reason a run stopped early; each event also as a line of the --log JSONL."""
 
     def __init__(self, log: IO[str] | None) -> None:
-        self.log, self.bar = log, None
+        self.log, self.bar, self.log_failed = log, None, False
         self.first_eval: Eval | None = None
         self.last_eval: Eval | None = None
         self.show: dict[type, Callable] = {Started: self.started, Step: self.stepped, Eval: self.evaluated,
@@ -303,6 +303,7 @@ class Progress:
                 self.log.write(json.dumps(record(event)) + "\n")
                 self.log.flush()
             except OSError as e:  # a full disk under the log, not under --out
+                self.log_failed = True
                 raise UsageError(f"--log {self.log.name}: cannot write ({e.strerror or e})") from None
         self.show[type(event)](event)
 
@@ -336,7 +337,11 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         if self.log is not None:
-            self.log.close()
+            try:
+                self.log.close()
+            except OSError as e:  # what a failed write left buffered: named once, by __call__
+                if not self.log_failed:
+                    raise UsageError(f"--log {self.log.name}: cannot write ({e.strerror or e})") from None
 
 
 def open_log(path: Path | None) -> IO[str] | None:
@@ -388,11 +393,10 @@ def check_log(args: argparse.Namespace) -> None:
                 raise UsageError(f"--log {args.log}: is in {given}, a {flag} folder whose files are read as training "
                                  f"text; write the log somewhere else")
             inputs[given] = f"a {flag} file"
-    weights = Path(args.weights) if getattr(args, "weights", None) else None
-    if weights is not None and weights.is_dir():
-        inputs.update({f: "a file of the --weights checkpoint" for f in weights.iterdir()})
-    elif weights is not None:
-        inputs[weights] = "the --weights checkpoint"
+    inputs.update(files_of(getattr(args, "weights", None), "the --weights checkpoint"))
+    inputs.update(files_of(getattr(args, "init", None), "the --init config"))
+    if args.resume and args.out is not None:  # the state the run goes on from
+        inputs.update(files_of(Path(args.out) / "last", "the run's resume state"))
     check_not_an_input(Path(args.log), inputs, "--log")
 
 

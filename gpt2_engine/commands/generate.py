@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -139,9 +141,29 @@ def read_prompt(args: argparse.Namespace) -> str:
     return read_text("-", sys.stdin.buffer) if args.prompt == "-" else args.prompt
 
 
+# Python's string escapes; anything else after a backslash is an error (a shell passes "\\n" as two characters)
+ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]*\}|[0-7]{1,3}|[\\'\"abfnrtv])|\\(.?)",
+                    re.DOTALL)
+
+
+def unescape(text: str, flag: str) -> str:
+    """`text` with its escapes (\\n, \\t, \\xHH, \\uHHHH, \\N{name}, ...) replaced by what they mean, every other
+    character as given (decoding the whole string as unicode_escape read its UTF-8 bytes as Latin-1: é became Ã©)."""
+    def one(m: re.Match) -> str:
+        if m.group(1) is None:
+            what = f"\\{m.group(2)}" if m.group(2) else "a \\ at the end"
+            raise UsageError(f"{flag} '{text}': {what} is not an escape; expected \\n, \\t, \\\\, \\xHH, \\uHHHH, "
+                             f"\\UHHHHHHHH or \\N{{name}}")
+        try:
+            return codecs.decode("\\" + m.group(1), "unicode_escape")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{flag} '{text}': \\{m.group(1)}: {e.reason}") from None
+    return ESCAPE.sub(one, text)
+
+
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     """The run's settings, checked before the model loads (a typo costs no load time)."""
-    stop = tuple(s.encode("utf-8").decode("unicode_escape") if "\\" in s else s for s in args.stop)
+    stop = tuple(unescape(s, "--stop") for s in args.stop)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..formats.files import OutputFile, check_not_an_input
+from ..formats.files import OutputFile, check_not_an_input, files_of
 from ..documents import InputError, expand_paths, read_documents
 from ..options import (ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, progress_bar,
                        steering_from_args)
@@ -227,8 +227,10 @@ def check_outputs(args: argparse.Namespace, inputs: list[Path]) -> None:
     naming one file."""
     files = [(flag, Path(dest)) for flag, dest in (("--per-token", args.per_token), ("--output", args.output))
              if dest is not None and str(dest) != "-"]
+    read: dict[Path, str] = {**dict.fromkeys(inputs, ""), **files_of(args.weights, "the --weights checkpoint"),
+                             **files_of(getattr(args, "lora", None), "the --lora adapter")}
     for flag, dest in files:
-        check_not_an_input(dest, inputs, flag)
+        check_not_an_input(dest, read, flag)
     if len(files) == 2 and files[0][1].resolve() == files[1][1].resolve():
         raise InputError(f"--per-token and --output are the same file ({args.output}): give each its own")
 

@@ -187,6 +187,18 @@ def check_not_an_input(dest: Path, inputs: list[Path] | Mapping[Path, str], flag
                           "results somewhere else")
 
 
+def files_of(path: str | Path | None, role: str) -> dict[Path, str]:
+    """The files a command reads from `path` (a checkpoint or adapter folder: each file in it; a file: itself), each
+    with `role` for check_not_an_input's message; nothing where `path` is None or names nothing here ("demo")."""
+    if path is None or not Path(path).exists():
+        return {}
+    p = Path(path)
+    try:
+        return {f: f"a file of {role}" for f in p.iterdir()} if p.is_dir() else {p: role}
+    except OSError:
+        return {}  # unreadable: the reader names it
+
+
 def temporary(dest: Path) -> tuple[int, Path]:
     """An open descriptor and the path of a new file beside `dest`, with a plain file's mode; OSError as mkstemp's."""
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
