@@ -18,7 +18,7 @@ from ..formats.checkpoints import checkpoint_config
 from ..interp.steering import SteeringRegistry
 from ..options import ModelOptions, add_force_option, add_model_options, load_model
 from ..runtime.prefix import BLOCK_TOKENS, DEFAULT_CAPACITY_MB, block_mb, check_capacity
-from ..serve.app import ServeError, ServerSettings, ServerState, build_app
+from ..serve.app import ServeError, ServerSettings, ServerState, build_app, http_protocol
 from ..serve.async_engine import EngineSettings, start_engine
 from ..serve.chat import load_template, plain_template
 
@@ -273,7 +273,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return await super().on_tick(counter)
 
     config = uvicorn.Config(build_app(state, load), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, http=http_protocol())
     with sock:
         Server(config).run(sockets=[sock])
     if state.load_error is not None:

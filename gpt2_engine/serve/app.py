@@ -70,6 +70,45 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
 
+HEADER_SECONDS = 30.0  # a request's headers, from its first byte (or the connection's opening) to their end
+
+
+def http_protocol(header_seconds: float = HEADER_SECONDS) -> type:
+    """uvicorn's HTTP protocol (httptools where installed, else h11) with a bound on the time a request's headers
+    take: uvicorn bounds only the idle time between keep-alive requests, so a client that opens connections and never
+    finishes its headers held each, and the process's file descriptors with it, as long as it liked (20,000 of them
+    left every other client a connection reset). A connection whose headers are not in within `header_seconds` is
+    closed; the body's pace is Gate's."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadline(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.header_timer = self.loop.call_later(header_seconds, self.headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            waiting = self.cycle is None or self.cycle.response_complete  # no request's headers complete yet
+            if not waiting and self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+            elif waiting and self.header_timer is None and data:  # the next keep-alive request has begun
+                self.header_timer = self.loop.call_later(header_seconds, self.headers_too_slow)
+
+        def headers_too_slow(self) -> None:
+            self.header_timer = None
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+            super().connection_lost(exc)
+
+    return HeaderDeadline
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
