@@ -169,7 +169,8 @@ def test_the_python_api_refuses_bad_arguments_in_one_line(made, trained_model) -
         (lambda: sae.encode(torch.tensor(1.0)), f"x: expected a tensor [..., {d_in}], got a 0-dimensional tensor"),
         (lambda: sae.encode(torch.zeros(2, 7)), f"x: expected a tensor [..., {d_in}], got shape [2, 7]"),
         (lambda: sae.decode(torch.zeros(2, 3)), f"f: expected a tensor [..., {d_sae}], got shape [2, 3]"),
-        (lambda: sae.to("tpu"), "device: Expected one of cpu, cuda"),
+        (lambda: sae.to("tpu"), "device tpu: Expected one of cpu, cuda"),
+        (lambda: sae.select(3), "features: expected a list of feature indices, got int"),
         (lambda: trained_model.run_with_cache(ids, names=5), "names: expected None, a hook point's name, a list of "
                                                               "them or a predicate, got int"),
     ]:
@@ -177,6 +178,9 @@ def test_the_python_api_refuses_bad_arguments_in_one_line(made, trained_model) -
             call()
         assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
     assert sae.select([0, 3]).d_sae == 2 and sae.encode(torch.zeros(2, d_in)).shape == (2, d_sae)
+    import numpy as np  # numpy's and torch's integers are indices too
+
+    assert sae.select(np.array([1, 2])).d_sae == sae.select(torch.tensor([1, 2])).d_sae == 2
 
 
 def edited(src: Path, dest: Path, **changes) -> Path:

@@ -155,6 +155,9 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
     ({"prompt": "x", "model": "m" * 100_000}, 404, "model", "'" + "m" * 200 + "'... (100,000 characters) does not"),
     ({"prompt": [True, False]}, 400, "prompt", "Input should be"),
+    ({"prompt": "x", "n": True}, 400, "n", "Input should be a valid integer"),
+    ({"prompt": "x", "n": 2.0}, 400, "n", "Input should be a valid integer"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs", "Input should be a valid integer"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: int, param: str, fragment: str) -> None:
     body = {"model": "gpt2", **body}

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,20 @@ class Affine:
             p = p - p.mean(dim=-1, keepdim=True)
         a = p if self.scale is None else p * self.scale
         return a if self.shift is None else a + self.shift
+
+
+def feature_indices(features: Any, d_sae: int) -> list[int]:
+    """`features` (a list, array or tensor of integers) as Python ints in 0..d_sae-1; SAEError otherwise (-1 would
+    pick the last feature, silently)."""
+    if isinstance(features, torch.Tensor):
+        features = features.tolist()
+    if isinstance(features, (str, bytes)) or not isinstance(features, Iterable):
+        raise SAEError(f"features: expected a list of feature indices, got {type(features).__name__}")
+    chosen = [int(f) if isinstance(f, numbers.Integral) and not isinstance(f, bool) else f for f in features]
+    bad = next((f for f in chosen if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < d_sae), None)
+    if not chosen or bad is not None:
+        raise SAEError(f"features: expected indices in 0..{d_sae - 1}, got {'none' if not chosen else repr(bad)}")
+    return chosen
 
 
 class SAE:
@@ -125,9 +140,9 @@ class SAE:
         names = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "b_gate", "b_mag", "r_mag", "dec_norm")
         try:
             device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise SAEError(f"device: {str(e).splitlines()[0][:200]}") from None
-        moved = {n: None if (t := getattr(self, n)) is None else t.to(device) for n in names}
+            moved = {n: None if (t := getattr(self, n)) is None else t.to(device) for n in names}
+        except (RuntimeError, TypeError, AssertionError) as e:  # torch without CUDA asserts
+            raise SAEError(f"device {device}: {str(e).splitlines()[0][:200]}") from None
         if all(moved[n] is getattr(self, n) for n in names):
             return self
         out = object.__new__(SAE)
@@ -154,10 +169,7 @@ class SAE:
         """The SAE cut down to `features` (its encoder columns, decoder rows): each of them activates exactly as in
         the whole SAE, at a fraction of the encoding work. None for topk, where a feature fires only if it beats
         every other feature's pre-activation."""
-        chosen = list(features)
-        bad = next((f for f in chosen if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < self.d_sae), None)
-        if not chosen or bad is not None:  # -1 would pick the last feature, silently
-            raise SAEError(f"features: expected indices in 0..{self.d_sae - 1}, got {'none' if not chosen else repr(bad)}")
+        chosen = feature_indices(features, self.d_sae)
         if self.config.architecture == "topk":
             return None
         index = torch.tensor(chosen)

@@ -72,6 +72,9 @@ class GrammarError(GenerationError):
         super().__init__(message, param="constraint")
 
 
+MAX_CHOICES = 2000  # alternatives of one choice constraint
+
+
 @dataclass(frozen=True)
 class Constraint:
     """What the generated text must match. kind: 'json_schema' (spec: the schema as JSON text), 'json_object' (any
@@ -111,7 +114,10 @@ class Constraint:
     @classmethod
     def choice(cls, choices: Sequence[str]) -> Constraint:
         if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise GenerationError(f"choice must be a non-empty list of non-empty strings, got {choices!r}",
+            raise GenerationError(f"choice must be a non-empty list of non-empty strings, got {choices!r:.200}",
+                                  param="constraint")
+        if len(choices) > MAX_CHOICES:  # the grammar library's parser refuses a row this long, in its own words
+            raise GenerationError(f"choice: {len(choices):,} choices; expected at most {MAX_CHOICES:,}",
                                   param="constraint")
         return cls("choice", json.dumps(list(choices)))
 

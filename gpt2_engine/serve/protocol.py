@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from ..core.errors import GenerationError
 from ..runtime.constraints import Constraint
@@ -38,7 +38,7 @@ class APIError(Exception):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 def unsupported(field: str, what: str) -> APIError:
@@ -63,7 +63,7 @@ class SamplingFields(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = Field(default=1, ge=1, le=16)
+    n: StrictInt = Field(default=1, ge=1, le=16)  # true is not 1, nor 2.0 two
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -149,7 +149,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions: a prompt (text, token ids, or a list of either) continued; max_tokens 16 unless given."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is not token 1
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     # accepted for compatibility, rejected unless they ask for nothing different
     suffix: str | None = None
@@ -175,8 +175,10 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts(cls, v: Any) -> Any:
+        if v == []:
+            raise ValueError("content: expected a string or at least one text part, got an empty list")
         for part in v if isinstance(v, list) else ():
-            if part.get("type") != "text":
+            if part.get("type") != "text":  # (an empty list is refused below, as OpenAI refuses it)
                 raise ValueError(f"only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
                                  f"{str(part.get('type'))[:40]!r}")
             if not isinstance(part.get("text"), str):
@@ -196,7 +198,7 @@ class ChatCompletionRequest(SamplingFields):
     `top_logprobs` alternatives per token."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # accepted for compatibility, rejected when they ask for what this server cannot do
     tools: list[Any] | None = None
