@@ -1565,6 +1565,16 @@ def test_an_adapters_file_that_is_not_regular_is_named_as_what_it_is(name: str, 
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {d / name}: {kind}, not a regular file"])
 
 
+def test_an_adapters_base_record_linked_to_nothing_is_named(tiny_dir: Path, tmp_path: Path) -> None:
+    """A dangling adapter_base.json was taken as absent, and the check of the adapter's base skipped."""
+    d = lora_dir(tiny_dir, tmp_path / "adapter", lambda weights, cfg: None)
+    (d / "adapter_base.json").unlink(missing_ok=True)
+    (d / "adapter_base.json").symlink_to(tmp_path / "gone.json")
+    code, err = run_cli(["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--lora", str(d)])
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {d / 'adapter_base.json'}: a link to "
+                                                    f"{tmp_path / 'gone.json'}, which does not exist"])
+
+
 @pytest.mark.parametrize("name", ["config.json", "vocab.json"])
 def test_convert_to_hf_never_writes_into_a_fifo_in_out(name: str, tiny_dir: Path, tmp_path: Path) -> None:
     """A checkpoint's files are replaced together: a FIFO among them in OUT (--overwrite) blocked the writer after

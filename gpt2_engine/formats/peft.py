@@ -9,6 +9,7 @@ orientation (in, r) and (r, out) (core/lora.py), so the transposes happen here, 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -205,6 +206,8 @@ def adapter_file(directory: Path, name: str) -> Path | None:
         raise LoraError(f"{path}: cannot be looked at ({e.strerror or e})") from None
     if kind not in (None, "a regular file"):
         raise LoraError(f"{path}: {kind}, not a regular file")
+    if kind is None and path.is_symlink():  # a link to nothing: the file was meant to be there
+        raise LoraError(f"{path}: a link to {os.readlink(path)}, which does not exist")
     return None if kind is None else path
 
 

@@ -70,6 +70,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
 
+BODY_PIECES = 4  # a body may take this many times body_seconds in all (2 minutes by default; 1 MiB at ~9 KB/s)
 HEADER_SECONDS = 30.0  # a request's headers, from its first byte (or the connection's opening) to their end
 
 
@@ -139,17 +140,21 @@ class Gate:
         too_large = APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
         too_slow = APIError(408, f"the request body stopped arriving for {self.body_seconds:g} s",
                             code="request_timeout")
-        seen, refused, whole = 0, None, False
+        total = BODY_PIECES * self.body_seconds  # a byte every 29 s would hold the connection for ever
+        too_long = APIError(408, f"the request body took over {total:g} s to arrive", code="request_timeout")
+        seen, refused, whole, started = 0, None, False, None
 
         async def limited() -> dict:
-            nonlocal seen, refused, whole
+            nonlocal seen, refused, whole, started
             if whole:  # the body is in: a streaming route waits here for the client's disconnect, unbounded
                 return await receive()
+            started = started or time.monotonic()
+            left = total - (time.monotonic() - started)
             try:
-                message = await asyncio.wait_for(receive(), self.body_seconds)
+                message = await asyncio.wait_for(receive(), min(self.body_seconds, max(left, 0.0)))
             except asyncio.TimeoutError:
-                refused = too_slow
-                raise too_slow from None
+                refused = too_slow if left > self.body_seconds else too_long
+                raise refused from None
             whole = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
