@@ -53,12 +53,12 @@ test-long: install fixtures
 test-fast: install
 	$(PY) -m pytest -n 2 --dist loadfile -m "not slow and not trained and not long"
 
-# The whole suite as on a CPU with AVX2 only (a Zen 1/Zen 3 EPYC), on any CPU that also has AVX-512: the engine's
+# `make test` as on a CPU with AVX2 only (a Zen 1/Zen 3 EPYC), on any CPU that also has AVX-512: the engine's
 # AVX-512, VNNI, BF16 and AMX paths off in pytest's process (tests/conftest.py's --cpu-isa), torch's and oneDNN's
 # kernels limited to AVX2 by their own settings in every process. Commands the tests start as processes of their
-# own still take this CPU's paths.
+# own still take this CPU's paths. ARGS="-m long" runs the long tier so.
 test-avx2: install fixtures
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -n 2 --dist loadfile --cpu-isa avx2 $(ARGS)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -n 2 --dist loadfile --cpu-isa avx2 -m "not long" $(ARGS)
 
 weights: install
 	$(PY) scripts/download_weights.py --dest $(or $(WEIGHTS),weights) $(ARGS)
