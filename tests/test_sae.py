@@ -211,6 +211,9 @@ def test_bad_files_are_one_line_errors(made, tmp_path: Path, trained_model: GPT2
         SAE.load(src, hook_name="blocks.0.mlp.hook_post").check(trained_model.config)
     with pytest.raises(SAEError, match="not a hook point of this model"):
         SAE.load(src, hook_name="blocks.9.hook_resid_pre").check(trained_model.config)
+    with pytest.raises(SAEError, match=r"hook_head_index 1: a head index applies to attention hooks \(hook_q/k/v/z\), "
+                                       r"not blocks.1.hook_resid_pre"):
+        SAE.load(edited(src, tmp_path / "e", hook_head_index=1)).check(trained_model.config)
     from safetensors.torch import load_file, save_file
 
     bad = edited(src, tmp_path / "d")
@@ -489,6 +492,9 @@ def test_gpt2_sae_commands(made, tmp_path, trained_dir, capsys) -> None:
         (["dashboard", str(tmp_path), "--sae", str(directory / "z"), "--features", "5-2000", "--out", str(tmp_path / "x")],
          "--features '5-2000': this SAE's features are 0..1023"),
         (["eval", str(tmp_path / "none.txt"), "--sae", str(directory / "z")], "none.txt: no such file"),
+        (["eval", str(corpus(tmp_path)), "--sae", str(edited(directory / "standard-resid", tmp_path / "hhi",
+                                                                  hook_head_index=1))],
+         "hook_head_index 1: a head index applies to attention hooks (hook_q/k/v/z), not blocks.1.hook_resid_pre"),
     ]:
         code, out = cli("sae", *args, *weights)
         assert code == 2 and message in out and "Traceback" not in out, out

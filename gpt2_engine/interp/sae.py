@@ -266,6 +266,9 @@ class SAE:
         if point in ("attn.hook_attn_scores", "attn.hook_pattern") or point.endswith("hook_scale"):
             raise SAEError(f"SAE hook {c.hook_name!r}: SAEs read residual, attention (q/k/v/z), MLP or layer-norm "
                            f"outputs, not {point}")
+        if c.hook_head_index is not None and point not in HEAD_POINTS:
+            raise SAEError(f"SAE hook_head_index {c.hook_head_index}: a head index applies to attention hooks "
+                           f"(hook_q/k/v/z), not {c.hook_name}")
         if point in HEAD_POINTS and c.hook_head_index is not None:
             if not 0 <= c.hook_head_index < config.n_head:
                 raise SAEError(f"SAE hook_head_index {c.hook_head_index}: expected 0..{config.n_head - 1}")
