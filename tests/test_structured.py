@@ -231,9 +231,9 @@ def test_chat_with_a_json_schema(client) -> None:
     ({"structured_outputs": {"json": {"enum": ["x" * 100_000, "y" * 100_000]}}}, "structured_outputs",
      "the JSON schema is 200,018 bytes; at most 100,000"),
     ({"structured_outputs": {"choice": ["no", "x" * 20_000]}}, "structured_outputs",
-     "the list of choices has a literal of 20,000 characters; at most 10,000"),
+     "the list of choices has a literal of 20,000 characters; at most 1,000"),
     ({"structured_outputs": {"grammar": 'start: "a" | /' + "b" * 12_000 + "/"}}, "structured_outputs",
-     "the grammar has a literal of 12,000 characters; at most 10,000"),
+     "the grammar has a literal of 12,000 characters; at most 1,000"),
     ({"structured_outputs": {"json": {"anyOf": [{"$ref": "#/$defs/a"}] * 1_001, "$defs": {"a": {"type": "null"}}}}},
      "structured_outputs", "the JSON schema has 1,001 $refs; at most 1,000"),
     ({"structured_outputs": {"json": json.loads('{"type": "array", "items": ' * 70 + "{}" + "}" * 70)}},
@@ -315,7 +315,7 @@ def test_a_step_past_the_budget_ends_its_sequence_and_the_grammar_is_refused(tra
     literal limit, lifted here). The compile's probe takes the lowest allowed tokens, "!" here, and does not meet it;
     the generation does: the step that runs over ends the sequence, and the grammar is refused from then on."""
     grammars = Grammars(trained_model.tokenizer, trained_model.config.vocab_size,
-                        GrammarLimits(step_seconds=0.05, max_literal=100_000))
+                        GrammarLimits(step_seconds=0.05, max_literal=100_000, token_seconds=1.0))
     constraint = Constraint.json_schema({"anyOf": [{"const": "!"}, {"const": "x" * 30_000}]})
     guide = grammars.compile(constraint).guide()
     logits = torch.zeros(trained_model.config.vocab_size)
@@ -337,6 +337,33 @@ def test_a_step_past_the_budget_ends_its_sequence_and_the_grammar_is_refused(tra
         grammars.close()
 
 
+def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_its_way(trained_model: GPT2) -> None:
+    """The twelfth attack: `e{9990}` (a literal of 9,990 characters, spelled in 7) costs llguidance ~27 ms of CPU a
+    token, 5-200x a concurrent greedy request's time. The compile's probe refuses a grammar whose median token costs
+    over GrammarLimits.token_seconds; one whose probe path is cheap (the lowest ids: "a") but whose sequence takes a
+    costly one ("b" then 2,900 e's, ~2.5 ms a token) is ended on its way, once its average passes the budget, and
+    refused from then on."""
+    tok, vocab = trained_model.tokenizer, trained_model.config.vocab_size
+    grammars = Grammars(tok, vocab)
+    try:
+        with pytest.raises(GrammarError, match=r"^the regex 'e\{9990\}': costs [0-9.]+ ms of CPU a token to follow "
+                                               r"\(the median of its first 16\); at most 1 ms$"):
+            grammars.compile(Constraint.regex("e{9990}"))
+        assert grammars.compile(Constraint.regex("e{200}")).cost < 0.001  # a literal of 200: ~50 us a token
+        compiled = grammars.compile(Constraint.regex("a|be{2900}"))
+        guide, logits = compiled.guide(), torch.zeros(vocab)
+        with pytest.raises(GrammarError, match=r"^the regex 'a\|be\{2900\}' took [0-9]+ ms of CPU over [0-9]+ tokens; "
+                                               r"at most 1 ms a token on average$"):
+            for token in tok.encode("b") + tok.encode("e") * 100:
+                guide.mask(logits)
+                guide.accept(token)
+        assert guide.tokens < 100
+        with pytest.raises(GrammarError, match=r"took [0-9]+ ms of CPU over"):
+            grammars.compile(Constraint.regex("a|be{2900}"))
+    finally:
+        grammars.close()
+
+
 def test_hostile_grammars_do_not_stall_concurrent_greedy_requests(server: str) -> None:
     """Item 2: a ~100-byte regex made a concurrent greedy request take 36 s instead of about 1 s. Greedy requests run
     one after another for as long as the hostile ones are sent; each hostile request ends within its limits (a 400
@@ -350,7 +377,9 @@ def test_hostile_grammars_do_not_stall_concurrent_greedy_requests(server: str) -
         ({"regex": "(a{1000}){1000}"}, 400, "over llguidance's lexer fuel"),
         ({"regex": "((((a|b){20}){20}){20}){20}"}, 200, '"finish_reason":"length"'),
         ({"json": {"enum": ["x" * 100_000, "y" * 100_000]}}, 400, "is 200,018 bytes; at most 100,000"),
-        ({"json": {"enum": ["y" * 40_000, "x" * 40_000]}}, 400, "has a literal of 40,000 characters; at most 10,000"),
+        ({"json": {"enum": ["y" * 40_000, "x" * 40_000]}}, 400, "has a literal of 40,000 characters; at most 1,000"),
+        # the twelfth attack's: 96 bytes within the text limits, 27 ms a token (a concurrent greedy request took 12x)
+        ({"regex": "e{9990}"}, 400, "ms of CPU a token to follow (the median of its first 16); at most 1 ms"),
     ]
     with httpx.Client(base_url=server, timeout=120) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         def timed() -> float:

@@ -12,12 +12,13 @@ Hostile grammars, and what bounds them (GrammarLimits): llguidance's compiler re
 and overflows its stack (a SIGSEGV) on a chain of a few thousand rules; counted repetitions spend its lexer fuel for
 minutes at its default; a long literal costs it about the square of its length at every token, whatever its fuel.
 So a grammar's text is first checked here (bytes, longest literal, rules, $refs, nesting); then compiled, with its
-first mask and a few tokens taken on a copy, in a separate process (runtime/grammar_worker.py) within a time limit,
-so that a crash or a runaway there costs a 400, never the server; then compiled again in this process, on a thread
-with four times that process's stack. Each token's mask and advance are timed in the engine thread: llguidance cannot be interrupted, so
-a step over `step_seconds` is caught when it ends, and it ends its sequence with an error and refuses the grammar
-from then on (the checks keep such a step to about a second; computing masks on another thread would bound it
-exactly, but that thread preempts torch's and slowed decoding: docs/benchmarks.md).
+first mask and 16 tokens taken on a copy, in a separate process (runtime/grammar_worker.py) within a time limit,
+so that a crash or a runaway there costs a 400, never the server, and a grammar whose tokens cost more CPU than
+`token_seconds` is refused; then compiled again in this process, on a thread with four times that process's stack.
+Each token's mask and advance are timed in the engine thread: llguidance cannot be interrupted, so a step over
+`step_seconds` is caught when it ends, as is a sequence whose steps average over `token_seconds`, and either ends
+its sequence with an error and refuses the grammar from then on (computing masks on another thread would bound a
+step exactly, but that thread preempts torch's and slowed decoding: docs/benchmarks.md).
 
 Why llguidance rather than xgrammar: it reads a tiktoken encoding as it is and depends on nothing (xgrammar requires
 transformers and triton, which the engine's own paths never import); the measured compile and mask times of both
@@ -57,6 +58,7 @@ from .grammar_worker import KINDS, matcher_error
 CACHED_GRAMMARS = 64  # compiled grammars (and refused ones) kept, least recently used first out
 WORKER_STACK = 16 << 20  # the compile process's thread: llguidance needs ~3.4 KB a level, so ~4,800 levels
 BUILD_STACK = 4 * WORKER_STACK  # this process's compile thread: what passed there cannot overflow here
+ALLOWANCE_TOKENS = 16  # a sequence's grammar work is held to token_seconds a token on average past this many tokens' worth
 WORKER_START_SECONDS = 60.0  # for the compile process to start and build its tokenizer (~1 s on an idle machine)
 RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)  # a Lark or GBNF rule's head
 LITERAL = re.compile(r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)*/')  # a grammar's quoted string or /regex/
@@ -151,18 +153,22 @@ class GrammarLimits:
     compile (in its own process, killed past it) and each token's work (the sequence ends with an error past it)."""
 
     max_bytes: int = 100_000  # the schema, regex, choices or grammar text, in UTF-8 bytes
-    max_literal: int = 10_000  # characters of one string (a JSON schema's, a choice, a grammar's) or of a regex
+    max_literal: int = 1_000  # characters of one string (a JSON schema's, a choice, a grammar's): ~0.4 ms a token
+    max_regex: int = 10_000  # characters of a regex (what its repetitions cost is measured: token_seconds)
     max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
     max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
     compile_seconds: float = 5.0  # one compile, first mask included (a schema takes about a millisecond)
-    step_seconds: float = 1.0  # one token's mask and advance (tens of microseconds for a schema)
+    step_seconds: float = 1.0  # one token's mask and advance, in wall time: the longest the engine thread waits
+    token_seconds: float = 0.001  # a token's mask and advance in CPU time (tens of microseconds for a schema): the
+    # median of the compile's probe, and each sequence's average past ALLOWANCE_TOKENS: what the sequences beside wait
     lexer_fuel: int = 50_000  # llguidance's initial_lexer_fuel (its default is 1,000,000)
     step_fuel: int = 20_000  # llguidance's step_lexer_fuel: one token's lexer work (its default is 200,000)
 
     def check(self, constraint: Constraint) -> None:
         """GrammarError naming the limit a constraint's text goes over, before any compile. A literal costs
-        llguidance about the square of its length at each token (whatever its fuel: 0.1 s at 10,000 characters,
-        9 s at 100,000), hence the bound on literals as well as on the whole."""
+        llguidance about the square of its length at each token (whatever its fuel: 0.4 ms at 1,000 characters,
+        27 ms at 10,000, 9 s at 100,000), hence the bound on literals as well as on the whole; a regex's repetitions
+        (`e{9990}`) are measured instead, by the compile's probe."""
         what, spec = constraint.describe(), constraint.spec
         if constraint.kind == "grammar":
             rules = len(RULE.findall(spec))
@@ -185,8 +191,8 @@ class GrammarLimits:
             longest = max(map(len, json.loads(spec)))  # a JSON list of strings, as Constraint.choice writes it
         elif constraint.kind == "grammar":
             longest = max((len(m) - 2 for m in LITERAL.findall(spec)), default=0)
-        elif constraint.kind == "regex" and len(spec) > self.max_literal:
-            raise GrammarError(f"{what} is {len(spec):,} characters; at most {self.max_literal:,}")
+        elif constraint.kind == "regex" and len(spec) > self.max_regex:
+            raise GrammarError(f"{what} is {len(spec):,} characters; at most {self.max_regex:,}")
         if longest > self.max_literal:
             raise GrammarError(f"{what} has a literal of {longest:,} characters; at most {self.max_literal:,}")
 
@@ -221,16 +227,17 @@ class CompileWorker:
         self.tokenizer, self.limits = tokenizer, limits
         self.process: subprocess.Popen | None = None
 
-    def compile(self, constraint: Constraint) -> tuple[str, str]:
-        """(llguidance's definition of the constraint, "" or why it cannot be compiled); GrammarError when it runs
-        past the time limit or crashes the compiler."""
+    def compile(self, constraint: Constraint) -> tuple[str, str, float]:
+        """(llguidance's definition of the constraint, "" or why it cannot be compiled, its probe's median CPU
+        seconds a token); GrammarError when it runs past the time limit or crashes the compiler."""
         if self.process is None:
             self.start()
         what = constraint.describe()
         try:
             self.send(json.dumps({"kind": constraint.kind, "spec": constraint.spec,
                                   "whitespace_flexible": constraint.whitespace_flexible,
-                                  "step_seconds": self.limits.step_seconds}).encode())
+                                  "step_seconds": self.limits.step_seconds,
+                                  "token_seconds": self.limits.token_seconds}).encode())
             answer = self.receive(self.limits.compile_seconds)
         except (BrokenPipeError, EOFError):
             code = self.stop()
@@ -240,7 +247,7 @@ class CompileWorker:
             self.stop()
             raise GrammarError(f"{what} took over {self.limits.compile_seconds:g} s to compile; at most "
                                f"{self.limits.compile_seconds:g} s") from None
-        return answer["grammar"], answer["error"]
+        return answer["grammar"], answer["error"], answer["cost"]
 
     def start(self) -> None:
         path = [p for p in sys.path if p]  # "" (the current directory) is the same directory for the child
@@ -293,11 +300,13 @@ class CompileWorker:
 
 class Compiled:
     """A checked grammar and a pristine matcher for it (its first mask computed), which each sequence's Guide
-    copies. `refused` says why it is refused from now on (a mask ran past the step budget), or is empty."""
+    copies; `cost` is the median CPU seconds of a token in the compile's probe. `refused` says why it is refused from
+    now on (a sequence ran past a time budget), or is empty."""
 
-    def __init__(self, constraint: Constraint, matcher: Any, vocab_size: int, step_seconds: float) -> None:
+    def __init__(self, constraint: Constraint, matcher: Any, vocab_size: int, limits: GrammarLimits,
+                 cost: float) -> None:
         self.constraint, self.matcher, self.vocab_size = constraint, matcher, vocab_size
-        self.step_seconds = step_seconds
+        self.step_seconds, self.token_seconds, self.cost = limits.step_seconds, limits.token_seconds, cost
         self.refused = ""
 
     def guide(self) -> Guide:
@@ -346,14 +355,14 @@ class Grammars:
     def _compile(self, constraint: Constraint) -> Compiled:
         self.limits.check(constraint)
         with self.worker_lock:
-            grammar, error = self.worker.compile(constraint)
+            grammar, error, cost = self.worker.compile(constraint)
         if error:
             raise GrammarError(f"{constraint.describe()}: {error}")
         limits = grammar_worker.parser_limits(self.limits.lexer_fuel, self.limits.step_fuel)
         matcher, error = on_own_stack(lambda: grammar_worker.check(self.lltokenizer(), grammar, limits), BUILD_STACK)
         if error:  # not expected: the compile process did the same, first mask included
             raise GrammarError(f"{constraint.describe()}: {error}")
-        return Compiled(constraint, matcher, self.vocab_size, self.limits.step_seconds)
+        return Compiled(constraint, matcher, self.vocab_size, self.limits, cost)
 
     def lltokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built on first use (about a second)."""
@@ -399,7 +408,9 @@ def on_own_stack(fn: Callable[[], Any], stack_bytes: int) -> Any:
 
 class Guide:
     """One sequence's place in its grammar: which tokens may come next, and the tokens it took. Each step's work is
-    timed: one over the step budget ends the sequence (GrammarError) and refuses the grammar from then on."""
+    timed: one over the step budget, or a sequence whose steps cost over token_seconds of CPU on average (past an
+    allowance of ALLOWANCE_TOKENS: the probe takes the lowest tokens, a sequence may take a costlier path), ends the
+    sequence (GrammarError) and refuses the grammar from then on."""
 
     def __init__(self, compiled: Compiled, matcher: Any) -> None:
         self.compiled = compiled
@@ -407,13 +418,14 @@ class Guide:
         self.vocab_size = compiled.vocab_size
         self.bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # llguidance's mask: bit t of word t // 32
         self.tokens = 0  # accepted so far
+        self.spent = 0.0  # CPU seconds of this sequence's masks and advances
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """[V] -> a copy with -inf for every token the grammar does not allow next. GrammarError if the grammar fails
         or computing the mask took longer than the step budget."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
-        self._check_time(time.perf_counter() - t0, "compute the allowed tokens")
+        self._check_time(time.perf_counter() - t0, time.thread_time() - c0, "compute the allowed tokens")
         self._check_matcher(f"the grammar failed after {self.tokens} tokens")
         allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
         if len(allowed) < logits.shape[-1]:  # a padded vocabulary: the padding rows are never allowed
@@ -422,9 +434,9 @@ class Guide:
 
     def accept(self, token: int) -> None:
         """Advance past `token`, which the mask allowed."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         consumed = self.matcher.consume_token(token)
-        self._check_time(time.perf_counter() - t0, f"take token {token}")
+        self._check_time(time.perf_counter() - t0, time.thread_time() - c0, f"take token {token}")
         if not consumed:
             self._check_matcher(f"the grammar failed at token {token} (after {self.tokens})")
             raise GrammarError(f"the grammar failed at token {token} (after {self.tokens})")
@@ -440,12 +452,17 @@ class Guide:
             self.compiled.refused = f"{self.compiled.constraint.describe()}: {error}"
         raise GrammarError(error)
 
-    def _check_time(self, seconds: float, what: str) -> None:
-        budget = self.compiled.step_seconds
-        if seconds > budget:  # llguidance cannot be interrupted: the step is over, the next ones are not run
-            self.compiled.refused = (f"{self.compiled.constraint.describe()} took {seconds:.1f} s to {what} after "
-                                     f"{self.tokens} tokens; at most {budget:g} s a token")
-            raise GrammarError(self.compiled.refused)
+    def _check_time(self, seconds: float, cpu: float, what: str) -> None:
+        c = self.compiled
+        self.spent += cpu
+        if seconds > c.step_seconds:  # llguidance cannot be interrupted: the step is over, the next ones are not run
+            c.refused = (f"{c.constraint.describe()} took {seconds:.1f} s to {what} after {self.tokens} tokens; at "
+                         f"most {c.step_seconds:g} s a token")
+            raise GrammarError(c.refused)
+        if self.spent > (self.tokens + ALLOWANCE_TOKENS) * c.token_seconds:
+            c.refused = (f"{c.constraint.describe()} took {self.spent * 1e3:.0f} ms of CPU over {self.tokens} tokens; "
+                         f"at most {c.token_seconds * 1e3:g} ms a token on average")
+            raise GrammarError(c.refused)
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,5 @@
 """What llguidance does with a constraint, and the process that does it first: a grammar is compiled here (its first
-mask computed, and a few tokens taken on a copy) before the engine's own process touches it, so that a grammar on
+mask computed, and 16 tokens taken on a copy) before the engine's own process touches it, so that a grammar on
 which llguidance crashes or runs away kills this process, never the server.
 
 llguidance's compiler recurses once per level of a grammar (a chain of rules, of JSON-schema $refs), about 3.4 KB of
@@ -21,6 +21,7 @@ import os
 import pickle
 import select
 import signal
+import statistics
 import struct
 import sys
 import threading
@@ -29,7 +30,7 @@ from typing import Any, BinaryIO
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 NO_TEXT = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons at the first mask: nothing can be generated
-PROBE_TOKENS = 4  # tokens a compile takes on a copy of the matcher, to find a grammar that fails on its first ones
+PROBE_TOKENS = 16  # tokens a compile takes on a copy of the matcher: a grammar that fails or is slow on its first ones
 
 
 def definition(kind: str, spec: str, whitespace_flexible: bool = False) -> str:
@@ -64,35 +65,47 @@ def parser_limits(lexer_fuel: int, step_fuel: int) -> Any:
     return llguidance.LLParserLimits(initial_lexer_fuel=lexer_fuel, step_lexer_fuel=step_fuel, verbose_errors=False)
 
 
-def check(lltokenizer: Any, grammar: str, limits: Any, probe: int = 0, step_seconds: float = float("inf")
-          ) -> tuple[Any, str]:
+def check(lltokenizer: Any, grammar: str, limits: Any) -> tuple[Any, str]:
     """A matcher for `grammar` with its first mask computed (the step that builds most of the lexer), and "" or the
-    one-line reason it cannot generate. With `probe`, a copy then takes up to that many tokens (each the lowest id
-    allowed), each step timed against `step_seconds`: a grammar whose lexer runs out of fuel on its first characters
-    (`a{100000}`), or whose every token is slow, is refused here rather than in the middle of a generation."""
+    one-line reason it cannot generate."""
     import llguidance
 
     matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0, limits=limits)
     if not matcher.is_error():
         matcher.compute_bitmask()
-    error = matcher_error(matcher)
-    walker = matcher.deep_copy() if probe and not error else None
-    for step in range(probe if walker is not None else 0):
-        t0 = time.perf_counter()
+    return matcher, matcher_error(matcher)
+
+
+def probe(lltokenizer: Any, matcher: Any, tokens: int, step_seconds: float, token_seconds: float
+          ) -> tuple[str, float]:
+    """("" or why the grammar is refused, the median CPU seconds of its steps): a copy of `matcher` takes up to
+    `tokens` tokens, each the lowest id allowed (mostly single bytes: the lexer's work), each step's mask and advance
+    timed. A grammar whose lexer runs out of fuel on its first characters (`a{100000}`), whose step runs past
+    `step_seconds`, or whose median step costs more than `token_seconds` of CPU (`e{9990}`: a long literal costs about
+    the square of its length at every token) is refused here, rather than slowing every sequence it is decoded beside.
+    CPU time, the thread's own, so that other work on the machine does not make a cheap grammar look slow."""
+    walker, costs = matcher.deep_copy(), []
+    for step in range(tokens):
+        t0, c0 = time.perf_counter(), time.thread_time()
         allowed = int.from_bytes(walker.compute_bitmask(), "little")
-        token = (allowed & -allowed).bit_length() - 1  # the lowest allowed id: mostly single bytes, the lexer's work
+        token = (allowed & -allowed).bit_length() - 1  # the lowest allowed id
         if walker.is_error() or token < 0 or token == lltokenizer.eos_token:
             break
         walker.consume_token(token)
-        seconds = time.perf_counter() - t0
+        seconds, cost = time.perf_counter() - t0, time.thread_time() - c0
         if walker.is_error():
-            return matcher, matcher_error(walker)
+            return matcher_error(walker), 0.0
         if seconds > step_seconds:
-            return matcher, (f"took {seconds:.1f} s to compute the allowed tokens at its token {step + 1}; at most "
-                             f"{step_seconds:g} s a token")
+            return (f"took {seconds:.1f} s to compute the allowed tokens at its token {step + 1}; at most "
+                    f"{step_seconds:g} s a token"), 0.0
+        costs.append(cost)
         if walker.is_stopped():
             break
-    return matcher, error
+    median = statistics.median(costs) if costs else 0.0
+    if median > token_seconds:
+        return (f"costs {median * 1e3:.1f} ms of CPU a token to follow (the median of its first {len(costs)}); at "
+                f"most {token_seconds * 1e3:g} ms"), median
+    return "", median
 
 
 def matcher_error(matcher: Any) -> str:
@@ -128,7 +141,8 @@ def write_frame(stream: BinaryIO, payload: bytes) -> None:
 
 
 def main() -> None:
-    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds"} with {"grammar": llguidance's definition, "error": "" or why}."""
+    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds", "token_seconds"} with {"grammar": llguidance's
+    definition, "error": "" or why, "cost": its probe's median CPU seconds a token}."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; this process ends at its EOF
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = pickle.loads(read_frame(stdin))
@@ -150,13 +164,17 @@ def main() -> None:
 
 
 def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: dict[str, Any]) -> None:
-    """Fill `answer` for one request: llguidance's definition of the constraint and "" or why it cannot generate."""
+    """Fill `answer` for one request: llguidance's definition of the constraint, "" or why it cannot generate, and
+    what a token of it costs."""
     try:
         grammar = definition(request["kind"], request["spec"], request["whitespace_flexible"])
-        answer.update(grammar=grammar, error=check(lltokenizer, grammar, limits, PROBE_TOKENS,
-                                                   request["step_seconds"])[1])
+        matcher, error = check(lltokenizer, grammar, limits)
+        cost = 0.0
+        if not error:
+            error, cost = probe(lltokenizer, matcher, PROBE_TOKENS, request["step_seconds"], request["token_seconds"])
+        answer.update(grammar=grammar, error=error, cost=cost)
     except (ValueError, TypeError, RecursionError) as e:
-        answer.update(grammar="", error=one_line(str(e)) or type(e).__name__)
+        answer.update(grammar="", error=one_line(str(e)) or type(e).__name__, cost=0.0)
 
 
 if __name__ == "__main__":
