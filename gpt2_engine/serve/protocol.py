@@ -11,6 +11,7 @@ structured outputs write it, unless the same object carries this server's extens
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -358,8 +359,13 @@ def string_field(kind: str, value: Any) -> str:
 
 
 def structured_outputs(so: dict[str, Any], flexible: bool) -> Constraint:
-    """vLLM's structured_outputs: exactly one of choice, regex, json, grammar, json_object."""
-    given = [k for k in STRUCTURED_OUTPUTS if so.get(k) not in (None, False)]
+    """vLLM's structured_outputs: exactly one of choice, regex, json, grammar, json_object (a flag: false or null asks
+    for nothing, as a missing field; any other value of the others is theirs to check)."""
+    flag = so.get("json_object")
+    if flag is not None and not isinstance(flag, bool):  # "yes" or 1 would be true
+        raise GenerationError(f"structured_outputs.json_object must be true or false, got {json.dumps(flag)[:60]}",
+                              param="constraint")
+    given = [k for k in STRUCTURED_OUTPUTS if so.get(k) is not None and not (k == "json_object" and flag is False)]
     if len(given) != 1:
         raise GenerationError("structured_outputs must give exactly one of choice, regex, json, grammar, "
                               f"json_object; got {', '.join(given) or 'none'}", param="constraint")
