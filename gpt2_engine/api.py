@@ -260,13 +260,7 @@ class GPT2:
         allowed = sampling_keys | (set(GenerationSettings.__dataclass_fields__) - {"sampling"})
         if unknown := set(kwargs) - allowed:
             raise GenerationError(f"unknown generation option(s): {', '.join(sorted(unknown))}; expected {', '.join(sorted(allowed))}")
-        if isinstance(kwargs.get("logit_bias"), dict):
-            kwargs["logit_bias"] = tuple(kwargs["logit_bias"].items())
         sampling = SamplingParams(**{k: kwargs.pop(k) for k in sampling_keys & set(kwargs)})
-        if isinstance(kwargs.get("stop"), str):
-            kwargs["stop"] = (kwargs["stop"],)
-        elif "stop" in kwargs:
-            kwargs["stop"] = tuple(kwargs["stop"] or ())
         return GenerationSettings(sampling=sampling, **kwargs)
 
     def generation(self, prompt: Prompt, *, allow_special: bool = False, settings: GenerationSettings | None = None,

@@ -112,6 +112,17 @@ def _translate(e: Exception, repo_id: str, revision: str, dest: Path, filename: 
     return DownloadError(f"cannot reach {_endpoint()}: {reason}; copy the files into {dest} or set HF_ENDPOINT")
 
 
+def check_repo_id(repo_id: str) -> None:
+    """DownloadError unless `repo_id` has the form of a Hub repository id, before any request (huggingface_hub's own
+    check would otherwise surface as an unreachable Hub)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise DownloadError(f"--repo {repo_id!r:.100} is not a Hub repo id (expected 'name' or 'owner/name')") from None
+
+
 def check_destination(dest: Path) -> None:
     """Create `dest` if needed and prove that it is writable, before any transfer."""
     try:
@@ -156,6 +167,7 @@ def download(repo_id: str = OFFICIAL_REPO, *, revision: str = "main", dest: Path
     from huggingface_hub import constants
 
     repo_id = SHORTHANDS.get(repo_id, repo_id)
+    check_repo_id(repo_id)
     created = not dest.exists()
     check_destination(dest)
     try:

@@ -117,7 +117,7 @@ def test_stop_and_logprobs(client, trained_model: GPT2) -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages", "only text parts"),
     ({"messages": [{"role": "user", "content": []}]}, "messages", "expected a string or at least one text part"),
-    ({"messages": CONVERSATION, "logprobs": "yes"}, "logprobs", "Input should be a valid boolean"),
+    ({"messages": CONVERSATION, "logprobs": "yes"}, "logprobs", 'logprobs: expected true or false, got "yes"'),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
      "a text part's \"text\" must be a string, got NoneType"),
     ({"messages": CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",

@@ -145,6 +145,15 @@ def test_server_down(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_malformed_repo_id_is_a_usage_error_before_any_request(hub: FakeHub, tmp_path: Path) -> None:
+    dest = tmp_path / "w"
+    for repo in ("../../etc", "a/b/c", "owner/name.git"):  # the Hub was reported unreachable, before
+        line = one_line_error(download(hub.endpoint, tmp_path, "--repo", repo, "--dest", str(dest)))
+        assert line == f"gpt2 download: error: --repo '{repo}' is not a Hub repo id (expected 'name' or 'owner/name')"
+    assert hub.behaviour.requests == [] and not dest.exists()
+
+
+@pytest.mark.slow
 def test_unwritable_destination(hub: FakeHub, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")
     dest = tmp_path / "a-file" / "weights"

@@ -206,13 +206,54 @@ def test_several_samples_per_prompt(model: GPT2) -> None:
         (dict(top_kk=3), "unknown generation option(s): top_kk"),
         (dict(num_samples=10_001), "num_samples must be an integer in [1, 10000], got 10001"),  # the CLI's limit too
         (dict(top_logprobs=21), "top_logprobs must be an integer in [0, 20], got 21"),  # the server's
-        (dict(temperature=True), "temperature must be in [0, 2] (0 is greedy), got True"),  # ran at 1.0
+        (dict(temperature=True), "temperature must be in [0, 2] (0 is greedy), got bool True"),  # ran at 1.0
     ],
 )
 def test_invalid_settings_are_refused(model: GPT2, kwargs: dict, message: str) -> None:
     with pytest.raises(GenerationError) as e:
         model.generate("Hi", **kwargs)
     assert message in str(e.value)
+
+
+def test_numpy_and_torch_numbers_are_numbers_and_other_types_are_named(model: GPT2) -> None:
+    """np.float32(0.5) was refused as outside (0, 1], np.int64(3) and torch.tensor(3) as not integers in [0, 2^63);
+    stop=5 was a raw TypeError; a string or a bool passed for a number or a flag was taken (or refused as its value)."""
+    import numpy as np
+
+    want = model.generate("Hi", max_new_tokens=4, top_p=float(np.float32(0.5)), seed=3, top_k=7, temperature=0.75,
+                          logit_bias={11: 5.0})
+    for top_p, seed, top_k, temperature, bias in [(np.float32(0.5), np.int64(3), np.int32(7), torch.tensor(0.75),
+                                                   {np.int64(11): np.float16(5)}),
+                                                  (torch.tensor(0.5, dtype=torch.float32), torch.tensor(3),
+                                                   torch.tensor(7, dtype=torch.int16), np.float64(0.75),
+                                                   [(torch.tensor(11), torch.tensor(5.0))])]:
+        assert model.generate("Hi", max_new_tokens=4, top_p=top_p, seed=seed, top_k=top_k, temperature=temperature,
+                              logit_bias=bias) == want
+    settings = model.settings(seed=np.uint8(3), max_new_tokens=np.int64(2), top_p=np.float32(0.5), stop="x")
+    assert (type(settings.seed), type(settings.max_new_tokens), type(settings.sampling.top_p)) == (int, int, float)
+    assert settings.stop == ("x",)
+    for kwargs, message in [
+        (dict(seed=True), "seed must be an integer in [0, 2^63), got bool True"),  # seed 1, before
+        (dict(seed=3.0), "seed must be an integer in [0, 2^63), got float 3.0"),
+        (dict(seed=torch.tensor([3])), "seed must be an integer in [0, 2^63), got Tensor tensor([3])"),
+        (dict(seed=np.int64(-1)), "seed must be an integer in [0, 2^63), got -1"),
+        (dict(top_p="0.5"), "top_p must be in (0, 1] (1 disables it), got str '0.5'"),
+        (dict(top_p=np.float32(2)), "top_p must be in (0, 1] (1 disables it), got 2.0"),
+        (dict(top_k=2.5), "top_k must be an integer >= 0 (0 disables it), got float 2.5"),
+        (dict(top_k=np.bool_(True)), "top_k must be an integer >= 0 (0 disables it), got bool np.True_"),
+        (dict(max_new_tokens="4"), "max_new_tokens must be an integer >= 0, got str '4'"),
+        (dict(stop=5), "stop must be a string or a list of strings, got int 5"),
+        (dict(stop=b"x"), "stop must be a string or a list of strings, got bytes b'x'"),
+        (dict(ignore_eos="yes"), "ignore_eos must be True or False, got str 'yes'"),
+        (dict(ignore_eos=1), "ignore_eos must be True or False, got int 1"),
+        (dict(logit_bias={5: "1"}), "logit_bias must map token ids to numbers in [-100, 100], got 5: str '1'"),
+        (dict(logit_bias={"5": 1}), "logit_bias must map token ids to numbers in [-100, 100], got str '5': 1"),
+        (dict(logit_bias={5: True}), "logit_bias must map token ids to numbers in [-100, 100], got 5: bool True"),
+        (dict(logit_bias=5), "logit_bias must map token ids to numbers in [-100, 100], got int 5"),
+    ]:
+        with pytest.raises(GenerationError) as e:
+            model.generate("Hi", **{"max_new_tokens": 2, **kwargs})
+        assert str(e.value) == message
 
 
 def test_top_k_larger_than_the_vocabulary_is_clamped(model: GPT2) -> None:

@@ -171,6 +171,9 @@ def test_the_python_api_refuses_bad_arguments_in_one_line(made, trained_model) -
         (lambda: sae.decode(torch.zeros(2, 3)), f"f: expected a tensor [..., {d_sae}], got shape [2, 3]"),
         (lambda: sae.to("tpu"), "device tpu: Expected one of cpu, cuda"),
         (lambda: sae.select(3), "features: expected a list of feature indices, got int"),
+        (lambda: sae.select([1, None]), f"features: expected indices in 0..{d_sae - 1}, got None"),
+        (lambda: SAE.load(directory / "standard-resid", hook_name=5),  # a raw AttributeError
+         "hook_name: expected a hook point's name (e.g. blocks.6.hook_resid_pre) or None, got int"),
         (lambda: trained_model.run_with_cache(ids, names=5), "names: expected None, a hook point's name, a list of "
                                                               "them or a predicate, got int"),
     ]:

@@ -123,10 +123,10 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
         tokens = c.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
         assert tokens == trained_model.tokenizer.encode("Hello world")
         assert c.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hello world"}
-        for ids in ([True], [2.0], ["1"]):  # JSON's true is not token 1
+        for ids, given in (([True], "true"), ([2.0], "2.0"), (["1"], '"1"')):  # JSON's true is not token 1
             r = c.post("/detokenize", json={"tokens": ids})
             assert r.status_code == 400 and r.json()["error"] == {
-                "message": "tokens.0: Input should be a valid integer", "type": "invalid_request_error",
+                "message": f"tokens.0: expected an integer, got {given}", "type": "invalid_request_error",
                 "param": "tokens", "code": None}, r.text
 
 
@@ -155,9 +155,9 @@ def test_models_tokenize_detokenize(server: str, trained_model: GPT2) -> None:
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
     ({"prompt": "x", "model": "m" * 100_000}, 404, "model", "'" + "m" * 200 + "'... (100,000 characters) does not"),
     ({"prompt": [True, False]}, 400, "prompt", "Input should be"),
-    ({"prompt": "x", "n": True}, 400, "n", "Input should be a valid integer"),
-    ({"prompt": "x", "n": 2.0}, 400, "n", "Input should be a valid integer"),
-    ({"prompt": "x", "logprobs": True}, 400, "logprobs", "Input should be a valid integer"),
+    ({"prompt": "x", "n": True}, 400, "n", "n: expected an integer, got true"),
+    ({"prompt": "x", "n": 2.0}, 400, "n", "n: expected an integer, got 2.0"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs", "logprobs: expected an integer, got true"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: int, param: str, fragment: str) -> None:
     body = {"model": "gpt2", **body}
@@ -167,6 +167,36 @@ def test_bad_requests_get_openai_shaped_errors(server: str, body: dict, status: 
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and fragment in err["message"]
     assert err["type"] == "invalid_request_error"
     assert "max_new_tokens" not in err["message"] and "--" not in err["message"]  # the API's words, not the CLI's
+
+
+@pytest.mark.parametrize("field,value,message", [
+    # each was taken (as true, as seed 1, as a bias of 1), as OpenAI's server does not take them
+    ("echo", "yes", 'echo: expected true or false, got "yes"'),
+    ("stream", "yes", 'stream: expected true or false, got "yes"'),
+    ("ignore_eos", "yes", 'ignore_eos: expected true or false, got "yes"'),
+    ("ignore_eos", 1, "ignore_eos: expected true or false, got 1"),
+    ("echo", 0, "echo: expected true or false, got 0"),
+    ("seed", "1", 'seed: expected an integer, got "1"'),
+    ("seed", True, "seed: expected an integer, got true"),
+    ("seed", 1.0, "seed: expected an integer, got 1.0"),
+    ("logit_bias", {"5": "1"}, 'logit_bias.5: expected a number, got "1"'),
+    ("logit_bias", {"5": True}, "logit_bias.5: expected a number, got true"),
+    ("temperature", "0.5", 'temperature: expected a number, got "0.5"'),
+    ("max_tokens", "4", 'max_tokens: expected an integer, got "4"'),
+    ("top_k", 2.5, "top_k: expected an integer, got 2.5"),
+])
+def test_fields_of_the_wrong_json_type_are_400s_naming_what_was_given(server: str, field: str, value: object,
+                                                                       message: str) -> None:
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 1, field: value}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": field, "code": None}
+
+
+def test_a_json_integer_is_a_number_and_null_a_missing_field(server: str) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1, "logit_bias": {"11": 2}, "seed": None,
+            "echo": False, "stream": False, "ignore_eos": True}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
 def test_a_completion_stops_at_the_context_with_finish_reason_length(server: str) -> None:

@@ -436,6 +436,31 @@ def test_an_edit_float32_cannot_carry_is_refused_and_the_largest_allowed_keeps_t
         Steering.from_sae(sae, 0, 1e308)
 
 
+def test_an_sae_feature_may_be_a_numpy_or_torch_integer_and_any_other_type_is_named(saes_dir: Path) -> None:
+    """np.int64(3) was refused as outside "this SAE's features are 0..1023"."""
+    import numpy as np
+
+    sae = SAE.load(saes_dir / "topk-mlp")
+    want = Steering.from_sae(sae, 3, 2.0)
+    for given in (np.int64(3), np.uint16(3), torch.tensor(3), np.array(3)):
+        for s in (Steering.from_sae(sae, given, 2.0), Steering.clamp(sae, given, 1.0)):
+            assert type(s.feature) is int and s.feature == 3
+        assert torch.equal(Steering.from_sae(sae, given, 2.0).vector, want.vector)
+    last = sae.d_sae - 1
+    for given, message in [(True, f"steering feature: expected an integer (this SAE's features are 0..{last}), got "
+                                  "bool True"),
+                           ("3", f"steering feature: expected an integer (this SAE's features are 0..{last}), got "
+                                 "str '3'"),
+                           (3.0, f"steering feature: expected an integer (this SAE's features are 0..{last}), got "
+                                 "float 3.0"),
+                           (torch.tensor([3]), f"steering feature: expected an integer (this SAE's features are "
+                                               f"0..{last}), got Tensor tensor([3])"),
+                           (np.int64(last + 1), f"steering feature {last + 1}: this SAE's features are 0..{last}")]:
+        with pytest.raises(SteeringError) as e:
+            Steering.from_sae(sae, given)
+        assert str(e.value) == message
+
+
 def first_json(out: str) -> dict:
     """The first JSON line of what a command printed."""
     return json.loads(out.splitlines()[0])

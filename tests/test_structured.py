@@ -76,8 +76,16 @@ def test_constraints_are_checked_with_one_line_errors(trained_model: GPT2) -> No
            (lambda: trained_model.generate("x", constraint=Constraint.regex("[0-9")), "the regex '[0-9': "),
            (lambda: trained_model.generate("x", constraint=Constraint.json_schema({"type": "objekt"})),
             "the JSON schema: Invalid type: objekt"),
-           (lambda: trained_model.generate("x", constraint=Constraint.json_schema(False)),
-            "the JSON schema: the schema false matches no text"),
+           (lambda: Constraint.json_schema(False), "a JSON schema must be an object, or its JSON text (true is taken "
+                                                    "as {}: any JSON), got false"),  # false matches no text
+           (lambda: Constraint.json_schema("0"), "a JSON schema must be an object, or its JSON text (true is taken "
+                                                 "as {}: any JSON), got 0"),
+           (lambda: Constraint.json_schema({"type": {"integer", "string"}}), "the JSON schema must hold only JSON "
+            "values (dicts with string keys, lists, strings, numbers, booleans, None): Object of type set is not JSON "
+            "serializable"),  # a raw TypeError
+           (lambda: Constraint.choice(5), "choice must be a non-empty list of non-empty strings, got int"),
+           (lambda: Constraint.choice(c for c in ("a", "")), "choice must be a non-empty list of non-empty strings, "
+                                                              "got ['a', '']"),
            (lambda: trained_model.generate("x", constraint=Constraint.json_schema({"$ref": "#"})),
             "the JSON schema: no text matches it (a $ref loop, or conditions that no value meets)"),
            (lambda: trained_model.generate("x", constraint=Constraint.choice(["a"]), ignore_eos=True),
@@ -87,6 +95,9 @@ def test_constraints_are_checked_with_one_line_errors(trained_model: GPT2) -> No
         with pytest.raises(GenerationError, match=re.escape(message)) as e:
             call()
         assert "\n" not in str(e.value)
+    # any iterable of strings is a list of choices (a generator was a raw TypeError); true is JSON Schema's {}
+    assert Constraint.choice(c for c in ("yes", "no")) == Constraint.choice(("yes", "no")) == Constraint.choice(["yes", "no"])
+    assert Constraint.json_schema(True) == Constraint.json_schema("true") == Constraint.json_schema({})
 
 
 def test_every_sample_matches_its_constraint(trained_model: GPT2) -> None:
@@ -243,6 +254,19 @@ def test_chat_with_a_json_schema(client) -> None:
      "structured_outputs.whitespace_flexible applies to json and json_object, not regex"),
     ({"response_format": {"type": "json_object", "whitespace_flexible": "yes"}}, "response_format",
      "response_format.whitespace_flexible must be true or false, got 'yes'"),
+    # typed as vLLM types them: "yes" was json_object, false and 0 "none" given, the schema false "matches no text"
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs",
+     'structured_outputs.json_object must be true or false, got "yes"'),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs",
+     "structured_outputs.json_object must be true or false, got 1"),
+    ({"structured_outputs": {"json": False}}, "structured_outputs",
+     "a JSON schema must be an object, or its JSON text (true is taken as {}: any JSON), got false"),
+    ({"structured_outputs": {"json": 0}}, "structured_outputs",
+     "a JSON schema must be an object, or its JSON text (true is taken as {}: any JSON), got 0"),
+    ({"structured_outputs": {"json_object": False, "regex": "a", "json": {"type": "string"}}}, "structured_outputs",
+     "structured_outputs must give exactly one of choice, regex, json, grammar, json_object; got regex, json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "no", "schema": False}}}, "response_format",
+     "a JSON schema must be an object, or its JSON text (true is taken as {}: any JSON), got false"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server: str, body: dict, param: str, fragment: str) -> None:
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", **body}, timeout=60)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import GPT2Config
+from ..core.scalars import as_int
 from ..formats.saes import SAELENS_CONFIG, SAELENS_WEIGHTS, SAEConfig, SAEError, read_openai, read_saelens
 from .hooks import hook_names
 from ..core.weights import GPT2Weights, split_qkv
@@ -86,11 +86,12 @@ def feature_indices(features: Any, d_sae: int) -> list[int]:
         features = features.tolist()
     if isinstance(features, (str, bytes)) or not isinstance(features, Iterable):
         raise SAEError(f"features: expected a list of feature indices, got {type(features).__name__}")
-    chosen = [int(f) if isinstance(f, numbers.Integral) and not isinstance(f, bool) else f for f in features]
-    bad = next((f for f in chosen if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < d_sae), None)
+    given = list(features)
+    chosen = [as_int(f) for f in given]  # numpy's and torch's integers too; True is not feature 1
+    bad = next((k for k, f in enumerate(chosen) if f is None or not 0 <= f < d_sae), None)
     if not chosen or bad is not None:
-        raise SAEError(f"features: expected indices in 0..{d_sae - 1}, got {'none' if not chosen else repr(bad)}")
-    return chosen
+        raise SAEError(f"features: expected indices in 0..{d_sae - 1}, got {'none' if not chosen else repr(given[bad])}")
+    return chosen  # type: ignore[return-value]
 
 
 class SAE:
@@ -117,6 +118,9 @@ class SAE:
         leaves it)."""
         if not isinstance(path, (str, Path)):
             raise SAEError(f"path: expected a directory or file path, got {type(path).__name__}")
+        if hook_name is not None and not isinstance(hook_name, str):
+            raise SAEError(f"hook_name: expected a hook point's name (e.g. blocks.6.hook_resid_pre) or None, got "
+                           f"{type(hook_name).__name__}")
         p = Path(path)
         if not p.exists():
             raise SAEError(f"--sae {path}: no such file or directory (expected SAELens's directory with {SAELENS_CONFIG} "

@@ -32,6 +32,7 @@ import torch
 
 from ..core.config import GPT2Config
 from ..core.errors import SteeringError
+from ..core.scalars import as_int, described
 from ..formats.vectors import as_vector, read_vector
 from .hooks import hook_names
 from .sae import HEAD_POINTS, SAE
@@ -212,9 +213,13 @@ class Steering:
 def check_feature(sae: SAE, feature: int) -> int:
     if not isinstance(sae, SAE):
         raise SteeringError(f"steering: expected a gpt2_engine.SAE (SAE.load(path)), got {type(sae).__name__}")
-    if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < sae.d_sae:
-        raise SteeringError(f"steering feature {feature!r}: this SAE's features are 0..{sae.d_sae - 1}")
-    return feature
+    index = as_int(feature)  # numpy's integers and 0-d integer tensors too; True is not feature 1
+    if index is None:
+        raise SteeringError(f"steering feature: expected an integer (this SAE's features are 0..{sae.d_sae - 1}), got "
+                            f"{described(feature)}")
+    if not 0 <= index < sae.d_sae:
+        raise SteeringError(f"steering feature {index}: this SAE's features are 0..{sae.d_sae - 1}")
+    return index
 
 
 def check_steering(steering: Sequence[Steering], config: GPT2Config) -> tuple[Steering, ...]:

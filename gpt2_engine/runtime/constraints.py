@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,12 +97,20 @@ class Constraint:
                 raise GenerationError("the JSON schema nests too deeply to read", param="constraint") from None
             except ValueError as e:
                 raise GenerationError(f"the JSON schema is not valid JSON ({e})", param="constraint") from None
-        if not isinstance(schema, (dict, bool)):
-            raise GenerationError(f"a JSON schema must be an object, got {type(schema).__name__}", param="constraint")
+        if schema is True:  # JSON Schema's boolean schema: true allows any JSON, as {} does
+            schema = {}
+        if not isinstance(schema, dict):  # false (which no text matches) too
+            shown = json.dumps(schema) if schema is None or isinstance(schema, (bool, int, float)) else \
+                type(schema).__name__
+            raise GenerationError(f"a JSON schema must be an object, or its JSON text (true is taken as {{}}: any "
+                                  f"JSON), got {shown}", param="constraint")
         try:
             text = json.dumps(schema, sort_keys=True)
         except RecursionError:
             raise GenerationError("the JSON schema nests too deeply to read", param="constraint") from None
+        except (TypeError, ValueError) as e:  # a set, bytes or a non-string key inside it
+            raise GenerationError(f"the JSON schema must hold only JSON values (dicts with string keys, lists, strings, "
+                                  f"numbers, booleans, None): {e}", param="constraint") from None
         return cls("json_schema", text, whitespace_flexible)
 
     @classmethod
@@ -114,8 +122,12 @@ class Constraint:
         return cls("regex", pattern)
 
     @classmethod
-    def choice(cls, choices: Sequence[str]) -> Constraint:
-        if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+    def choice(cls, choices: Iterable[str]) -> Constraint:
+        if isinstance(choices, (str, bytes)) or not isinstance(choices, Iterable):
+            raise GenerationError(f"choice must be a non-empty list of non-empty strings, got {type(choices).__name__}",
+                                  param="constraint")
+        choices = list(choices)  # any iterable of strings: a tuple, a set, a generator
+        if not choices or not all(isinstance(c, str) and c for c in choices):
             raise GenerationError(f"choice must be a non-empty list of non-empty strings, got {choices!r:.200}",
                                   param="constraint")
         if len(choices) > MAX_CHOICES:  # the grammar library's parser refuses a row this long, in its own words

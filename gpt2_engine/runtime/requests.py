@@ -12,18 +12,18 @@ than the whole context, is an error.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.config import GPT2Config
 from ..core.errors import GenerationError
+from ..core.scalars import as_int, described
 from ..interp.spec import Steering, check_steering
 from ..core.tokenizer import Tokenizer
 from .constraints import Constraint, Grammars
 from .plan import Request, check_request
-from .sampling import SamplingParams
+from .sampling import SamplingParams, checked_number
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -35,21 +35,15 @@ MAX_SAMPLES = 10_000
 MAX_TOP_LOGPROBS = 20
 
 
-def is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# GenerationSettings' fields: (name, whether a value is allowed, what the error says it must be, the OpenAI param)
-SETTINGS_CHECKS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
-    ("max_new_tokens", lambda v: is_int(v) and v >= 0, "an integer >= 0", "max_new_tokens"),
-    ("num_samples", lambda v: is_int(v) and 1 <= v <= MAX_SAMPLES, f"an integer in [1, {MAX_SAMPLES}]", "num_samples"),
-    ("truncate", lambda v: v in (None, "left"), "None or 'left'", "truncate"),
-    ("seed", lambda v: v is None or (isinstance(v, int) and 0 <= v < 2**63), "an integer in [0, 2^63)", "seed"),
-    ("top_logprobs", lambda v: isinstance(v, int) and 0 <= v <= MAX_TOP_LOGPROBS,
-     f"an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs"),
-    ("constraint", lambda v: v is None or isinstance(v, Constraint),
-     "a Constraint (Constraint.json_schema, .regex, .choice, .grammar)", "constraint"),
+# GenerationSettings' integer fields: (name, whether the integer is allowed, what the error says it must be, the OpenAI
+# param). numpy's integers and 0-d integer tensors read as Python's (np.int64(3) is seed 3); True is not 1.
+INTEGER_CHECKS: tuple[tuple[str, Callable[[int], bool], str, str], ...] = (
+    ("max_new_tokens", lambda v: v >= 0, "an integer >= 0", "max_new_tokens"),
+    ("num_samples", lambda v: 1 <= v <= MAX_SAMPLES, f"an integer in [1, {MAX_SAMPLES}]", "num_samples"),
+    ("seed", lambda v: 0 <= v < 2**63, "an integer in [0, 2^63)", "seed"),
+    ("top_logprobs", lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs"),
 )
+FLAGS = ("ignore_eos", "prompt_logprobs")  # "no" would be true
 
 
 @dataclass(frozen=True)
@@ -73,11 +67,25 @@ class GenerationSettings:
         if isinstance(self.steering, (Steering, list)):
             object.__setattr__(self, "steering", (self.steering,) if isinstance(self.steering, Steering)
                                else tuple(self.steering))
-        for name, allowed, must, param in SETTINGS_CHECKS:
+        for name, allowed, must, param in INTEGER_CHECKS:
             value = getattr(self, name)
-            if not allowed(value):
-                shown = type(value).__name__ if name == "constraint" else repr(value)
-                raise GenerationError(f"{name} must be {must}, got {shown}", param=param)
+            if value is not None or name != "seed":  # seed None: a random one
+                object.__setattr__(self, name, checked_number(name, value, as_int, allowed, must, param))
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise GenerationError(f"{name} must be True or False, got {described(getattr(self, name))}", param=name)
+        if self.truncate not in (None, "left"):
+            raise GenerationError(f"truncate must be None or 'left', got {self.truncate!r}", param="truncate")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise GenerationError("constraint must be a Constraint (Constraint.json_schema, .regex, .choice, .grammar), "
+                                  f"got {type(self.constraint).__name__}", param="constraint")
+        stop = self.stop
+        if isinstance(stop, str) or stop is None:
+            object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else ())
+        elif isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Iterable):
+            raise GenerationError(f"stop must be a string or a list of strings, got {described(stop)}", param="stop")
+        else:
+            object.__setattr__(self, "stop", tuple(stop))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise GenerationError(f"stop strings must be non-empty strings, got {list(self.stop)!r}", param="stop")
         if self.constraint is not None and self.ignore_eos:

@@ -10,7 +10,7 @@ from the torch.Generator the caller passes in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..core.errors import GenerationError
+from ..core.scalars import as_int, as_real, described
 
 MAX_TEMPERATURE = 2  # OpenAI's bound; GPT-2's text past it is noise
 # Temperatures below this are greedy, as vLLM reads them (its _SAMPLING_EPS): a draw at 1e-5 picks the argmax unless
@@ -28,25 +29,28 @@ GREEDY_BELOW = 1e-5
 REPETITION_PENALTY = (0.01, 100)
 
 
-def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)  # True is not temperature 1
-
-
-def penalty(v: Any) -> bool:
-    return is_number(v) and -2 <= v <= 2
-
-
-# SamplingParams' fields: (name, whether a value is allowed, what the error says it must be)
-CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("temperature", lambda v: is_number(v) and 0 <= v <= MAX_TEMPERATURE,
-     f"in [0, {MAX_TEMPERATURE}] (0 is greedy)"),
-    ("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 disables it)"),
-    ("top_p", lambda v: is_number(v) and 0 < v <= 1, "in (0, 1] (1 disables it)"),
-    ("repetition_penalty", lambda v: is_number(v) and REPETITION_PENALTY[0] <= v <= REPETITION_PENALTY[1],
+# SamplingParams' fields: (name, how a value reads as a number (None: it is not one), whether that number is allowed,
+# what the error says it must be). numpy's and torch's scalars read as Python's; True is not temperature 1.
+CHECKS: tuple[tuple[str, Callable[[object], float | int | None], Callable[[Any], bool], str], ...] = (
+    ("temperature", as_real, lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE}] (0 is greedy)"),
+    ("top_k", as_int, lambda v: v >= 0, "an integer >= 0 (0 disables it)"),
+    ("top_p", as_real, lambda v: 0 < v <= 1, "in (0, 1] (1 disables it)"),
+    ("repetition_penalty", as_real, lambda v: REPETITION_PENALTY[0] <= v <= REPETITION_PENALTY[1],
      f"in [{REPETITION_PENALTY[0]:g}, {REPETITION_PENALTY[1]:g}] (1 disables it)"),
-    ("presence_penalty", penalty, "a number in [-2, 2]"),
-    ("frequency_penalty", penalty, "a number in [-2, 2]"),
+    ("presence_penalty", as_real, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    ("frequency_penalty", as_real, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
 )
+
+
+def checked_number(name: str, value: object, read: Callable[[object], float | int | None],
+                   allowed: Callable[[Any], bool], must: str, param: str | None = None) -> float | int:
+    """`value` read as a Python number by `read` (as_int or as_real) when `allowed`; GenerationError otherwise, naming
+    the value (its type too where it is not a number of that kind)."""
+    number = read(value)
+    if number is None or not allowed(number):  # NaN fails every comparison
+        shown = described(value) if number is None else repr(value if type(value) in (int, float) else number)
+        raise GenerationError(f"{name} must be {must}, got {shown}", param=param or name)
+    return number
 
 
 @dataclass(frozen=True)
@@ -62,14 +66,23 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the raw logits
 
     def __post_init__(self) -> None:
-        for name, allowed, must in CHECKS:
-            value = getattr(self, name)
-            if not allowed(value):
-                raise GenerationError(f"{name} must be {must}, got {value!r}", param=name)
-        for token, bias in self.logit_bias:
-            if not isinstance(token, int) or token < 0 or not is_number(bias) or not -100 <= bias <= 100:
-                raise GenerationError(f"logit_bias must map token ids to numbers in [-100, 100], got {token!r}: {bias!r}",
-                                      param="logit_bias")
+        for name, read, allowed, must in CHECKS:
+            object.__setattr__(self, name, checked_number(name, getattr(self, name), read, allowed, must))
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else bias  # the API's {token: bias}
+        if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+            raise GenerationError(f"logit_bias must map token ids to numbers in [-100, 100], got {described(bias)}",
+                                  param="logit_bias")
+        checked = []
+        for pair in pairs:
+            token, value = pair if isinstance(pair, tuple) and len(pair) == 2 else (pair, None)
+            t, v = as_int(token), as_real(value)
+            if t is None or t < 0 or v is None or not -100 <= v <= 100:  # NaN too
+                raise GenerationError("logit_bias must map token ids to numbers in [-100, 100], got "
+                                      f"{described(token) if t is None else t}: "
+                                      f"{described(value) if v is None else repr(value)}", param="logit_bias")
+            checked.append((t, v))
+        object.__setattr__(self, "logit_bias", tuple(checked))
 
     @property
     def needs_counts(self) -> bool:

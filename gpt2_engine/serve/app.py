@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import threading
 import time
@@ -243,9 +244,15 @@ async def api_error(_: Request, err: APIError) -> JSONResponse:
     return error_response(err)
 
 
+# pydantic's strict type errors, as what the field expects (a JSON value, named as JSON writes it)
+EXPECTED = {"bool_type": "true or false", "int_type": "an integer", "float_type": "a number", "string_type": "a string"}
+
+
 async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-    """A request model's validation error as a 400 naming the field (or the APIError a validator raised)."""
-    first = err.errors()[0]
+    """A request model's validation error as a 400 naming the field (or the APIError a validator raised), and for a
+    value of the wrong type what was given and what is expected."""
+    errors = err.errors()
+    first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if isinstance(first.get("ctx", {}).get("error"), APIError):  # raised inside a model validator
         return error_response(first["ctx"]["error"])
@@ -256,6 +263,9 @@ async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         message, param, where = "the body is not valid JSON", None, ""
     elif first.get("type") == "missing" and not loc:  # no body at all
         message = "the body is empty: expected a JSON object"
+    elif first.get("type") in EXPECTED and len(errors) == 1:  # one type (a union's members each report their own)
+        given = json.dumps(first.get("input"), ensure_ascii=False)
+        message = f"expected {EXPECTED[first['type']]}, got {given if len(given) <= 60 else given[:57] + '...'}"
     return error_response(APIError(400, f"{where}: {message}" if where else message, param=param))
 
 

@@ -11,10 +11,11 @@ structured outputs write it, unless the same object carries this server's extens
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from ..core.errors import GenerationError
 from ..runtime.constraints import Constraint
@@ -59,24 +60,25 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # strict types: "yes" is not true, "1" not seed 1, true not 1 (OpenAI refuses them all); a JSON integer is a number
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
+    temperature: StrictFloat = 1.0
+    top_p: StrictFloat = 1.0
     n: StrictInt = Field(default=1, ge=1, le=16)  # true is not 1, nor 2.0 two
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
     # extras
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
+    top_k: StrictInt = 0
+    repetition_penalty: StrictFloat = 1.0
+    ignore_eos: StrictBool = False
     structured_outputs: dict[str, Any] | None = None  # vLLM's: one of choice, regex, json, grammar, json_object
     # the engine's: edits while generating, naming the server's --sae / --steering-vector entries (interp/steering.py)
     steering: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_STEERING)
@@ -150,10 +152,10 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true is not token 1
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: StrictBool = False
     # accepted for compatibility, rejected unless they ask for nothing different
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -199,7 +201,7 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # accepted for compatibility, rejected when they ask for what this server cannot do
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -228,7 +230,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     model: str | None = None
-    add_special_tokens: bool = True  # vLLM's field, which lm-eval sends; GPT-2 adds no special tokens either way
+    add_special_tokens: StrictBool = True  # vLLM's field, which lm-eval sends; GPT-2 adds no special tokens either way
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -358,8 +360,13 @@ def string_field(kind: str, value: Any) -> str:
 
 
 def structured_outputs(so: dict[str, Any], flexible: bool) -> Constraint:
-    """vLLM's structured_outputs: exactly one of choice, regex, json, grammar, json_object."""
-    given = [k for k in STRUCTURED_OUTPUTS if so.get(k) not in (None, False)]
+    """vLLM's structured_outputs: exactly one of choice, regex, json, grammar, json_object (a flag: false or null asks
+    for nothing, as a missing field; any other value of the others is theirs to check)."""
+    flag = so.get("json_object")
+    if flag is not None and not isinstance(flag, bool):  # "yes" or 1 would be true
+        raise GenerationError(f"structured_outputs.json_object must be true or false, got {json.dumps(flag)[:60]}",
+                              param="constraint")
+    given = [k for k in STRUCTURED_OUTPUTS if so.get(k) is not None and not (k == "json_object" and flag is False)]
     if len(given) != 1:
         raise GenerationError("structured_outputs must give exactly one of choice, regex, json, grammar, "
                               f"json_object; got {', '.join(given) or 'none'}", param="constraint")
