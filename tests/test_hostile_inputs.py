@@ -1172,6 +1172,29 @@ def test_finetune_log_is_never_one_of_its_inputs(tiny_dir: Path, tmp_path: Path)
                                                "device)")
 
 
+def test_finetune_log_is_never_a_file_the_run_saves(tiny_dir: Path, tmp_path: Path) -> None:
+    """`--overwrite --log OUT/config.json` exited 0 with the log gone: the save replaced it. A file or folder the run
+    writes into --out is refused, whether it exists yet or not, before anything is written."""
+    (tmp_path / "a.txt").write_text("Some text to train on. " * 20)
+    out = tmp_path / "out"
+    run = ["finetune", str(tmp_path / "a.txt"), "--weights", str(tiny_dir), "--out", str(out), "--steps", "1",
+           "--context", "16", "--overwrite"]
+    for name in ["config.json", "model.safetensors", "merges.txt", "adapter_config.json"]:
+        code, err = run_cli([*run, "--log", str(out / name)])
+        assert (code, err.strip()) == (2, f"gpt2 finetune: error: --log {out / name}: is {name} in --out {out}, a file "
+                                          "of the checkpoint the run saves there, which replaces the log; write the log "
+                                          "somewhere else")
+    code, err = run_cli([*run, "--log", str(out / "last" / "log.jsonl")])
+    assert (code, err.strip()) == (2, f"gpt2 finetune: error: --log {out / 'last' / 'log.jsonl'}: is in {out / 'last'}, "
+                                      "the run's resume state, which the run replaces whole; write the log somewhere "
+                                      "else")
+    code, err = run_cli([*run, "--lora", "4", "--merge", "--log", str(out / "merged" / "log.jsonl")])
+    assert (code, err.strip()) == (2, f"gpt2 finetune: error: --log {out / 'merged' / 'log.jsonl'}: is in "
+                                      f"{out / 'merged'}, --merge's checkpoint, which the run replaces whole; write the "
+                                      "log somewhere else")
+    assert not out.exists()
+
+
 def sparse(path: Path, size: int = 5 << 30) -> Path:
     """`path` replaced by a sparse file of `size` bytes (5 GiB: no disk, and nothing a reader may read whole)."""
     path.unlink(missing_ok=True)
