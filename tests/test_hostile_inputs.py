@@ -1103,6 +1103,8 @@ def test_a_template_naming_a_field_the_rows_lack_is_one_line(tiny_dir: Path, tmp
     ({"num_beams": 4}, "num_beams other than 1; the engine does not run beam search"),
     ({"do_sample": "yes"}, "do_sample is 'yes'; expected true or false"),
     ({"penalty_alpha": 0.6}, "penalty_alpha: not run by the engine; expected until, max_gen_toks"),
+    ({"do_sample": True, "top_p": 2}, "top_p must be in (0, 1] (1 disables it), got 2"),
+    ({"temperature": float("nan")}, "temperature must be in [0, "),
 ])
 def test_a_tasks_generation_kwargs_are_checked_by_name(kwargs: dict, message: str) -> None:
     """A task's generation_kwargs reach the engine's lm-eval model: a wrong type was a ValueError from int() or
@@ -1137,8 +1139,13 @@ def test_a_tasks_max_new_tokens_is_honoured_and_a_bad_key_is_one_line(tiny_dir: 
     task.write_text(task.read_text().replace("output_type: loglikelihood", "output_type: generate_until")
                     + "generation_kwargs:\n  until: ['\\n']\n  penalty_alpha: 0.6\n")
     code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
-    assert (code, err.splitlines()[-1]) == (2, "gpt2 eval: error: the task's generation_kwargs: penalty_alpha: not run "
-                                               f"by the engine; expected {GENERATION_KWARGS}")
+    assert (code, err.splitlines()[-1]) == (2, "gpt2 eval: error: task 't_data' generation_kwargs: penalty_alpha: not "
+                                               f"run by the engine; expected {GENERATION_KWARGS}")
+    # a value the sampler refuses names the task too: it came from the file, not from a flag (top_p 2 was unplaced)
+    task.write_text(task.read_text().replace("  penalty_alpha: 0.6\n", "  do_sample: true\n  top_p: 2\n"))
+    code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
+    assert (code, err.splitlines()[-1]) == (2, "gpt2 eval: error: task 't_data' generation_kwargs: top_p must be in "
+                                               "(0, 1] (1 disables it), got 2")
 
 
 def test_finetune_log_is_never_one_of_its_inputs(tiny_dir: Path, tmp_path: Path) -> None:
