@@ -1509,6 +1509,70 @@ def test_an_adapter_that_overflows_is_one_line(edit: Callable, line: str, tiny_d
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
 
 
+def drop(t: dict[str, torch.Tensor], *parts: str) -> None:
+    """The adapter tensors whose names hold any of `parts` left out of the file."""
+    for key in [k for k in t if any(p in k for p in parts)]:
+        del t[key]
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda t, c: c.update(layers_to_transform=[0]),  # PEFT loads layer 0's tensors only; both were applied
+     "{config}: layers_to_transform [0] leaves out layer 1, whose h.1.attn.c_attn the adapter's weights update (PEFT "
+     "would not load that update)"),
+    (lambda t, c: c.update(target_modules=["q_proj"]),  # another model's name; PEFT raises
+     "{config}: target_modules entry 'q_proj' names none of GPT-2's projections (c_attn, attn.c_proj, c_fc, "
+     "mlp.c_proj; c_proj for both)"),
+    (lambda t, c: c.update(target_modules=["c_attn"]),
+     "{config}: target_modules ['c_attn'] does not select h.0.attn.c_proj, which the adapter's weights update (PEFT "
+     "would not load that update)"),
+    (lambda t, c: c.pop("target_modules"),
+     "{config}: target_modules ['c_attn'] (PEFT's default for GPT-2, as the config gives none) does not select "
+     "h.0.attn.c_proj, which the adapter's weights update (PEFT would not load that update)"),
+    (lambda t, c: c.update(target_modules=r".*\.(c_attn|c_proj|c_fc)"),
+     None),  # one regular expression, which PEFT matches against whole names: read, not checked (see target_list)
+    (lambda t, c: c.update(target_modules=[3]),
+     "{config}: target_modules is [3], expected a list of module names (or one regular expression)"),
+    (lambda t, c: c.update(layers_to_transform="0"),
+     "{config}: layers_to_transform is \"0\", expected a layer index or a list of them"),
+    (lambda t, c: c.update(layers_to_transform=[0], layers_pattern="layers"),
+     "{config}: layers_pattern 'layers' is not GPT-2's (its layers are transformer.h.N)"),
+    (lambda t, c: c.update(lora_alpha="8"), "{config}: lora_alpha is \"8\", expected a number"),  # was read as 8
+    (lambda t, c: c.update(lora_alpha=True), "{config}: lora_alpha is true, expected a number"),
+    (lambda t, c: c.update(lora_dropout="0.1"), "{config}: lora_dropout is \"0.1\", expected a number"),
+    (lambda t, c: c.update(use_rslora="false"),  # bool("false"): the scale alpha / sqrt(r), silently
+     "{config}: use_rslora is \"false\", expected true or false"),
+], ids=["layers-0", "q_proj", "targets-fewer", "targets-absent", "targets-regex", "targets-int", "layers-str",
+        "layers-pattern", "alpha-str", "alpha-bool", "dropout-str", "rslora-str"])
+def test_an_adapter_config_says_what_peft_would_apply(edit: Callable, line: str | None, tiny_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """adapter_config.json fields that were not read: layers_to_transform and target_modules (the file's tensors
+    were applied whatever they said), and lora_alpha as a string. A config PEFT would read otherwise is one line."""
+    d = lora_dir(tiny_dir, tmp_path / "adapter", edit)
+    code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(tiny_dir), "--lora", str(d))
+    if line is None:
+        assert code == 0, err[-3000:]
+        return
+    expected = line.format(config=d / "adapter_config.json")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
+
+
+def test_an_adapter_within_its_layers_and_targets_loads(tiny_dir: Path, tmp_path: Path) -> None:
+    """The selection PEFT makes, kept: layer 0's tensors under layers_to_transform 0 (an index, or a list), and the
+    projections target_modules names as PEFT matches them (c_proj is both, attn.c_proj the attention's only)."""
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.formats.peft import load_adapter
+
+    config = GPT2Config.from_json(tiny_dir / "config.json")
+    cases = [(lambda t, c: (c.update(layers_to_transform=0, layers_pattern="h"), drop(t, ".h.1.")), 4),
+             (lambda t, c: (c.update(layers_to_transform=[1]), drop(t, ".h.0.")), 4),
+             (lambda t, c: (c.update(target_modules=["c_attn", "c_proj"]), drop(t, "c_fc")), 6),
+             (lambda t, c: (c.update(target_modules=["transformer.h.0.attn.c_proj", "mlp.c_proj"]),
+                            drop(t, "c_attn", "c_fc", ".h.1.attn")), 3)]
+    for n, (edit, modules) in enumerate(cases):
+        adapter = load_adapter(lora_dir(tiny_dir, tmp_path / str(n), edit), config)
+        assert len(adapter.tensors) == 2 * modules
+
+
 def test_score_refuses_to_write_over_a_document_it_scores(tiny_dir: Path, tmp_path: Path) -> None:
     """`score doc.txt --per-token doc.txt` replaced the corpus with its own figures (exit 0), through a link too."""
     doc = tmp_path / "doc.txt"
