@@ -1464,6 +1464,28 @@ def test_a_checkpoint_the_engine_cannot_compute_with_is_one_line(edit: Callable 
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
 
 
+@pytest.mark.parametrize("poisoned, value, named", [
+    (("token_embd.weight", "output.weight"), float("nan"), "token_embd.weight"),  # both copies, as a tied export has it
+    (("token_embd.weight",), float("nan"), "token_embd.weight"),
+    (("output.weight",), float("inf"), "output.weight"),
+], ids=["nan-in-both", "nan-in-token_embd", "inf-in-output"])
+def test_a_nan_in_a_ggufs_tied_embedding_is_named(poisoned: tuple[str, ...], value: float, named: str, tiny_dir: Path,
+                                                  tmp_path: Path) -> None:
+    """A NaN in token_embd (which output.weight repeats) was refused as 'output.weight differs from
+    token_embd.weight': NaN equals nothing, itself included. It is named as the Hugging Face loader names one."""
+    gguf = pytest.importorskip("gguf", reason="gguf (llama.cpp's gguf-py) is part of the test extra")
+    path = tmp_path / "m.gguf"
+    assert cli("convert", str(tiny_dir), str(path), "--to", "gguf", "--type", "f32")[0] == 0
+    found = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    with open(path, "r+b") as f:
+        for name in poisoned:
+            f.seek(found[name].data_offset)
+            f.write(struct.pack("<f", value))
+    code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(path))
+    assert (code, err.strip()) == (2, f"gpt2 generate: error: {path}: tensor {named} holds 1 NaN/Inf values, "
+                                      "expected finite weights")
+
+
 def lora_dir(tiny_dir: Path, d: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> Path:
     """An adapter of rank 4 (lora_alpha 8) on every projection of the tiny model, B as trained ones are (not zero),
     its tensors (PEFT's names and orientation) and config edited."""
