@@ -45,8 +45,7 @@ def stop_sequences(until: Any, eos: str) -> list[str]:
     """A task's `until` (a string or a list of strings) as lm-eval's hf model takes it, eos among them."""
     if not (until is None or isinstance(until, str) or
             isinstance(until, list) and all(isinstance(s, str) for s in until)):
-        raise GenerationError(f"the task's generation_kwargs: until is {until!r:.60}; expected a string or a list of "
-                              f"strings")
+        raise GenerationError(f"until is {until!r:.60}; expected a string or a list of strings")
     return handle_stop_sequences(until, eos=eos)
 
 
@@ -54,11 +53,10 @@ def sampling_params(gen_kwargs: dict[str, Any]) -> SamplingParams:
     """The sampling keys of a task's generation kwargs (taken out of it), as hf reads them: greedy unless do_sample
     or a temperature says otherwise; one beam only."""
     if gen_kwargs.pop("num_beams", 1) != 1:
-        raise GenerationError("the task's generation_kwargs: num_beams other than 1; the engine does not run beam "
-                              "search")
+        raise GenerationError("num_beams other than 1; the engine does not run beam search")
     do_sample = gen_kwargs.pop("do_sample", None)
     if do_sample not in (None, True, False):
-        raise GenerationError(f"the task's generation_kwargs: do_sample is {do_sample!r:.60}; expected true or false")
+        raise GenerationError(f"do_sample is {do_sample!r:.60}; expected true or false")
     temperature = gen_kwargs.pop("temperature", 0.0)
     if do_sample is False or (do_sample is None and temperature == 0.0):
         temperature = 0.0
@@ -132,8 +130,9 @@ class EngineLM(TemplateLM):
         eos = self.tok_decode([self.eot_token_id])
         groups: dict[tuple, list[int]] = {}
         plans = []
-        for n, (context, gen_kwargs) in enumerate(req.args for req in requests):
-            settings, until = self._settings(dict(gen_kwargs), eos)
+        for n, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            settings, until = self._settings(dict(gen_kwargs), eos, getattr(req, "task_name", None))
             plans.append((context, settings, until))
             groups.setdefault((settings, tuple(until)), []).append(n)
         results = [""] * len(requests)
@@ -165,19 +164,28 @@ class EngineLM(TemplateLM):
         greedy = bool((done.stats.rank[len(fed) - n :] == 0).all()) and int(done.logits.argmax()) == whole[-1]
         return logprob, greedy
 
-    def _settings(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[GenerationSettings, list[str]]:
+    def _settings(self, gen_kwargs: dict[str, Any], eos: str, task: str | None = None) -> tuple[GenerationSettings,
+                                                                                               list[str]]:
         """A task's generation kwargs as the engine's settings, and its stop strings (eos among them, as hf's);
-        GenerationError, naming the key, for a value of the wrong type or an option the engine does not run."""
+        GenerationError, naming the task and the key, for a value of the wrong type or out of range, or an option
+        the engine does not run (the value came from the task file, not from a flag)."""
+        try:
+            return self._read_settings(gen_kwargs, eos)
+        except GenerationError as e:
+            where = f"task {task!r} generation_kwargs" if task else "the task's generation_kwargs"
+            raise GenerationError(f"{where}: {e}", param=e.param) from None
+
+    def _read_settings(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[GenerationSettings, list[str]]:
+        """_settings without the task named in its errors."""
         until = stop_sequences(gen_kwargs.pop("until", None), eos)
         max_gen_toks = gen_kwargs.pop("max_gen_toks", self.max_gen_toks)
         max_gen_toks = gen_kwargs.pop("max_new_tokens", max_gen_toks)  # hf's generate takes it over max_gen_toks
         if isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int) or max_gen_toks < 1:
-            raise GenerationError(f"the task's generation_kwargs: max_gen_toks is {max_gen_toks!r:.60}; expected a "
-                                  f"positive integer")
+            raise GenerationError(f"max_gen_toks is {max_gen_toks!r:.60}; expected a positive integer")
         sampling = sampling_params(gen_kwargs)
         if gen_kwargs:
-            raise GenerationError(f"the task's generation_kwargs: {', '.join(sorted(gen_kwargs))[:200]}: not run by "
-                                  f"the engine; expected {GENERATION_KWARGS}")
+            raise GenerationError(f"{', '.join(sorted(gen_kwargs))[:200]}: not run by the engine; expected "
+                                  f"{GENERATION_KWARGS}")
         stops = tuple(s for s in until if s != eos)  # <|endoftext|> itself ends a sequence (finish reason eos)
         return GenerationSettings(max_new_tokens=max_gen_toks, sampling=sampling, stop=stops, seed=self.seed,
                                   steering=self.steering), until

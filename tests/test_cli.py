@@ -259,6 +259,22 @@ def test_compare_table_and_prompts_file(capsys, tmp_path: Path, trained_dir: Pat
     assert code == 0 and "prompts.txt:1" in out and "prompts.txt:2" in out and "all 2 comparisons within tolerance" in out
 
 
+def test_compare_refuses_a_prompt_longer_than_the_context_and_an_empty_one(capsys, tmp_path: Path,
+                                                                          trained_dir: Path) -> None:
+    """A prompts-file line past the context was compared on its first n_positions tokens, only the tokens column
+    telling; an empty --prompt compared <|endoftext|> alone and printed perplexity nan. Both are refused, as gpt2
+    generate refuses a prompt that does not fit."""
+    (tmp_path / "prompts.txt").write_text("first prompt\n\n" + "word " * 600 + "\n")  # 601 tokens, on line 3
+    code, out, err = run(capsys, "compare", "--weights", str(trained_dir), "--prompts-file", str(tmp_path / "prompts.txt"))
+    assert (code, out, err) == (2, "", f"gpt2 compare: error: {tmp_path / 'prompts.txt'}, line 3: the prompt of 601 "
+                                       "tokens exceeds the context of 512 tokens; shorten it, or split it across lines\n")
+    code, out, err = run(capsys, "compare", "--weights", str(trained_dir), "--prompt", "Hi", "--prompt", "word " * 600)
+    assert (code, out, err) == (2, "", "gpt2 compare: error: --prompt 2: the prompt of 601 tokens exceeds the context "
+                                       "of 512 tokens; shorten it, or split it across lines\n")
+    code, out, err = run(capsys, "compare", "--weights", str(trained_dir), "--prompt", "")
+    assert (code, out, err) == (2, "", "gpt2 compare: error: --prompt is empty; expected at least one token\n")
+
+
 def test_compare_bad_weights_exits_2_with_the_loader_message(capsys, tmp_path: Path) -> None:
     code, out, err = run(capsys, "compare", "--weights", str(tmp_path / "nope"))
     assert code == 2 and out == "" and err.count("\n") == 1

@@ -259,6 +259,30 @@ def test_bad_input_is_one_line_and_exit_2(trained_dir: Path, tmp_path: Path, cas
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("case", ["fifo", "file", "loop", "state-loop", "dangling"])
+def test_resume_names_what_is_there_instead_of_a_state(trained_dir: Path, tmp_path: Path, case: str) -> None:
+    """--resume where last/trainer_state.json is a FIFO, `last` a file or a symlink loop said "nothing to resume (no
+    last/trainer_state.json)", as if the run had never saved: what is there is named."""
+    out = tmp_path / "out"
+    out.mkdir()
+    last, state = out / "last", out / "last" / "trainer_state.json"
+    if case == "fifo":
+        last.mkdir()
+        os.mkfifo(state)  # opening it waits for a writer: the check must not
+    elif case == "state-loop":
+        last.mkdir()
+        os.symlink(state.name, state)
+    elif case == "file":
+        last.write_text("{}")
+    else:
+        os.symlink("last" if case == "loop" else "gone", last)
+    said = {"fifo": f"{state} is a FIFO, not a regular file", "file": f"{last} is a regular file, not a directory",
+            "loop": f"{last} is a symlink loop", "state-loop": f"{state} is a symlink loop",
+            "dangling": f"{last} is a link to gone, which does not exist"}[case]
+    done = finetune(*small_run(trained_dir, corpus(tmp_path), out, "--steps", "2", "--resume"))
+    assert (done.returncode, done.stderr.strip()) == (2, f"gpt2 finetune: error: {out}: cannot resume: {said}")
+
+
 def test_a_batch_that_cannot_fit_is_refused_with_the_numbers(trained_dir: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A micro-batch whose step cannot fit in memory is one line, before anything is allocated: what it needs, what

@@ -1103,6 +1103,8 @@ def test_a_template_naming_a_field_the_rows_lack_is_one_line(tiny_dir: Path, tmp
     ({"num_beams": 4}, "num_beams other than 1; the engine does not run beam search"),
     ({"do_sample": "yes"}, "do_sample is 'yes'; expected true or false"),
     ({"penalty_alpha": 0.6}, "penalty_alpha: not run by the engine; expected until, max_gen_toks"),
+    ({"do_sample": True, "top_p": 2}, "top_p must be in (0, 1] (1 disables it), got 2"),
+    ({"temperature": float("nan")}, "temperature must be in [0, "),
 ])
 def test_a_tasks_generation_kwargs_are_checked_by_name(kwargs: dict, message: str) -> None:
     """A task's generation_kwargs reach the engine's lm-eval model: a wrong type was a ValueError from int() or
@@ -1137,8 +1139,13 @@ def test_a_tasks_max_new_tokens_is_honoured_and_a_bad_key_is_one_line(tiny_dir: 
     task.write_text(task.read_text().replace("output_type: loglikelihood", "output_type: generate_until")
                     + "generation_kwargs:\n  until: ['\\n']\n  penalty_alpha: 0.6\n")
     code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
-    assert (code, err.splitlines()[-1]) == (2, "gpt2 eval: error: the task's generation_kwargs: penalty_alpha: not run "
-                                               f"by the engine; expected {GENERATION_KWARGS}")
+    assert (code, err.splitlines()[-1]) == (2, "gpt2 eval: error: task 't_data' generation_kwargs: penalty_alpha: not "
+                                               f"run by the engine; expected {GENERATION_KWARGS}")
+    # a value the sampler refuses names the task too: it came from the file, not from a flag (top_p 2 was unplaced)
+    task.write_text(task.read_text().replace("  penalty_alpha: 0.6\n", "  do_sample: true\n  top_p: 2\n"))
+    code, err = run_cli(["eval", "--tasks", str(task), "--trust-task-code", "--weights", str(tiny_dir)])
+    assert (code, err.splitlines()[-1]) == (2, "gpt2 eval: error: task 't_data' generation_kwargs: top_p must be in "
+                                               "(0, 1] (1 disables it), got 2")
 
 
 def test_finetune_log_is_never_one_of_its_inputs(tiny_dir: Path, tmp_path: Path) -> None:
@@ -1170,6 +1177,29 @@ def test_finetune_log_is_never_one_of_its_inputs(tiny_dir: Path, tmp_path: Path)
     code, err = run_cli([*run[:-1], "--out", str(tmp_path / "o3"), "--log", "/dev/full"])  # named as the log's, not --out's
     assert (code, err.splitlines()[-1]) == (2, "gpt2 finetune: error: --log /dev/full: cannot write (No space left on "
                                                "device)")
+
+
+def test_finetune_log_is_never_a_file_the_run_saves(tiny_dir: Path, tmp_path: Path) -> None:
+    """`--overwrite --log OUT/config.json` exited 0 with the log gone: the save replaced it. A file or folder the run
+    writes into --out is refused, whether it exists yet or not, before anything is written."""
+    (tmp_path / "a.txt").write_text("Some text to train on. " * 20)
+    out = tmp_path / "out"
+    run = ["finetune", str(tmp_path / "a.txt"), "--weights", str(tiny_dir), "--out", str(out), "--steps", "1",
+           "--context", "16", "--overwrite"]
+    for name in ["config.json", "model.safetensors", "merges.txt", "adapter_config.json"]:
+        code, err = run_cli([*run, "--log", str(out / name)])
+        assert (code, err.strip()) == (2, f"gpt2 finetune: error: --log {out / name}: is {name} in --out {out}, a file "
+                                          "of the checkpoint the run saves there, which replaces the log; write the log "
+                                          "somewhere else")
+    code, err = run_cli([*run, "--log", str(out / "last" / "log.jsonl")])
+    assert (code, err.strip()) == (2, f"gpt2 finetune: error: --log {out / 'last' / 'log.jsonl'}: is in {out / 'last'}, "
+                                      "the run's resume state, which the run replaces whole; write the log somewhere "
+                                      "else")
+    code, err = run_cli([*run, "--lora", "4", "--merge", "--log", str(out / "merged" / "log.jsonl")])
+    assert (code, err.strip()) == (2, f"gpt2 finetune: error: --log {out / 'merged' / 'log.jsonl'}: is in "
+                                      f"{out / 'merged'}, --merge's checkpoint, which the run replaces whole; write the "
+                                      "log somewhere else")
+    assert not out.exists()
 
 
 def sparse(path: Path, size: int = 5 << 30) -> Path:
@@ -1434,6 +1464,28 @@ def test_a_checkpoint_the_engine_cannot_compute_with_is_one_line(edit: Callable 
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
 
 
+@pytest.mark.parametrize("poisoned, value, named", [
+    (("token_embd.weight", "output.weight"), float("nan"), "token_embd.weight"),  # both copies, as a tied export has it
+    (("token_embd.weight",), float("nan"), "token_embd.weight"),
+    (("output.weight",), float("inf"), "output.weight"),
+], ids=["nan-in-both", "nan-in-token_embd", "inf-in-output"])
+def test_a_nan_in_a_ggufs_tied_embedding_is_named(poisoned: tuple[str, ...], value: float, named: str, tiny_dir: Path,
+                                                  tmp_path: Path) -> None:
+    """A NaN in token_embd (which output.weight repeats) was refused as 'output.weight differs from
+    token_embd.weight': NaN equals nothing, itself included. It is named as the Hugging Face loader names one."""
+    gguf = pytest.importorskip("gguf", reason="gguf (llama.cpp's gguf-py) is part of the test extra")
+    path = tmp_path / "m.gguf"
+    assert cli("convert", str(tiny_dir), str(path), "--to", "gguf", "--type", "f32")[0] == 0
+    found = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    with open(path, "r+b") as f:
+        for name in poisoned:
+            f.seek(found[name].data_offset)
+            f.write(struct.pack("<f", value))
+    code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(path))
+    assert (code, err.strip()) == (2, f"gpt2 generate: error: {path}: tensor {named} holds 1 NaN/Inf values, "
+                                      "expected finite weights")
+
+
 def lora_dir(tiny_dir: Path, d: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> Path:
     """An adapter of rank 4 (lora_alpha 8) on every projection of the tiny model, B as trained ones are (not zero),
     its tensors (PEFT's names and orientation) and config edited."""
@@ -1477,6 +1529,70 @@ def test_an_adapter_that_overflows_is_one_line(edit: Callable, line: str, tiny_d
     code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(tiny_dir), "--lora", str(d))
     expected = line.format(adapter=d, weights=d / "adapter_model.safetensors", config=d / "adapter_config.json")
     assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
+
+
+def drop(t: dict[str, torch.Tensor], *parts: str) -> None:
+    """The adapter tensors whose names hold any of `parts` left out of the file."""
+    for key in [k for k in t if any(p in k for p in parts)]:
+        del t[key]
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda t, c: c.update(layers_to_transform=[0]),  # PEFT loads layer 0's tensors only; both were applied
+     "{config}: layers_to_transform [0] leaves out layer 1, whose h.1.attn.c_attn the adapter's weights update (PEFT "
+     "would not load that update)"),
+    (lambda t, c: c.update(target_modules=["q_proj"]),  # another model's name; PEFT raises
+     "{config}: target_modules entry 'q_proj' names none of GPT-2's projections (c_attn, attn.c_proj, c_fc, "
+     "mlp.c_proj; c_proj for both)"),
+    (lambda t, c: c.update(target_modules=["c_attn"]),
+     "{config}: target_modules ['c_attn'] does not select h.0.attn.c_proj, which the adapter's weights update (PEFT "
+     "would not load that update)"),
+    (lambda t, c: c.pop("target_modules"),
+     "{config}: target_modules ['c_attn'] (PEFT's default for GPT-2, as the config gives none) does not select "
+     "h.0.attn.c_proj, which the adapter's weights update (PEFT would not load that update)"),
+    (lambda t, c: c.update(target_modules=r".*\.(c_attn|c_proj|c_fc)"),
+     None),  # one regular expression, which PEFT matches against whole names: read, not checked (see target_list)
+    (lambda t, c: c.update(target_modules=[3]),
+     "{config}: target_modules is [3], expected a list of module names (or one regular expression)"),
+    (lambda t, c: c.update(layers_to_transform="0"),
+     "{config}: layers_to_transform is \"0\", expected a layer index or a list of them"),
+    (lambda t, c: c.update(layers_to_transform=[0], layers_pattern="layers"),
+     "{config}: layers_pattern 'layers' is not GPT-2's (its layers are transformer.h.N)"),
+    (lambda t, c: c.update(lora_alpha="8"), "{config}: lora_alpha is \"8\", expected a number"),  # was read as 8
+    (lambda t, c: c.update(lora_alpha=True), "{config}: lora_alpha is true, expected a number"),
+    (lambda t, c: c.update(lora_dropout="0.1"), "{config}: lora_dropout is \"0.1\", expected a number"),
+    (lambda t, c: c.update(use_rslora="false"),  # bool("false"): the scale alpha / sqrt(r), silently
+     "{config}: use_rslora is \"false\", expected true or false"),
+], ids=["layers-0", "q_proj", "targets-fewer", "targets-absent", "targets-regex", "targets-int", "layers-str",
+        "layers-pattern", "alpha-str", "alpha-bool", "dropout-str", "rslora-str"])
+def test_an_adapter_config_says_what_peft_would_apply(edit: Callable, line: str | None, tiny_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """adapter_config.json fields that were not read: layers_to_transform and target_modules (the file's tensors
+    were applied whatever they said), and lora_alpha as a string. A config PEFT would read otherwise is one line."""
+    d = lora_dir(tiny_dir, tmp_path / "adapter", edit)
+    code, err = cli("generate", "hi", "-n", "2", "--temperature", "0", "--weights", str(tiny_dir), "--lora", str(d))
+    if line is None:
+        assert code == 0, err[-3000:]
+        return
+    expected = line.format(config=d / "adapter_config.json")
+    assert (code, err.strip().splitlines()) == (2, [f"gpt2 generate: error: {expected}"]), err[-3000:]
+
+
+def test_an_adapter_within_its_layers_and_targets_loads(tiny_dir: Path, tmp_path: Path) -> None:
+    """The selection PEFT makes, kept: layer 0's tensors under layers_to_transform 0 (an index, or a list), and the
+    projections target_modules names as PEFT matches them (c_proj is both, attn.c_proj the attention's only)."""
+    from gpt2_engine.core.config import GPT2Config
+    from gpt2_engine.formats.peft import load_adapter
+
+    config = GPT2Config.from_json(tiny_dir / "config.json")
+    cases = [(lambda t, c: (c.update(layers_to_transform=0, layers_pattern="h"), drop(t, ".h.1.")), 4),
+             (lambda t, c: (c.update(layers_to_transform=[1]), drop(t, ".h.0.")), 4),
+             (lambda t, c: (c.update(target_modules=["c_attn", "c_proj"]), drop(t, "c_fc")), 6),
+             (lambda t, c: (c.update(target_modules=["transformer.h.0.attn.c_proj", "mlp.c_proj"]),
+                            drop(t, "c_attn", "c_fc", ".h.1.attn")), 3)]
+    for n, (edit, modules) in enumerate(cases):
+        adapter = load_adapter(lora_dir(tiny_dir, tmp_path / str(n), edit), config)
+        assert len(adapter.tensors) == 2 * modules
 
 
 def test_score_refuses_to_write_over_a_document_it_scores(tiny_dir: Path, tmp_path: Path) -> None:

@@ -152,6 +152,28 @@ def test_an_engine_adapter_loads_in_peft_with_the_same_logits(trained_dir: Path,
     assert max_rel(base, ref) > 1e-2  # the adapter changes the logits: the comparison above is not the base's
 
 
+@pytest.mark.parametrize("targets, layers", [(["c_fc", "attn.c_proj"], [1, 3]), (r".*\.h\.[02]\.attn\.c_attn", None)])
+def test_peft_adapters_on_some_layers_match_peft(trained_dir: Path, tmp_path: Path, targets: list[str] | str,
+                                                 layers: list[int] | None) -> None:
+    """PEFT's own adapters restricted by layers_to_transform, or by a regular expression, load (their config's
+    selection checked against their tensors) and give PEFT's logits."""
+    from conftest import reference
+    from peft import LoraConfig, get_peft_model
+
+    from gpt2_engine import GPT2
+
+    torch.manual_seed(0)
+    peft = get_peft_model(reference(trained_dir), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                              layers_to_transform=layers, fan_in_fan_out=True,
+                                                              init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        ref = peft.eval()(input_ids=PROMPT).logits
+    engine = GPT2.from_pretrained(trained_dir, lora=tmp_path / "peft")
+    assert len(engine.lora.tensors) == 2 * (4 if layers else 2)
+    assert max_rel(engine(PROMPT), ref) <= 1e-5
+
+
 def test_a_peft_adapter_loads_in_the_engine_and_merges(trained_dir: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     from conftest import reference

@@ -245,12 +245,17 @@ UNSEEN_DOCS = 40  # with the 18 held-out documents: 8,000 tokens or so
 @pytest.fixture(scope="module")
 def held_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prompts file (one per line) of documents the trained checkpoint never saw: its held-out documents, then
-    docstrings from past the part of the library it trained on."""
+    docstrings from past the part of the library it trained on, each cut to fit the checkpoint's 512-token context
+    (gpt2 compare refuses a longer prompt)."""
     from train_fixture import corpus, split, unseen  # scripts/, on the path through conftest
 
+    from gpt2_engine.core.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
     _, docs = split(corpus())
+    cut = [tokenizer.decode(tokenizer.encode(doc)[:500]) for doc in docs + unseen()[:UNSEEN_DOCS]]  # re-encoded <= 512
     path = tmp_path_factory.mktemp("quality") / "held_out.txt"
-    path.write_text("\n".join(docs + unseen()[:UNSEEN_DOCS]) + "\n", encoding="utf-8")
+    path.write_text("\n".join(cut) + "\n", encoding="utf-8")
     return path
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..core.errors import GPT2EngineError, WeightsError, one_line
+from ..core.tokenizer import Tokenizer
 from ..documents import read_text
 from ..options import add_device_options, add_force_option, add_weights_option
 from ..runtime.requests import prompt_or_endoftext
@@ -167,17 +168,44 @@ def load_reference(directory: Path, lora: Path | None = None):
         raise WeightsError(f"{lora}: peft cannot load the adapter ({one_line(e)})") from None
 
 
-def collect_prompts(args: argparse.Namespace) -> dict[str, str]:
-    prompts: dict[str, str] = {}
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt to compare on, and where the user gave it, for an error ("" for the built-in prompts, which are cut
+    to a smaller model's context)."""
+
+    text: str
+    given: str = ""
+
+
+def collect_prompts(args: argparse.Namespace) -> dict[str, Prompt]:
+    """The prompts by the names the table shows: --prompt's, the non-empty lines of --prompts-file, or the built-in
+    ones; an empty --prompt is refused (it would compare <|endoftext|> alone, with no token to predict)."""
+    prompts: dict[str, Prompt] = {}
     for i, text in enumerate(args.prompt or []):
-        prompts[f"prompt{i + 1}"] = text
+        if not text:
+            raise GPT2EngineError("--prompt is empty; expected at least one token")
+        prompts[f"prompt{i + 1}"] = Prompt(text, f"--prompt {i + 1}")
     if args.prompts_file is not None:
         lines = read_text(args.prompts_file, sys.stdin.buffer, "--prompts-file").splitlines()
-        for i, line in enumerate(text for text in lines if text.strip()):
-            prompts[f"{args.prompts_file.name}:{i + 1}"] = line
+        numbered = [(n, text) for n, text in enumerate(lines, 1) if text.strip()]
+        for i, (n, line) in enumerate(numbered):
+            prompts[f"{args.prompts_file.name}:{i + 1}"] = Prompt(line, f"{args.prompts_file}, line {n}")
         if not prompts:
             raise GPT2EngineError(f"{args.prompts_file}: no prompts (expected one prompt per non-empty line)")
-    return prompts or {**BUILTIN_PROMPTS, "long": long_prompt()}
+    return prompts or {name: Prompt(text) for name, text in {**BUILTIN_PROMPTS, "long": long_prompt()}.items()}
+
+
+def prompt_ids(prompts: dict[str, Prompt], tokenizer: Tokenizer, n_positions: int) -> dict[str, list[int]]:
+    """Each prompt's token ids, all checked before anything runs: a prompt the user gave that is longer than the
+    context is refused, as gpt2 generate refuses it, rather than compared on its first tokens unsaid."""
+    ids = {}
+    for name, prompt in prompts.items():
+        tokens = tokenizer.encode(prompt.text)
+        if prompt.given and len(tokens) > n_positions:
+            raise GPT2EngineError(f"{prompt.given}: the prompt of {len(tokens)} tokens exceeds the context of "
+                                  f"{n_positions} tokens; shorten it, or split it across lines")
+        ids[name] = prompt_or_endoftext(tokens[:n_positions], tokenizer.eot_id)
+    return ids
 
 
 @dataclass(frozen=True)
@@ -250,11 +278,10 @@ def load_both(args: argparse.Namespace):
     return model, hf_model, reference_dir
 
 
-def compare_prompts(prompts: dict[str, str], model, hf_model, judgement: Judgement) -> list[Report]:
+def compare_prompts(prompts: dict[str, Prompt], model, hf_model, judgement: Judgement) -> list[Report]:
     """One Report per prompt and engine: the reference runs once per prompt, each engine against it."""
     reports = []
-    for name, text in prompts.items():
-        ids = prompt_or_endoftext(model.tokenizer.encode(text)[: model.config.n_positions], model.tokenizer.eot_id)
+    for name, ids in prompt_ids(prompts, model.tokenizer, model.config.n_positions).items():
         ids_t = torch.tensor([ids])
         ref = reference_outputs(hf_model, ids_t.to(model.device))
         for engine in judgement.engines:

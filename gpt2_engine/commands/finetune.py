@@ -30,17 +30,28 @@ from ..core.lora import ALL_TARGETS, LoraSettings, parse_targets
 from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import Tokenizer, load_tokenizer
 from ..core.weights import GPT2Weights
-from ..formats.hf import CONFIG, find_weights_file, load_weights, weights_fingerprint, weights_from_tensors
+from ..formats.hf import (CHECKPOINT_WRITES, CONFIG, find_weights_file, load_weights, weights_fingerprint,
+                          weights_from_tensors)
+from ..formats.peft import ADAPTER_BASE, ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..formats.files import check_not_an_input, files_of
 from ..documents import expand_paths, read_documents
 from ..options import UsageError, add_overwrite_option, positive_int, progress_bar, seed_value, thread_count
 from ..runtime.generate import two_samples
 from ..train.step import initial_weights, trainable_copy
-from ..train.trainer import (Base, Eval, Event, Output, Sample, Saved, Started, Step, Stopped, Trainer, TrainSettings,
-                             record)
+from ..train.trainer import (LAST, Base, Eval, Event, Output, Sample, Saved, Started, Step, Stopped, Trainer,
+                             TrainSettings, record)
 from .merge import merge_lora
 
 INIT_NAMES = {"small": "gpt2", "medium": "gpt2-medium", "large": "gpt2-large", "xl": "gpt2-xl"}
+
+
+# What a run writes at the top of --out, replacing what is there at each save: a checkpoint, or a LoRA run's adapter
+SAVED_FILES = CHECKPOINT_WRITES + (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_BASE)
+
+
+# The folders of --out a run replaces whole: the resume state (written as last.new, the one before renamed last.old)
+SAVED_FOLDERS = {LAST: "the run's resume state", LAST + ".new": "the resume state being written",
+                 LAST + ".old": "the resume state being replaced"}
 
 
 def fraction(text: str) -> float:
@@ -398,6 +409,24 @@ def check_log(args: argparse.Namespace) -> None:
     if args.resume and args.out is not None:  # the state the run goes on from
         inputs.update(files_of(Path(args.out) / "last", "the run's resume state"))
     check_not_an_input(Path(args.log), inputs, "--log")
+    check_log_not_saved(args)
+
+
+def check_log_not_saved(args: argparse.Namespace) -> None:
+    """Refuse a --log that names a file the run saves into --out (with --overwrite the save replaced the log,
+    silently; without it the log, made first, looked like a model already there), existing yet or not."""
+    try:
+        log, out = Path(args.log).resolve(), Path(args.out).resolve()
+    except (OSError, RuntimeError):
+        return  # a symlink loop: opening the log names it
+    if log.parent == out and log.name in SAVED_FILES:
+        raise UsageError(f"--log {args.log}: is {log.name} in --out {args.out}, a file of the checkpoint the run saves "
+                         "there, which replaces the log; write the log somewhere else")
+    folders = {**SAVED_FOLDERS, **({"merged": "--merge's checkpoint"} if getattr(args, "merge", False) else {})}
+    for name, what in folders.items():
+        if log.is_relative_to(out / name):
+            raise UsageError(f"--log {args.log}: is in {args.out / name}, {what}, which the run replaces whole; write "
+                             "the log somewhere else")
 
 
 def run_finetune(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from ..core.errors import InputError, WeightsError, one_line
 from ..core.tokenizer import load_tokenizer
 from ..core.weights import MATRICES, expected_shapes
 from .files import atomic_write
+from .hf import check_values
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 
@@ -367,6 +368,8 @@ def gguf_tensors(gguf: Any, reader: Any, config: GPT2Config, path: Path) -> dict
     if "output.weight" in found:
         head = gguf_tensor(gguf, found.pop("output.weight"), expected["wte.weight"], False, path)
         if not torch.equal(head, out["wte.weight"]):
+            for name, tensor in (("token_embd.weight", out["wte.weight"]), ("output.weight", head)):
+                check_values(path, name, tensor, limit=None)  # NaN != NaN: a NaN is named, not called untied
             raise WeightsError(f"{path}: output.weight differs from token_embd.weight; GPT-2 ties them")
     if found:
         raise WeightsError(f"{path}: unexpected tensor {min(found)} (not part of GPT-2 with n_layer={config.n_layer})")

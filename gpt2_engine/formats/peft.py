@@ -118,6 +118,81 @@ def read_adapter_config(directory: Path) -> dict:
     return cfg
 
 
+PEFT_DEFAULT_TARGETS = ["c_attn"]  # what PEFT adapts in a GPT-2 whose config gives no target_modules
+
+
+def target_list(cfg: dict, path: Path) -> list[str] | None:
+    """adapter_config.json's target_modules as a list of names (PEFT's default where absent); None for one regular
+    expression, which PEFT matches against whole module names and which is not checked here (Python's re has no
+    time limit, and a crafted pattern can backtrack for minutes on one module name); LoraError for another type."""
+    targets = cfg.get("target_modules")
+    if targets is None:
+        return PEFT_DEFAULT_TARGETS
+    if isinstance(targets, str):
+        return list(ALL_TARGETS) if targets == "all-linear" else None  # PEFT's shorthand: every projection
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise LoraError(f"{path}: target_modules is {json.dumps(targets)[:80]}, expected a list of module names (or "
+                        "one regular expression)")
+    return targets
+
+
+def layer_list(cfg: dict, path: Path) -> list[int] | None:
+    """adapter_config.json's layers_to_transform as a list (None: every layer), its layers_pattern GPT-2's "h";
+    LoraError for another type or pattern."""
+    layers, pattern = cfg.get("layers_to_transform"), cfg.get("layers_pattern")
+    if pattern not in (None, "", [], "h", ["h"]):
+        raise LoraError(f"{path}: layers_pattern {pattern!r} is not GPT-2's (its layers are transformer.h.N)")
+    if type(layers) is int:
+        return [layers]
+    if layers is None or layers == []:
+        return None
+    if not isinstance(layers, list) or not all(type(i) is int for i in layers):
+        raise LoraError(f"{path}: layers_to_transform is {json.dumps(layers)[:80]}, expected a layer index or a list "
+                        "of them")
+    return layers
+
+
+def check_selected(cfg: dict, path: Path, tensors: dict[str, torch.Tensor], config: GPT2Config) -> None:
+    """Refuse what PEFT would not apply as the file says: a target_modules entry that names none of GPT-2's
+    projections (PEFT raises where none matches; q_proj is another model's), and an update to a projection that
+    target_modules or layers_to_transform leave out (PEFT leaves it unloaded: applying it is another model).
+    Selection as PEFT's check_target_module_exists: a module is picked by an entry its full name
+    (transformer.h.N.attn.c_attn) is, or ends with after a dot; layers_to_transform narrows a list's picks."""
+    targets, layers = target_list(cfg, path), layer_list(cfg, path)
+    if targets is None:
+        return
+    stems = [module_name(i, t) for i in range(config.n_layer) for t in ALL_TARGETS]
+
+    def picks(entry: str, stem: str) -> bool:
+        return f"transformer.{stem}" == entry or f"transformer.{stem}".endswith("." + entry)
+
+    for entry in targets:
+        if not any(picks(entry, stem) for stem in stems):
+            raise LoraError(f"{path}: target_modules entry {entry!r} names none of GPT-2's projections (c_attn, "
+                            "attn.c_proj, c_fc, mlp.c_proj; c_proj for both)")
+    named = "" if "target_modules" in cfg else " (PEFT's default for GPT-2, as the config gives none)"
+    adapted = {name.rpartition(".")[0] for name in tensors}
+    for stem in (s for s in stems if s in adapted):
+        layer = int(stem.split(".")[1])
+        if not any(picks(entry, stem) for entry in targets):
+            raise LoraError(f"{path}: target_modules {targets}{named} does not select {stem}, which the adapter's "
+                            f"weights update (PEFT would not load that update)")
+        if layers is not None and layer not in layers:
+            raise LoraError(f"{path}: layers_to_transform {layers} leaves out layer {layer}, whose {stem} the "
+                            "adapter's weights update (PEFT would not load that update)")
+
+
+def config_number(cfg: dict, path: Path, key: str, default: float) -> float:
+    """A number of adapter_config.json (`default` where absent or null); LoraError for a string or a bool, which
+    PEFT's arithmetic would not take for a number either."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float):
+        raise LoraError(f"{path}: {key} is {json.dumps(value)[:60]}, expected a number")
+    return float(value)
+
+
 def adapter_tensor(key: str, t: torch.Tensor, modules: dict[str, str], config: GPT2Config,
                    path: Path, rank: int | None = None) -> tuple[str, str, int]:
     """(engine name, target, rank) of one tensor of the file, its name, shape and values checked against the model;
@@ -183,9 +258,16 @@ def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
     tensors, targets, ranks = adapter_tensors(path, config, r if type(r) is int and r >= 1 else None)
     if ranks != {r}:
         raise LoraError(f"{directory / ADAPTER_CONFIG}: r={r!r}, but the tensors have rank {sorted(ranks)}")
+    config_path = directory / ADAPTER_CONFIG
+    check_selected(cfg, config_path, tensors, config)
+    rslora = cfg.get("use_rslora")
+    if rslora not in (None, True, False):  # bool("false") is True: a scale alpha / sqrt(r) the file did not ask for
+        raise LoraError(f"{config_path}: use_rslora is {json.dumps(rslora)[:60]}, expected true or false")
+    alpha = config_number(cfg, config_path, "lora_alpha", 8.0)
+    dropout = config_number(cfg, config_path, "lora_dropout", 0.0)
     try:
-        settings = LoraSettings(r=r, alpha=float(cfg.get("lora_alpha", 8)), dropout=float(cfg.get("lora_dropout") or 0.0),
-                                targets=tuple(t for t in ALL_TARGETS if t in targets), rslora=bool(cfg.get("use_rslora")))
+        settings = LoraSettings(r=r, alpha=alpha, dropout=dropout, targets=tuple(t for t in ALL_TARGETS if t in targets),
+                                rslora=bool(rslora))
     except (TypeError, ValueError, LoraError) as e:  # LoraSettings' own checks name the field, not the file
         raise LoraError(f"{directory / ADAPTER_CONFIG}: {e}") from None
     if settings.scale > WEIGHT_LIMIT:

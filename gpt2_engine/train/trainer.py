@@ -21,6 +21,7 @@ one complete checkpoint, which the next run recovers (recover_last) before it re
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -36,6 +37,7 @@ import torch
 
 from ..core.config import GPT2Config, read_json
 from ..core.errors import GPT2EngineError, InputError, WeightsError, one_line
+from ..formats.files import what_is
 from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
 from ..core.lora import LoraAdapter, LoraError, LoraSettings, new_adapter, trainable
 from ..formats.shards import TokenStream
@@ -355,6 +357,24 @@ def recover_last(out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_resumable(out: Path) -> None:
+    """TrainError unless out/last is a folder holding trainer_state.json as a regular file: missing, it says there is
+    nothing to resume; anything else there (a file for the folder, a FIFO, a symlink loop) is named, not called
+    missing."""
+    for path, expected in ((out / LAST, "a directory"), (out / LAST / STATE, "a regular file")):
+        try:
+            kind = what_is(path)
+        except OSError as e:
+            reason = "a symlink loop" if e.errno == errno.ELOOP else f"cannot be looked at ({e.strerror or e})"
+            raise TrainError(f"{out}: cannot resume: {path} is {reason}") from None
+        if kind is None and path.is_symlink():
+            raise TrainError(f"{out}: cannot resume: {path} is a link to {os.readlink(path)}, which does not exist")
+        if kind is None:
+            raise TrainError(f"{out}: nothing to resume (no {LAST}/{STATE}); run without --resume to start")
+        if kind != expected:
+            raise TrainError(f"{out}: cannot resume: {path} is {kind}, not {expected}")
+
+
 def fingerprint(tokens: torch.Tensor | TokenStream) -> str:
     """Which tokens a run trains on (a resumed run checks it): the sha256 of the ids as int64."""
     if isinstance(tokens, TokenStream):
@@ -605,8 +625,7 @@ class Trainer:
         holds = [p.name for p in out.iterdir() if p.name in (SAFETENSORS, LAST, "config.json", ADAPTER_CONFIG,
                                                              ADAPTER_WEIGHTS)]
         if resume:
-            if not (out / LAST / STATE).is_file():
-                raise TrainError(f"{out}: nothing to resume (no {LAST}/{STATE}); run without --resume to start")
+            check_resumable(out)
             self._load_last()
         elif holds and not overwrite:
             raise TrainError(f"{out}: already holds a model ({', '.join(sorted(holds))}); pass --resume to continue "
