@@ -162,24 +162,31 @@ def check_selected(cfg: dict, path: Path, tensors: dict[str, torch.Tensor], conf
     if targets is None:
         return
     stems = [module_name(i, t) for i in range(config.n_layer) for t in ALL_TARGETS]
-
-    def picks(entry: str, stem: str) -> bool:
-        return f"transformer.{stem}" == entry or f"transformer.{stem}".endswith("." + entry)
-
     for entry in targets:
         if not any(picks(entry, stem) for stem in stems):
             raise LoraError(f"{path}: target_modules entry {entry!r} names none of GPT-2's projections (c_attn, "
                             "attn.c_proj, c_fc, mlp.c_proj; c_proj for both)")
     named = "" if "target_modules" in cfg else " (PEFT's default for GPT-2, as the config gives none)"
     adapted = {name.rpartition(".")[0] for name in tensors}
-    for stem in (s for s in stems if s in adapted):
+    check_updated_modules(path, [s for s in stems if s in adapted], targets, named, layers)
+
+
+def check_updated_modules(path: Path, stems: list[str], targets: list[str], named: str, layers: list[int] | None) -> None:
+    """LoraError for an updated module (of `stems`) that the targets (`named`: where they come from) or the layers
+    leave out."""
+    for stem in stems:
         layer = int(stem.split(".")[1])
         if not any(picks(entry, stem) for entry in targets):
             raise LoraError(f"{path}: target_modules {targets}{named} does not select {stem}, which the adapter's "
-                            f"weights update (PEFT would not load that update)")
+                            "weights update (PEFT would not load that update)")
         if layers is not None and layer not in layers:
             raise LoraError(f"{path}: layers_to_transform {layers} leaves out layer {layer}, whose {stem} the "
                             "adapter's weights update (PEFT would not load that update)")
+
+
+def picks(entry: str, stem: str) -> bool:
+    """Whether a target_modules entry selects the module `stem` (h.N.attn.c_attn), as PEFT matches one."""
+    return f"transformer.{stem}" == entry or f"transformer.{stem}".endswith("." + entry)
 
 
 def config_number(cfg: dict, path: Path, key: str, default: float) -> float:

@@ -76,21 +76,28 @@ class GenerationSettings:
                 raise GenerationError(f"{name} must be True or False, got {described(getattr(self, name))}", param=name)
         if self.truncate not in (None, "left"):
             raise GenerationError(f"truncate must be None or 'left', got {self.truncate!r}", param="truncate")
-        if self.constraint is not None and not isinstance(self.constraint, Constraint):
-            raise GenerationError("constraint must be a Constraint (Constraint.json_schema, .regex, .choice, .grammar), "
-                                  f"got {type(self.constraint).__name__}", param="constraint")
-        stop = self.stop
-        if isinstance(stop, str) or stop is None:
-            object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else ())
-        elif isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Iterable):
-            raise GenerationError(f"stop must be a string or a list of strings, got {described(stop)}", param="stop")
-        else:
-            object.__setattr__(self, "stop", tuple(stop))
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise GenerationError(f"stop strings must be non-empty strings, got {list(self.stop)!r}", param="stop")
-        if self.constraint is not None and self.ignore_eos:
-            raise GenerationError("ignore_eos cannot be combined with a constraint: the grammar decides where the text "
-                                  "ends", param="ignore_eos")
+        object.__setattr__(self, "stop", stop_strings(self.stop))
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise GenerationError("constraint must be a Constraint (Constraint.json_schema, .regex, .choice, "
+                                      f".grammar), got {type(self.constraint).__name__}", param="constraint")
+            if self.ignore_eos:
+                raise GenerationError("ignore_eos cannot be combined with a constraint: the grammar decides where the "
+                                      "text ends", param="ignore_eos")
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    """GenerationSettings.stop as a tuple of non-empty strings: one string, None (none) or an iterable of them."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Iterable):
+        raise GenerationError(f"stop must be a string or a list of strings, got {described(stop)}", param="stop")
+    strings = tuple(stop)
+    if any(not isinstance(s, str) or s == "" for s in strings):
+        raise GenerationError(f"stop strings must be non-empty strings, got {list(strings)!r}", param="stop")
+    return strings
 
 
 @dataclass(frozen=True)
