@@ -547,7 +547,13 @@ def test_gpt2_serve_steers_each_request_and_mixed_requests_equal_their_alone_out
                                    ([{"sae": "mlp", "feature": sae.d_sae, "coef": 1}], "features are 0.."),
                                    ([{"vector": "file", "coef": 1}], "needs hook=HOOK"),
                                    ([{"vector": "file", "hook": "blocks.1.mlp.hook_pre"}], "wide"),
-                                   ([{"vector": "file", "hook": c["resid_pre"].hook, "coef": 1e308}], "at most 1e+12")]:
+                                   ([{"vector": "file", "hook": c["resid_pre"].hook, "coef": 1e308}], "at most 1e+12"),
+                                   # JSON's types, as the twelfth attack found "3" taken for feature 3
+                                   ([{"sae": "mlp", "feature": "3", "coef": 1}],
+                                    'steering[0].feature: expected an integer, got "3"'),
+                                   ([{"sae": "mlp", "feature": 3, "coef": True}],
+                                    "steering[0].coef: expected a number, got true"),
+                                   ([{"vector": "file", "hook": 5, "coef": 1}], "steering[0].hook: expected a string, got 5")]:
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 2, "steering": steering},
                            timeout=30)
             assert r.status_code == 400, r.text

@@ -13,6 +13,7 @@ decoder row d is lifted into the engine's activation by the linear part of that 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,10 @@ from .spec import Steering, check_steering, from_fields, row_dims
 
 
 # lm-evaluation-harness's steered model names Hugging Face modules; the hook point each one's output is
+# a request's steering fields as JSON gives them (the command line's are text, read by from_fields): "3" is no feature
+JSON_TYPES: dict[str, type | tuple[type, ...]] = {"sae": str, "vector": str, "hook": str, "positions": str, "feature": int,
+                                                 "head": int, "coef": (int, float), "clamp": (int, float)}
+JSON_TYPE_NAMES = {str: "a string", int: "an integer", (int, float): "a number"}
 HF_MODULES = {"wte": "hook_embed", "wpe": "hook_pos_embed", "ln_f": "ln_final.hook_normalized"}
 HF_BLOCK_MODULES = {"": "hook_resid_post", "attn": "hook_attn_out", "mlp": "hook_mlp_out", "ln_1": "ln1.hook_normalized",
                     "ln_2": "ln2.hook_normalized", "mlp.c_fc": "mlp.hook_pre", "mlp.act": "mlp.hook_post"}
@@ -249,6 +254,11 @@ class SteeringRegistry:
             if not isinstance(spec, Mapping):
                 raise SteeringError(f"steering[{i}]: expected an object like {{\"sae\": NAME, \"feature\": N, "
                                     f"\"coef\": X}}, got {type(spec).__name__}")
+            for key, value in spec.items():
+                kind = JSON_TYPES.get(key)
+                if kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                    raise SteeringError(f"steering[{i}].{key}: expected {JSON_TYPE_NAMES[kind]}, got "
+                                        f"{json.dumps(value)[:60]}")
             out.append(from_fields(spec, self.sae, self.vector, where=f"steering[{i}]"))
         return check_steering(out, config)
 
