@@ -247,7 +247,9 @@ def test_compare_names_the_first_divergent_block(capsys, trained_dir: Path, pert
     [r] = json.loads(out)["results"]
     assert r["passed"] is False and r["first_divergent_block"] == 2 and r["first_divergent_position"] == 0
     before, at = max(r["per_block_max_abs"][:2]), r["per_block_max_abs"][2]
-    assert before < 1e-4 and at > 1000 * before  # rounding before block 2, a real difference from it on
+    # rounding before block 2 (under 1e-4 with torch's AVX-512 kernels, 1.07e-4 with its AVX2 ones: make test-avx2),
+    # a real difference from it on
+    assert before < 1e-3 and at > 1000 * before
 
     code, out, _ = run(capsys, "compare", "--weights", str(perturbed_dir), "--reference", str(trained_dir), "--prompt", "Hi")
     assert code == 1 and "MISMATCH from block 2, position 0" in out and "0 passed, 1 failed" in out

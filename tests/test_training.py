@@ -122,7 +122,9 @@ def test_gradients_match_autograd_in_float32_on_the_fixtures(which: str, request
     config = model.config
     w = trainable_copy(model.weights, config)
     ids, targets = random_batch(config, 2, 24, seed=3)
-    compare(w, config, ids, targets, torch.float32, 0.0, rel=1e-4, loss_rel=1e-6)
+    # the summed loss of 48 tokens: 1.16e-6 apart with torch's AVX2 kernels in the reference (make test-avx2), under
+    # 1e-6 with its AVX-512 ones
+    compare(w, config, ids, targets, torch.float32, 0.0, rel=1e-4, loss_rel=4e-6)
 
 
 def test_initialisation_follows_gpt2() -> None:
