@@ -1638,6 +1638,40 @@ def test_sigterm_during_convert_removes_the_partial_file(small_dir: Path, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("how", ["atomic_write", "score"])
+def test_a_stop_just_after_the_temporary_file_is_made_still_removes_it(how: str, small_dir: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI once caught the SIGTERM above landing between mkstemp and the try that removes the file, which stayed
+    behind; the two are now one step for a stop. The stop is sent from inside the creation itself."""
+    import signal
+
+    from gpt2_engine import cli
+    from gpt2_engine.formats import files
+
+    made = files.temporary
+
+    def temporary_then_stopped(dest: Path) -> tuple[int, Path]:
+        fd, tmp = made(dest)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return fd, tmp
+
+    monkeypatch.setattr(files, "temporary", temporary_then_stopped)
+    out = tmp_path / "out"
+    out.mkdir()
+    if how == "atomic_write":
+        previous = signal.signal(signal.SIGTERM, cli.terminate)
+        try:
+            with pytest.raises(cli.Terminated):
+                files.atomic_write(out / "m.bin", lambda p: p.write_bytes(b"x"))
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    else:
+        (doc := tmp_path / "doc.txt").write_text("Hello there.")
+        assert cli.main(["score", str(doc), "--weights", str(small_dir), "--output", str(out / "s.jsonl"),
+                         "--per-token", str(out / "t.jsonl")]) == 143
+    assert os.listdir(out) == []
+
+
 def fifo_at(path: Path) -> Path:
     path.unlink(missing_ok=True)
     os.mkfifo(path)

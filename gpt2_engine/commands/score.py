@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..formats.files import OutputFile, check_not_an_input, files_of
+from ..formats.files import OutputFile, check_not_an_input, files_of, stops_held
 from ..documents import InputError, expand_paths, read_documents
 from ..options import (ModelOptions, add_model_options, add_steer_option, load_model, parse_steer_args, progress_bar,
                        steering_from_args)
@@ -240,11 +240,13 @@ def run_score(args: argparse.Namespace) -> int:
     if (shards := shard_files(args.files)) is None:  # token shards (a folder of them, too) are read as they are
         args.files = expand_paths(args.files)  # a folder is the text files under it, as gpt2 finetune reads it
     check_outputs(args, shards or [Path(f) for f in args.files if str(f) != "-"])
-    writers = {name: open_writer(dest) for name, dest in (("per_token", args.per_token), ("output", args.output))
-               if dest is not None}
-    out = sys.stderr if any(isinstance(w, StdoutWriter) for w in writers.values()) else sys.stdout  # the report
+    writers: dict[str, AtomicWriter | StdoutWriter] = {}
     t0 = time.perf_counter()
     try:
+        with stops_held():  # each file owned by the try that discards it before a stop can land
+            writers.update((name, open_writer(dest)) for name, dest in (("per_token", args.per_token),
+                                                                          ("output", args.output)) if dest is not None)
+        out = sys.stderr if any(isinstance(w, StdoutWriter) for w in writers.values()) else sys.stdout  # the report
         settings, totals = score_into(args, writers)
         for writer in writers.values():
             writer.commit()

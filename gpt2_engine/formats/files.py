@@ -16,12 +16,15 @@ destination ("no space left writing PATH" for a full disk).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+import signal
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -206,40 +209,71 @@ def temporary(dest: Path) -> tuple[int, Path]:
     return fd, Path(tmp)
 
 
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back until the block ends, then raised again. A file is created and its path taken by
+    the code that removes it on a stop inside one such block: a stop that landed between the two would leave it
+    behind. Python's handlers are swapped rather than the signals masked, since a mask is per thread and a process's
+    signal goes to any thread that does not block it (torch's among them); only the main thread runs the handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = {s: signal.signal(s, lambda signum, _: caught.append(signum))
+            for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None}
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
+
+
+def beside(dest: Path, seeks: str) -> Path | None:
+    """A new empty file beside `dest` for atomic_write, or None where `dest` is written into; OutputError."""
+    try:
+        if seeks:
+            check_seekable(dest, seeks)
+        if written_into(dest):
+            return None
+        fd, tmp = temporary(dest)
+        os.close(fd)
+        return tmp
+    except OSError as e:
+        raise output_error(dest, e) from None
+
+
 def atomic_write(dest: Path, write: Callable[[Path], None], seeks: str = "") -> None:
     """`write(path)` fills a temporary file beside `dest`, which is then synced and renamed over `dest`; a device,
     FIFO or descriptor is written into instead (`write(dest)`), unless the writer seeks (`seeks` says why) and it
     cannot. OutputError where `dest` cannot be written."""
+    tmp: Path | None = None
     try:
-        if seeks:
-            check_seekable(dest, seeks)
-        into = written_into(dest)
-        if not into:
-            fd, tmp = temporary(dest)
-            os.close(fd)
-    except OSError as e:
-        raise output_error(dest, e) from None
-    target = dest if into else tmp
-    try:
-        write(target)
-        if not into:
-            os.chmod(tmp, 0o666 & ~umask())  # again: a writer may have replaced the file (safetensors makes it 0600)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-    except Exception as e:
-        if about_output(e, target, dest):
-            raise output_error(dest, e) from None
-        raise
+        with stops_held():
+            tmp = beside(dest, seeks)
+        target = dest if tmp is None else tmp
+        try:
+            write(target)
+            if tmp is not None:
+                os.chmod(tmp, 0o666 & ~umask())  # again: a writer may have replaced the file (safetensors: 0600)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, dest)
+        except Exception as e:
+            if about_output(e, target, dest):
+                raise output_error(dest, e) from None
+            raise
     finally:
-        if not into:
+        if tmp is not None:
             tmp.unlink(missing_ok=True)
 
 
 class OutputFile:
     """A file at `dest` written as atomic_write writes one, for a writer that writes as it goes: beside `dest` and
     renamed over it by commit(), or into a device, FIFO or descriptor. discard() leaves a replaced destination as
-    it was. Every OS error is an OutputError naming `dest`."""
+    it was. Every OS error is an OutputError naming `dest`. Open one inside stops_held() and the try that discards
+    it, so that no stop lands between its file and that try."""
 
     def __init__(self, dest: Path, mode: str = "w") -> None:
         self.dest, self.tmp = dest, None
