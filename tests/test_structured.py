@@ -5,6 +5,7 @@ filters, constrained and free rows share passes exactly, and speculative decodin
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import re
 import statistics
@@ -384,8 +385,84 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
         assert guide.tokens < 100
         with pytest.raises(GrammarError, match=r"took [0-9]+ ms of CPU over"):
             grammars.compile(Constraint.regex("a|be{2900}"))
+        beside = compiled.guide()  # a sequence of the same request: refused before it pays for a step
+        t0 = time.thread_time()
+        with pytest.raises(GrammarError, match=r"took [0-9]+ ms of CPU over"):
+            beside.mask(logits)
+        assert beside.spent == 0.0 and time.thread_time() - t0 < 0.001
     finally:
         grammars.close()
+
+
+@pytest.mark.parametrize("grammar, spelled", [
+    ('start: "a" | "b" ("E")~99', 99_001),  # the thirteenth attack's (a 6 s step once "b" was taken)
+    ('start: "a" | "b" x~20\nx: "E"', 20_001),  # a rule repeated
+    ('start: "a" | "b" ((("E")~5)~4)', 20_001),  # repetitions nested
+    ('start: "a" | "b" ' + '"E" ' * 20, 20_001),  # literals side by side, no repetition at all (0.2 s a step)
+    ('start: "a" | "b" ' + "/E/ " * 20, 20_001),  # a regex that is a plain string joins them too
+    ('start: "a" | "b" ' + " ".join(f"x{i}" for i in range(20)) + "".join(f'\nx{i}: "E"' for i in range(20)), 20_001),
+    ('root ::= "a" | "b" ("E"){20}', 20_001),  # GBNF's count
+])
+def test_a_grammar_that_spells_out_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
+    """The thirteenth attack: llguidance joins literals one alternative spells out into one lexeme, whose cost is
+    about the square of its length at every token and spends none of its lexer fuel (measured in grammar_text.py's
+    doc), behind a branch the probe never takes. Each form is refused from its text."""
+    text = grammar.replace("E", "e" * 1000)
+    with pytest.raises(GrammarError, match=rf"^the grammar spells out up to {spelled:,} characters of literal text in "
+                                           r"one alternative \(its literals joined and repeated, which llguidance makes "
+                                           r"one lexeme\); at most 4,000$"):
+        GrammarLimits().check(Constraint.grammar(text))
+
+
+@pytest.mark.parametrize("grammar", [
+    'start: "a" | "b" ("E")~3',  # 3,001
+    "start: " + " | ".join(f'"k{i}"' for i in range(1500)),  # alternatives are not joined
+    'start: "a" ("E" /[0-9]/)~30',  # a regex between literals ends the lexeme, but is counted: 1 + 30 x 1,005
+    'start: "x" start | "y"',  # recursion is not inlined
+])
+def test_legitimate_grammars_spell_out_what_they_say(grammar: str) -> None:
+    """Alternatives are the longest of them, not their sum; a recursive rule counts its own reference as empty. The
+    bound is an upper bound: literals separated by a regex are not one lexeme in llguidance, and are counted as one
+    (a grammar that needs more literal text than 4,000 characters in an alternative is not one a model writes)."""
+    limits, text = GrammarLimits(), grammar.replace("E", "e" * 1000)
+    if "[0-9]" in grammar:
+        with pytest.raises(GrammarError, match="spells out up to 30,151 characters"):
+            limits.check(Constraint.grammar(text))
+    else:
+        limits.check(Constraint.grammar(text))
+    with pytest.raises(GrammarError, match=r"^the grammar: its parentheses nest over 100 levels$"):
+        limits.check(Constraint.grammar("start: " + "(" * 101 + '"a"' + ")" * 101))
+
+
+def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are_judged_whole(
+        trained_model: GPT2) -> None:
+    """The thirteenth attack's legitimate requests: a tool's 1,260-character description (and title, $comment,
+    examples) counted as a literal and was refused, as was a choice of 1,000-1,999 short strings, whose probe took
+    only 2 tokens at ~1.5 ms (the median was judged against 1 ms a token; the runtime allows 16 tokens' worth more).
+    A property named "description" is still a name the model writes."""
+    long = "x" * 1500
+    limits = GrammarLimits()
+    limits.check(Constraint.json_schema({"type": "object", "title": long, "description": long, "$comment": long,
+                                         "properties": {"q": {"type": "string", "description": long,
+                                                              "examples": [long], "default": long}}}))
+    for schema in ({"properties": {long: {"type": "string"}}}, {"properties": {"description": {"const": long}}},
+                   {"$defs": {"title": {"enum": [long]}}}):
+        with pytest.raises(GrammarError, match="has a literal of 1,500 characters; at most 1,000"):
+            limits.check(Constraint.json_schema(schema))
+    grammars = Grammars(trained_model.tokenizer, trained_model.config.vocab_size)
+    try:
+        for choices in ([f"c{i}" for i in range(1999)], [f" word{i}" for i in range(1999)]):
+            compiled = grammars.compile(Constraint.choice(choices))
+            guide = compiled.guide()
+            for token in trained_model.tokenizer.encode(choices[-1]):
+                guide.mask(torch.zeros(trained_model.config.vocab_size))
+                guide.accept(token)
+            assert guide.finished
+        grammars.compile(Constraint.grammar("start: " + " | ".join(f'"k{i}"' for i in range(1500))))
+    finally:
+        grammars.close()
+    with pytest.raises(GenerationError, match=r"^choice: over 2,000 choices; expected at most 2,000$"):
+        Constraint.choice(str(i) for i in itertools.count())  # an endless iterable is read no further than that
 
 
 def test_hostile_grammars_do_not_stall_concurrent_greedy_requests(server: str) -> None:
@@ -404,6 +481,8 @@ def test_hostile_grammars_do_not_stall_concurrent_greedy_requests(server: str) -
         ({"json": {"enum": ["y" * 40_000, "x" * 40_000]}}, 400, "has a literal of 40,000 characters; at most 1,000"),
         # the twelfth attack's: 96 bytes within the text limits, 27 ms a token (a concurrent greedy request took 12x)
         ({"regex": "e{9990}"}, 400, "ms of CPU a token to follow (the median of its first 16); at most 1 ms"),
+        # the thirteenth's: 1.2 KB whose cheap branch ("a") passed the probe; "b" then cost 6 s of one step
+        ({"grammar": 'start: "a" | "b" ("' + "e" * 1000 + '")~99'}, 400, "spells out up to 99,001 characters"),
     ]
     with httpx.Client(base_url=server, timeout=120) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         def timed() -> float:

@@ -11,7 +11,8 @@ weak model at temperature 1 otherwise can spend all its tokens on spaces and new
 Hostile grammars, and what bounds them (GrammarLimits): llguidance's compiler recurses once per level of a grammar
 and overflows its stack (a SIGSEGV) on a chain of a few thousand rules; counted repetitions spend its lexer fuel for
 minutes at its default; a long literal costs it about the square of its length at every token, whatever its fuel.
-So a grammar's text is first checked here (bytes, longest literal, rules, $refs, nesting); then compiled, with its
+So a grammar's text is first checked here (bytes, longest literal, the literal text an alternative spells out:
+grammar_text.py, rules, $refs, nesting); then compiled, with its
 first mask and 16 tokens taken on a copy, in a separate process (runtime/grammar_worker.py) within a time limit,
 so that a crash or a runaway there costs a 400, never the server, and a grammar whose tokens cost more CPU than
 `token_seconds` is refused; then compiled again in this process, on a thread with four times that process's stack.
@@ -31,6 +32,7 @@ each sequence then gets its own `Guide` (a copy of the compiled matcher) when th
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import pickle
@@ -53,6 +55,7 @@ import torch
 from ..core.errors import GenerationError
 from ..core.tokenizer import Tokenizer
 from . import grammar_worker
+from .grammar_text import longest_literal
 from .grammar_worker import KINDS, matcher_error
 
 CACHED_GRAMMARS = 64  # compiled grammars (and refused ones) kept, least recently used first out
@@ -126,12 +129,12 @@ class Constraint:
         if isinstance(choices, (str, bytes)) or not isinstance(choices, Iterable):
             raise GenerationError(f"choice must be a non-empty list of non-empty strings, got {type(choices).__name__}",
                                   param="constraint")
-        choices = list(choices)  # any iterable of strings: a tuple, a set, a generator
+        choices = list(itertools.islice(choices, MAX_CHOICES + 1))  # any iterable of strings, read no further
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise GenerationError(f"choice must be a non-empty list of non-empty strings, got {choices!r:.200}",
                                   param="constraint")
         if len(choices) > MAX_CHOICES:  # the grammar library's parser refuses a row this long, in its own words
-            raise GenerationError(f"choice: {len(choices):,} choices; expected at most {MAX_CHOICES:,}",
+            raise GenerationError(f"choice: over {MAX_CHOICES:,} choices; expected at most {MAX_CHOICES:,}",
                                   param="constraint")
         return cls("choice", json.dumps(list(choices)))
 
@@ -166,6 +169,7 @@ class GrammarLimits:
 
     max_bytes: int = 100_000  # the schema, regex, choices or grammar text, in UTF-8 bytes
     max_literal: int = 1_000  # characters of one string (a JSON schema's, a choice, a grammar's): ~0.4 ms a token
+    max_spelled: int = 4_000  # literal text one alternative of a grammar spells out, joined and repeated: ~10 ms
     max_regex: int = 10_000  # characters of a regex (what its repetitions cost is measured: token_seconds)
     max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
     max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
@@ -202,26 +206,47 @@ class GrammarLimits:
         elif constraint.kind == "choice":
             longest = max(map(len, json.loads(spec)))  # a JSON list of strings, as Constraint.choice writes it
         elif constraint.kind == "grammar":
-            longest = max((len(m) - 2 for m in LITERAL.findall(spec)), default=0)
+            longest = self.check_grammar(what, spec)
         elif constraint.kind == "regex" and len(spec) > self.max_regex:
             raise GrammarError(f"{what} is {len(spec):,} characters; at most {self.max_regex:,}")
         if longest > self.max_literal:
             raise GrammarError(f"{what} has a literal of {longest:,} characters; at most {self.max_literal:,}")
 
 
+    def check_grammar(self, what: str, spec: str) -> int:
+        """GrammarError where a grammar spells out more literal text in one alternative than max_spelled (llguidance
+        joins it into one lexeme, whose cost no probe of the cheapest branch sees: grammar_text.py); else its
+        longest literal."""
+        try:
+            spelled = longest_literal(spec)
+        except ValueError as e:
+            raise GrammarError(f"{what}: {e}") from None
+        if spelled > self.max_spelled:
+            raise GrammarError(f"{what} spells out up to {spelled:,} characters of literal text in one alternative "
+                               f"(its literals joined and repeated, which llguidance makes one lexeme); at most "
+                               f"{self.max_spelled:,}")
+        return max((len(m) - 2 for m in LITERAL.findall(spec)), default=0)
+
+
+ANNOTATIONS = frozenset({"description", "title", "$comment", "examples", "default", "$schema", "$id"})  # never generated
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
 def schema_shape(schema: Any) -> tuple[int, int, int]:
-    """A parsed JSON schema's $ref count, nesting depth (objects and arrays) and longest string (keys included),
-    walked without recursion."""
+    """A parsed JSON schema's $ref count, nesting depth (objects and arrays) and longest string that can be generated
+    (property names, const and enum values, patterns; not a description, title, comment or example), walked without
+    recursion. A dict is a schema, or (under NAMED_SCHEMAS) a map from names to schemas."""
     refs = deepest = longest = 0
-    todo = [(schema, 1)]
+    todo = [(schema, 1, False)]
     while todo:
-        node, depth = todo.pop()
+        node, depth, named = todo.pop()
         if isinstance(node, dict):
-            refs += "$ref" in node
+            refs += "$ref" in node and not named
             longest = max([longest, *map(len, node)])
-            todo.extend((v, depth + 1) for v in node.values())
+            todo.extend((v, depth + 1, not named and k in NAMED_SCHEMAS) for k, v in node.items()
+                        if named or k not in ANNOTATIONS)
         elif isinstance(node, list):
-            todo.extend((v, depth + 1) for v in node)
+            todo.extend((v, depth + 1, False) for v in node)
         elif isinstance(node, str):
             longest = max(longest, len(node))
             continue
@@ -249,7 +274,8 @@ class CompileWorker:
             self.send(json.dumps({"kind": constraint.kind, "spec": constraint.spec,
                                   "whitespace_flexible": constraint.whitespace_flexible,
                                   "step_seconds": self.limits.step_seconds,
-                                  "token_seconds": self.limits.token_seconds}).encode())
+                                  "token_seconds": self.limits.token_seconds,
+                                  "allowance_tokens": ALLOWANCE_TOKENS}).encode())
             answer = self.receive(self.limits.compile_seconds)
         except (BrokenPipeError, EOFError):
             code = self.stop()
@@ -435,6 +461,8 @@ class Guide:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """[V] -> a copy with -inf for every token the grammar does not allow next. GrammarError if the grammar fails
         or computing the mask took longer than the step budget."""
+        if self.compiled.refused:  # by a sequence beside this one, maybe in this very step: not paid for again
+            raise GrammarError(self.compiled.refused)
         t0, c0 = time.perf_counter(), time.thread_time()
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         self._check_time(time.perf_counter() - t0, time.thread_time() - c0, "compute the allowed tokens")

@@ -76,13 +76,15 @@ def check(lltokenizer: Any, grammar: str, limits: Any) -> tuple[Any, str]:
     return matcher, matcher_error(matcher)
 
 
-def probe(lltokenizer: Any, matcher: Any, tokens: int, step_seconds: float, token_seconds: float
-          ) -> tuple[str, float]:
+def probe(lltokenizer: Any, matcher: Any, tokens: int, step_seconds: float, token_seconds: float,
+          allowance: int) -> tuple[str, float]:
     """("" or why the grammar is refused, the median CPU seconds of its steps): a copy of `matcher` takes up to
     `tokens` tokens, each the lowest id allowed (mostly single bytes: the lexer's work), each step's mask and advance
     timed. A grammar whose lexer runs out of fuel on its first characters (`a{100000}`), whose step runs past
-    `step_seconds`, or whose median step costs more than `token_seconds` of CPU (`e{9990}`: a long literal costs about
-    the square of its length at every token) is refused here, rather than slowing every sequence it is decoded beside.
+    `step_seconds`, or whose tokens cost more than `token_seconds` of CPU (`e{9990}`: a long literal costs about the
+    square of its length at every token) is refused here, rather than slowing every sequence it is decoded beside:
+    the median where the text goes on for all `tokens`, else what the runtime holds a sequence to (its total within
+    `allowance` tokens more than it took), so that a short text (one of 2,000 choices) is not judged per token.
     CPU time, the thread's own, so that other work on the machine does not make a cheap grammar look slow."""
     walker, costs = matcher.deep_copy(), []
     for step in range(tokens):
@@ -102,9 +104,12 @@ def probe(lltokenizer: Any, matcher: Any, tokens: int, step_seconds: float, toke
         if walker.is_stopped():
             break
     median = statistics.median(costs) if costs else 0.0
-    if median > token_seconds:
+    if len(costs) == tokens and median > token_seconds:
         return (f"costs {median * 1e3:.1f} ms of CPU a token to follow (the median of its first {len(costs)}); at "
                 f"most {token_seconds * 1e3:g} ms"), median
+    if sum(costs) > (len(costs) + allowance) * token_seconds:
+        return (f"costs {sum(costs) * 1e3:.0f} ms of CPU over its {len(costs)} tokens; at most "
+                f"{token_seconds * 1e3:g} ms a token past {allowance} tokens' worth"), median
     return "", median
 
 
@@ -141,7 +146,7 @@ def write_frame(stream: BinaryIO, payload: bytes) -> None:
 
 
 def main() -> None:
-    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds", "token_seconds"} with {"grammar": llguidance's
+    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds", "token_seconds", "allowance_tokens"} with {"grammar": llguidance's
     definition, "error": "" or why, "cost": its probe's median CPU seconds a token}."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; this process ends at its EOF
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -171,7 +176,8 @@ def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: d
         matcher, error = check(lltokenizer, grammar, limits)
         cost = 0.0
         if not error:
-            error, cost = probe(lltokenizer, matcher, PROBE_TOKENS, request["step_seconds"], request["token_seconds"])
+            error, cost = probe(lltokenizer, matcher, PROBE_TOKENS, request["step_seconds"], request["token_seconds"],
+                                request["allowance_tokens"])
         answer.update(grammar=grammar, error=error, cost=cost)
     except (ValueError, TypeError, RecursionError) as e:
         answer.update(grammar="", error=one_line(str(e)) or type(e).__name__, cost=0.0)
