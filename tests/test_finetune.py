@@ -283,6 +283,21 @@ def test_resume_names_what_is_there_instead_of_a_state(trained_dir: Path, tmp_pa
     assert (done.returncode, done.stderr.strip()) == (2, f"gpt2 finetune: error: {out}: cannot resume: {said}")
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_names_a_fifo_as_the_optimizer_state(trained_dir: Path, tmp_path: Path, lora: bool) -> None:
+    """The thirteenth attack: a FIFO at last/optimizer.safetensors blocked --resume for ever (safetensors' open waits
+    for a writer, and retries past SIGTERM and SIGINT), full and LoRA runs alike; it is named as the model file's is."""
+    out, data = tmp_path / "out", corpus(tmp_path)
+    extra = ("--lora", "4") if lora else ()
+    assert finetune(*small_run(trained_dir, data, out, "--steps", "2", *extra)).returncode == 0
+    moments = out / "last" / "optimizer.safetensors"
+    moments.unlink()
+    os.mkfifo(moments)
+    done = finetune(*small_run(trained_dir, data, out, "--steps", "2", "--resume", *extra))
+    assert (done.returncode, done.stderr.strip()) == (2, f"gpt2 finetune: error: {moments}: a FIFO, not a regular "
+                                                         f"file (the optimizer state --resume continues from)")
+
+
 def test_a_batch_that_cannot_fit_is_refused_with_the_numbers(trained_dir: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A micro-batch whose step cannot fit in memory is one line, before anything is allocated: what it needs, what

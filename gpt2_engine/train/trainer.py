@@ -740,6 +740,12 @@ def read_moments(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, tor
     from safetensors.torch import load_file
 
     try:
+        kind = what_is(path)
+    except OSError as e:
+        raise TrainError(f"{path}: cannot be looked at ({one_line(e, 200)})") from None
+    if kind is not None and kind != "a regular file":  # a FIFO would block the read for ever, deaf to SIGTERM
+        raise TrainError(f"{path}: {kind}, not a regular file (the optimizer state --resume continues from)")
+    try:
         moments = load_file(str(path))
     except FileNotFoundError:
         raise TrainError(f"{path}: missing (the optimizer state --resume continues from)") from None
