@@ -247,6 +247,12 @@ def nanogpt_raw(tmp: Path, ckpt: object) -> list[str]:
     return ["convert", str(tmp / "ckpt.pt"), str(tmp / "out.bin"), "--to", "llmc"]
 
 
+def openai_sae(tmp: Path, encoder: torch.Tensor) -> list[str]:
+    torch.save({"encoder.weight": encoder, "decoder.weight": torch.zeros(4, 4)}, tmp / "sae.pt")
+    return ["sae", "features", "The cat", "--weights", str(tmp / "ckpt"), "--sae", str(tmp / "sae.pt"), "--hook",
+            "blocks.1.hook_resid_pre"]
+
+
 def deflated(tmp: Path) -> list[str]:
     """A nanoGPT checkpoint whose zip entries are deflated: 100 MB of zeros in a file of 100 KB, which torch.load would inflate."""
     import zipfile
@@ -419,6 +425,17 @@ CLI_CASES = [
     Case("hf-legacy-tar-pytorch_model.bin", lambda tmp: hf_dir(tmp, TINY, legacy_tar),  # torch's message: retry unsafely
          r"pytorch_model.bin: not a readable PyTorch checkpoint \(torch's legacy tar format, which loading weights only "
          r"does not read \(re-save it with a current torch.save from a source you trust\)\)$"),
+    # the thirteenth attack: tensors with no values (meta) or not dense (sparse) were internal errors in every reader
+    *(Case(f"hf-{kind}-tensor-in-pytorch_model.bin",
+           lambda tmp, make=make: hf_dir(tmp, TINY, lambda d: torch.save({"wte.weight": make()}, d / "pytorch_model.bin")),
+           rf"pytorch_model.bin: not a readable PyTorch checkpoint \(its tensor wte.weight is a {kind} tensor; "
+           r"expected a dense one\)$") for kind, make in (("meta", lambda: torch.ones(4, device="meta")),
+                                                        ("sparse_coo", lambda: torch.ones(4).to_sparse()))),
+    Case("nanogpt-meta-tensor", lambda tmp: nanogpt_raw(tmp, {"model": {"transformer.wte.weight": torch.ones(4, device="meta")},
+                                                              "model_args": {}}),
+         r"ckpt.pt: .*its tensor model.transformer.wte.weight is a meta tensor; expected a dense one\)$"),
+    Case("openai-sae-sparse-tensor", lambda tmp: openai_sae(tmp, torch.ones(4, 4).to_sparse()),
+         r"sae.pt: .*its tensor encoder.weight is a sparse_coo tensor; expected a dense one\)?$"),
     Case("nanogpt-model_args-a-list", lambda tmp: nanogpt_raw(tmp, {"model": {}, "model_args": [1, 2]}),
          r"expected nanoGPT's checkpoint \(a dict with 'model' and 'model_args', as its train.py saves\), found a dict "
          r"of 'model': dict, 'model_args': list$"),
@@ -698,8 +715,8 @@ def test_a_prompt_past_16_mib_is_refused_before_it_is_read(tiny_dir: Path, tmp_p
 
 
 @pytest.mark.parametrize("make, pattern", [
-    (lambda: torch.ones(64).to_sparse(), "expected a dense tensor of values, got a sparse_coo one"),
-    (lambda: torch.ones(64, device="meta"), "expected a dense tensor of values, got a meta one"),
+    (lambda: torch.ones(64).to_sparse(), r"\(its tensor is a sparse_coo tensor; expected a dense one\)$"),
+    (lambda: torch.ones(64, device="meta"), r"\(its tensor is a meta tensor; expected a dense one\)$"),
     (lambda: torch.full((64,), 1e300, dtype=torch.float64), "values up to 1e\\+300 do not fit float32 \\(at most 3.4e38\\)"),
     (lambda: torch.quantize_per_tensor(torch.ones(64), 0.1, 0, torch.qint8), "expected floating-point values, got torch.qint8"),
     (lambda: torch.ones(1).expand(2**40), r"its tensor of shape \[1099511627776\] has 1,099,511,627,776 values "

@@ -47,9 +47,11 @@ def check_stored(path: Path) -> None:
                                  f"{entry.file_size:,}); torch.save stores its entries as they are")
 
 
-def check_values_stored(found: Any) -> None:
-    """Refuse a tensor with more values than its storage holds: an expanded view (stride 0) pickles as its one stored
-    value and its shape, and the first copy of it allocates every value (1.6 KB on disk, gigabytes in memory)."""
+def check_tensors(found: Any) -> None:
+    """Refuse a tensor that is not dense values on the CPU, which every reader here would fail on in its own way: a
+    meta tensor (a shape with no values), a sparse or nested one; and one with more values than its storage holds (an
+    expanded view, stride 0, pickles as its one stored value and its shape, and the first copy of it allocates every
+    value: 1.6 KB on disk, gigabytes in memory)."""
     stack = [("", found)]
     while stack:
         key, v = stack.pop()
@@ -57,11 +59,20 @@ def check_values_stored(found: Any) -> None:
             stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in v.items())
         elif isinstance(v, (list, tuple)):
             stack.extend((f"{key}[{i}]", x) for i, x in enumerate(v))
-        elif isinstance(v, torch.Tensor) and v.layout == torch.strided and not v.is_nested and v.device.type != "meta":
-            stored = v.untyped_storage().nbytes() // max(v.element_size(), 1)
-            if v.numel() > stored:
-                raise ValueError(f"its tensor{' ' + key if key else ''} of shape {list(v.shape)} has {v.numel():,} "
-                                 f"values over {stored:,} stored (an expanded view); a weights file stores each value")
+        elif isinstance(v, torch.Tensor):
+            check_tensor(f"its tensor{' ' + key if key else ''}", v)
+
+
+def check_tensor(what: str, v: torch.Tensor) -> None:
+    """ValueError where `v` is not a dense tensor whose storage holds its values (check_tensors)."""
+    kind = ("a meta" if v.device.type == "meta" else "a nested" if v.is_nested else
+            f"a {str(v.layout).removeprefix('torch.')}" if v.layout != torch.strided else "")
+    if kind:
+        raise ValueError(f"{what} is {kind} tensor; expected a dense one")
+    stored = v.untyped_storage().nbytes() // max(v.element_size(), 1)
+    if v.numel() > stored:
+        raise ValueError(f"{what} of shape {list(v.shape)} has {v.numel():,} values over {stored:,} stored (an "
+                         "expanded view); a weights file stores each value")
 
 
 def load_pickle(path: Path, mmap: bool = False) -> Any:
@@ -98,5 +109,5 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
         raise ValueError(f"not a readable PyTorch file (RuntimeError: {one_line(e)})") from None
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt file raises whatever its first bad byte causes
         raise ValueError(f"not a readable PyTorch file ({type(e).__name__}: {one_line(e)})") from None
-    check_values_stored(found)
+    check_tensors(found)
     return found
