@@ -362,6 +362,40 @@ def test_python_api_trains_the_model_in_place(trained_dir: Path) -> None:
         model.finetune("just one text", steps=1)
 
 
+def test_the_python_api_reads_numpy_and_torch_numbers_and_refuses_the_rest_before_any_work(
+        trained_dir: Path, tmp_path: Path) -> None:
+    """The thirteenth attack: lr=np.float32(1e-4) trained, then failed saving its state as JSON with a raw TypeError
+    (last.new left behind); strings gave raw TypeErrors, seed=np.int64 one too, np.int64(2) steps were "expected an
+    integer >= 1, got np.int64(2)", and lr=True, warmup=0.5 were taken. Numbers are read as generate reads them."""
+    import numpy as np
+
+    from gpt2_engine.train.trainer import TrainError, TrainSettings
+
+    read = TrainSettings(lr=np.float32(0.5), clip=torch.tensor(2.0), steps=np.int64(3), seed=torch.tensor(7),
+                         warmup=np.int32(0), epochs=None, batch_size=np.uint8(2))
+    assert [(type(v), v) for v in (read.lr, read.clip, read.steps, read.seed, read.warmup, read.batch_size)] == [
+        (float, 0.5), (float, 2.0), (int, 3), (int, 7), (int, 0), (int, 2)]
+    for field, value, said in [("lr", True, "lr: expected a number, got bool True"),
+                               ("lr", "0.1", "lr: expected a number, got str '0.1'"),
+                               ("warmup", 0.5, "warmup: expected an integer, got float 0.5"),
+                               ("sample_every", 0.5, "sample_every: expected an integer, got float 0.5"),
+                               ("epochs", "1", "epochs: expected a number, got str '1'"),
+                               ("weight_decay", float("nan"), "weight_decay: expected a number, got float nan"),
+                               ("seed", -1, "seed: expected an integer in [0, 2^63), got -1"),
+                               ("beta2", 1.0, "beta2: expected a number in [0, 1), got 1.0"),
+                               ("recompute", 1, "recompute: expected True or False, got 1")]:
+        with pytest.raises(TrainError, match=f"^{re.escape(said)}$"):
+            TrainSettings(**{field: value})
+    model, out = GPT2.from_pretrained(trained_dir), tmp_path / "run"
+    texts = ["Return the value of the given key, or raise KeyError when it is missing. " * 8] * 6
+    with pytest.raises(TrainError, match="^lr: expected a number, got str '0.1'$"):
+        model.finetune(texts, steps=1, context=32, out=out, lr="0.1")
+    assert not out.exists()
+    model.finetune(texts, steps=1, context=32, batch_size=2, out=out, lr=np.float32(1e-4), seed=np.int64(2))
+    state = json.loads((out / "last" / "trainer_state.json").read_text())
+    assert "last.new" not in os.listdir(out) and state["trajectory"]["settings"]["lr"] == float(np.float32(1e-4))
+
+
 def test_accumulation_equals_the_larger_batch(trained_model: GPT2) -> None:
     """Two micro-batches of 2 windows make the same update as one batch of 4 (the same windows, in the same order)."""
     texts = [f"Return the value number {i} of the list, or raise an error when it is missing. " * 3 for i in range(12)]

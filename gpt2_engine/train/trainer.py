@@ -37,6 +37,7 @@ import torch
 
 from ..core.config import GPT2Config, read_json
 from ..core.errors import GPT2EngineError, InputError, WeightsError, one_line
+from ..core.scalars import as_int, as_real, described
 from ..formats.files import what_is
 from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
 from ..core.lora import LoraAdapter, LoraError, LoraSettings, new_adapter, trainable
@@ -91,27 +92,51 @@ class TrainSettings:
     seed: int = 0
     recompute: bool = False  # activation checkpointing: less memory, one more forward a step, the same results
 
+    INTEGERS = ("batch_size", "accumulate", "sample_tokens", "sample_every", "seed", "context", "steps", "warmup",
+                "eval_every", "save_every", "early_stopping")
+    REALS = ("epochs", "lr", "min_lr", "weight_decay", "clip", "dropout", "beta1", "beta2", "val_fraction")
+    OPTIONAL = frozenset({"context", "steps", "epochs", "min_lr", "warmup", "clip", "eval_every", "save_every",
+                          "early_stopping"})
+
     def __post_init__(self) -> None:
+        self.read_numbers()
+
         def check(name: str, ok: bool, expected: str) -> None:
             if not ok:
                 raise TrainError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        for name in ("batch_size", "accumulate", "sample_tokens"):
-            check(name, isinstance(getattr(self, name), int) and getattr(self, name) >= 1, "an integer >= 1")
-        for name in ("context", "steps", "eval_every", "save_every", "early_stopping"):
-            value = getattr(self, name)
-            check(name, value is None or (isinstance(value, int) and value >= 1), "an integer >= 1")
-        check("epochs", self.epochs is None or self.epochs > 0, "a number > 0")
+        for name in ("batch_size", "accumulate", "sample_tokens", "context", "steps", "eval_every", "save_every",
+                     "early_stopping"):
+            check(name, getattr(self, name) is None or getattr(self, name) >= 1, "an integer >= 1")
+        check("epochs", self.epochs is None or (self.epochs > 0 and math.isfinite(self.epochs)), "a number > 0")
         check("lr", self.lr > 0 and math.isfinite(self.lr), "a finite number > 0")
         check("min_lr", self.min_lr is None or 0 <= self.min_lr <= self.lr, "a number in [0, lr]")
         check("warmup", self.warmup is None or self.warmup >= 0, "an integer >= 0")
-        check("weight_decay", self.weight_decay >= 0, "a number >= 0")
-        check("clip", self.clip is None or self.clip > 0, "a number > 0")
-        check("dropout", 0 <= self.dropout < 1, "a probability in [0, 1)")
+        check("weight_decay", 0 <= self.weight_decay < math.inf, "a finite number >= 0")
+        check("clip", self.clip is None or 0 < self.clip < math.inf, "a finite number > 0")
+        for name in ("dropout", "beta1", "beta2"):
+            check(name, 0 <= getattr(self, name) < 1, "a number in [0, 1)")
         check("val_fraction", 0 <= self.val_fraction < 1, "a fraction in [0, 1)")
         check("sample_every", self.sample_every >= 0, "an integer >= 0")
+        check("seed", 0 <= self.seed < 2**63, "an integer in [0, 2^63)")
+        for name in ("decay_embeddings", "recompute"):
+            check(name, isinstance(getattr(self, name), bool), "True or False")
+        check("sample_prompt", isinstance(self.sample_prompt, str), "a string")
         if self.steps is not None and self.epochs is not None:
             raise TrainError("give steps or epochs, not both")
+
+    def read_numbers(self) -> None:
+        """Each number as a Python int or float (numpy's and torch's scalars are numbers, as generate's settings
+        read them: core/scalars.py); a bool, a string or anything else is refused by name."""
+        for name in (*self.INTEGERS, *self.REALS):
+            value = getattr(self, name)
+            if value is None and name in self.OPTIONAL:
+                continue
+            integer = name in self.INTEGERS
+            read = as_int(value) if integer else as_real(value)
+            if read is None or (not integer and math.isnan(read)):
+                raise TrainError(f"{name}: expected {'an integer' if integer else 'a number'}, got {described(value)}")
+            object.__setattr__(self, name, read)
 
 
 @dataclass(frozen=True)
