@@ -461,6 +461,23 @@ def test_an_sae_feature_may_be_a_numpy_or_torch_integer_and_any_other_type_is_na
         assert str(e.value) == message
 
 
+def test_a_coef_or_value_may_be_a_numpy_or_torch_number_and_a_bool_or_text_is_named(saes_dir: Path) -> None:
+    """The thirteenth attack: coef=np.float32(2.0) was refused as "must be a finite number, got np.float32(2.0)",
+    naming a valid value as the fault, while the feature took numpy's integers."""
+    import numpy as np
+
+    sae = SAE.load(saes_dir / "topk-mlp")
+    want = Steering.from_sae(sae, 3, 2.0)
+    for given in (np.float32(2.0), np.float64(2.0), np.int64(2), torch.tensor(2.0)):
+        s = Steering.from_sae(sae, 3, given)
+        assert type(s.coef) is float and s.coef == 2.0 and s.key == want.key
+        assert Steering.clamp(sae, 3, given).value == 2.0
+    for given, shown in [(True, "bool True"), ("2", "str '2'"), (np.float32("nan"), "float32 np.float32(nan)"),
+                         (torch.tensor([2.0]), "Tensor tensor([2.])")]:
+        with pytest.raises(SteeringError, match=f"^steering coef must be a finite number, got {re.escape(shown)}$"):
+            Steering.from_sae(sae, 3, given)
+
+
 def first_json(out: str) -> dict:
     """The first JSON line of what a command printed."""
     return json.loads(out.splitlines()[0])

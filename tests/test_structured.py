@@ -517,6 +517,19 @@ def test_hostile_grammars_do_not_stall_concurrent_greedy_requests(server: str) -
     assert seconds and max(seconds) < 3 * alone + 2, (alone, seconds)
 
 
+def test_a_schema_may_hold_numpy_and_torch_numbers_and_nothing_else_that_is_not_json() -> None:
+    """The thirteenth attack: {"maximum": np.int64(3)} was refused as not JSON while np.float64 (a float) passed."""
+    import numpy as np
+
+    assert json.loads(Constraint.json_schema({"type": "integer", "maximum": np.int64(3), "minimum": torch.tensor(1),
+                                              "multipleOf": np.float32(0.5)}).spec) == {
+        "type": "integer", "maximum": 3, "minimum": 1, "multipleOf": 0.5}
+    for bad, name in (({"enum": {1, 2}}, "set"), ({"const": b"x"}, "bytes"), ({"maximum": np.bool_(True)}, "bool")):
+        with pytest.raises(GenerationError, match=rf"^the JSON schema must hold only JSON values \(.*\): Object of "
+                                                  rf"type {name}_? is not JSON serializable$"):
+            Constraint.json_schema(bad)
+
+
 def test_json_is_compact_by_default_and_whitespace_flexible_on_request(trained_model: GPT2) -> None:
     """Item 7: after "{" compact JSON allows no space or newline; whitespace_flexible (llguidance's option, vLLM's
     disable_any_whitespace inverted) allows both."""

@@ -32,7 +32,7 @@ import torch
 
 from ..core.config import GPT2Config
 from ..core.errors import SteeringError
-from ..core.scalars import as_int, described
+from ..core.scalars import as_int, as_real, described
 from ..formats.vectors import as_vector, read_vector
 from .hooks import hook_names
 from .sae import HEAD_POINTS, SAE
@@ -97,10 +97,10 @@ class Steering:
         if self.action not in ACTIONS:
             raise SteeringError(f"steering action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
         for name in ("coef", "value"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise SteeringError(f"steering {name} must be a finite number, got {v!r}")
-            object.__setattr__(self, name, float(v))
+            v = as_real(getattr(self, name))  # numpy's and torch's scalars are numbers; a bool is not
+            if v is None or not math.isfinite(v):
+                raise SteeringError(f"steering {name} must be a finite number, got {described(getattr(self, name))}")
+            object.__setattr__(self, name, v)
         if self.action != "clamp":
             object.__setattr__(self, "vector", as_vector(self.vector, f"steering vector at {self.hook}"))
         if self.bias is not None:

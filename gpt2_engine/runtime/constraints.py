@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ..core.errors import GenerationError
+from ..core.scalars import as_int, as_real
 from ..core.tokenizer import Tokenizer
 from . import grammar_worker
 from .grammar_text import longest_literal
@@ -78,6 +79,15 @@ class GrammarError(GenerationError):
 
 
 MAX_CHOICES = 2000  # alternatives of one choice constraint
+
+
+def json_number(value: object) -> int | float:
+    """A numpy or torch scalar inside a schema as the JSON number it is (json.dumps' `default`); TypeError else."""
+    number = as_int(value)
+    number = as_real(value) if number is None else number
+    if number is None:
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    return number
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,7 @@ class Constraint:
             raise GenerationError(f"a JSON schema must be an object, or its JSON text (true is taken as {{}}: any "
                                   f"JSON), got {shown}", param="constraint")
         try:
-            text = json.dumps(schema, sort_keys=True)
+            text = json.dumps(schema, sort_keys=True, default=json_number)
         except RecursionError:
             raise GenerationError("the JSON schema nests too deeply to read", param="constraint") from None
         except (TypeError, ValueError) as e:  # a set, bytes or a non-string key inside it
