@@ -1580,8 +1580,23 @@ def drop(t: dict[str, torch.Tensor], *parts: str) -> None:
     (lambda t, c: c.update(lora_dropout="0.1"), "{config}: lora_dropout is \"0.1\", expected a number"),
     (lambda t, c: c.update(use_rslora="false"),  # bool("false"): the scale alpha / sqrt(r), silently
      "{config}: use_rslora is \"false\", expected true or false"),
+    # the thirteenth attack's: fields that were ignored, and a flag as a string
+    (lambda t, c: c.update(exclude_modules=["c_fc"]),  # PEFT leaves c_fc out; its update was applied
+     "{config}: exclude_modules entry 'c_fc' leaves out h.0.mlp.c_fc, which the adapter's weights update (PEFT would "
+     "not load that update)"),
+    (lambda t, c: c.update(exclude_modules=".*c_fc"),
+     "{config}: exclude_modules is \".*c_fc\", expected a list of module names (a regular expression is not "
+     "supported)"),
+    (lambda t, c: c.update(exclude_modules=["lm_head"]), None),  # excludes what the adapter does not update
+    (lambda t, c: c.update(layers_to_transform=[]),  # every layer was adapted; PEFT finds no module and raises
+     "{config}: layers_to_transform is [], which selects no layer (PEFT finds nothing to adapt); leave it out for "
+     "every layer"),
+    (lambda t, c: c.update(layer_replication=[[0, 2], [0, 2]]),  # PEFT stacks layers; it was ignored
+     "{config}: layer_replication=[[0, 2], [0, 2]] is not supported (plain LoRA on the projections only)"),
+    (lambda t, c: c.update(fan_in_fan_out="true"), "{config}: fan_in_fan_out is \"true\", expected true or false"),
 ], ids=["layers-0", "q_proj", "targets-fewer", "targets-absent", "targets-regex", "targets-int", "layers-str",
-        "layers-pattern", "alpha-str", "alpha-bool", "dropout-str", "rslora-str"])
+        "layers-pattern", "alpha-str", "alpha-bool", "dropout-str", "rslora-str", "exclude-c_fc", "exclude-regex",
+        "exclude-unused", "layers-empty", "layer-replication", "fan-in-fan-out-str"])
 def test_an_adapter_config_says_what_peft_would_apply(edit: Callable, line: str | None, tiny_dir: Path,
                                                       tmp_path: Path) -> None:
     """adapter_config.json fields that were not read: layers_to_transform and target_modules (the file's tensors

@@ -92,7 +92,8 @@ def is_adapter(directory: str | Path) -> bool:
 # whether a value is plain LoRA's)
 PLAIN_LORA = (("use_dora", False, lambda v: not v), ("bias", "none", lambda v: v == "none"),
               ("modules_to_save", None, lambda v: not v), ("rank_pattern", {}, lambda v: not v),
-              ("alpha_pattern", {}, lambda v: not v))
+              ("alpha_pattern", {}, lambda v: not v), ("layer_replication", None, lambda v: not v))
+FLAGS = ("use_rslora", "fan_in_fan_out")  # true, false or absent: bool("false") is True
 
 
 def read_adapter_config(directory: Path) -> dict:
@@ -113,6 +114,9 @@ def read_adapter_config(directory: Path) -> dict:
     for key, default, plain in PLAIN_LORA:
         if not plain(cfg.get(key, default)):
             raise LoraError(f"{path}: {key}={cfg.get(key)!r} is not supported (plain LoRA on the projections only)")
+    for key in FLAGS:
+        if cfg.get(key) not in (None, True, False):
+            raise LoraError(f"{path}: {key} is {json.dumps(cfg[key])[:60]}, expected true or false")
     if not isinstance(cfg.get("base_model_name_or_path") or "", str):
         raise LoraError(f"{path}: base_model_name_or_path is {cfg['base_model_name_or_path']!r}, expected a string")
     return cfg
@@ -136,6 +140,18 @@ def target_list(cfg: dict, path: Path) -> list[str] | None:
     return targets
 
 
+def excluded_list(cfg: dict, path: Path) -> list[str]:
+    """adapter_config.json's exclude_modules as a list of names ([] where absent); LoraError for a regular expression
+    (not matched here, as target_modules' is not) or another type."""
+    excluded = cfg.get("exclude_modules")
+    if excluded is None:
+        return []
+    if not isinstance(excluded, list) or not all(isinstance(e, str) for e in excluded):
+        raise LoraError(f"{path}: exclude_modules is {json.dumps(excluded)[:80]}, expected a list of module names (a "
+                        "regular expression is not supported)")
+    return excluded
+
+
 def layer_list(cfg: dict, path: Path) -> list[int] | None:
     """adapter_config.json's layers_to_transform as a list (None: every layer), its layers_pattern GPT-2's "h";
     LoraError for another type or pattern."""
@@ -144,8 +160,11 @@ def layer_list(cfg: dict, path: Path) -> list[int] | None:
         raise LoraError(f"{path}: layers_pattern {pattern!r} is not GPT-2's (its layers are transformer.h.N)")
     if type(layers) is int:
         return [layers]
-    if layers is None or layers == []:
+    if layers is None:
         return None
+    if layers == []:
+        raise LoraError(f"{path}: layers_to_transform is [], which selects no layer (PEFT finds nothing to adapt); "
+                        "leave it out for every layer")
     if not isinstance(layers, list) or not all(type(i) is int for i in layers):
         raise LoraError(f"{path}: layers_to_transform is {json.dumps(layers)[:80]}, expected a layer index or a list "
                         "of them")
@@ -158,16 +177,20 @@ def check_selected(cfg: dict, path: Path, tensors: dict[str, torch.Tensor], conf
     target_modules or layers_to_transform leave out (PEFT leaves it unloaded: applying it is another model).
     Selection as PEFT's check_target_module_exists: a module is picked by an entry its full name
     (transformer.h.N.attn.c_attn) is, or ends with after a dot; layers_to_transform narrows a list's picks."""
-    targets, layers = target_list(cfg, path), layer_list(cfg, path)
+    targets, layers, excluded = target_list(cfg, path), layer_list(cfg, path), excluded_list(cfg, path)
+    stems = [module_name(i, t) for i in range(config.n_layer) for t in ALL_TARGETS]
+    adapted = {name.rpartition(".")[0] for name in tensors}
+    for stem in (s for s in stems if s in adapted):
+        if entry := next((e for e in excluded if picks(e, stem)), None):
+            raise LoraError(f"{path}: exclude_modules entry {entry!r} leaves out {stem}, which the adapter's weights "
+                            "update (PEFT would not load that update)")
     if targets is None:
         return
-    stems = [module_name(i, t) for i in range(config.n_layer) for t in ALL_TARGETS]
     for entry in targets:
         if not any(picks(entry, stem) for stem in stems):
             raise LoraError(f"{path}: target_modules entry {entry!r} names none of GPT-2's projections (c_attn, "
                             "attn.c_proj, c_fc, mlp.c_proj; c_proj for both)")
     named = "" if "target_modules" in cfg else " (PEFT's default for GPT-2, as the config gives none)"
-    adapted = {name.rpartition(".")[0] for name in tensors}
     check_updated_modules(path, [s for s in stems if s in adapted], targets, named, layers)
 
 
@@ -267,9 +290,7 @@ def load_adapter(directory: str | Path, config: GPT2Config) -> LoraAdapter:
         raise LoraError(f"{directory / ADAPTER_CONFIG}: r={r!r}, but the tensors have rank {sorted(ranks)}")
     config_path = directory / ADAPTER_CONFIG
     check_selected(cfg, config_path, tensors, config)
-    rslora = cfg.get("use_rslora")
-    if rslora not in (None, True, False):  # bool("false") is True: a scale alpha / sqrt(r) the file did not ask for
-        raise LoraError(f"{config_path}: use_rslora is {json.dumps(rslora)[:60]}, expected true or false")
+    rslora = cfg.get("use_rslora")  # checked a bool: "false" would be a scale alpha / sqrt(r) the file did not ask for
     alpha = config_number(cfg, config_path, "lora_alpha", 8.0)
     dropout = config_number(cfg, config_path, "lora_dropout", 0.0)
     try:
