@@ -6,6 +6,7 @@ without a JSON Content-Type, max_completion_tokens), and a busy port refused bef
 from __future__ import annotations
 
 import json
+import re
 import logging
 import socket
 import subprocess
@@ -319,6 +320,27 @@ def test_a_template_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -
     with pytest.raises(ChatTemplateError, match=r"t.jinja: not a regular file \(a FIFO, a device or a folder\); "
                                                 r"expected a chat template \(a Jinja text or a tokenizer_config.json\)$"):
         load_template(tmp_path / "t.jinja")
+
+
+def test_a_tokenizer_config_by_any_name_an_empty_template_and_transformers_generation_tag(tmp_path: Path) -> None:
+    """The thirteenth attack: a tokenizer_config.json named TC.JSON (or anything not ending in .json) was rendered as
+    Jinja text, every prompt starting '{"chat_template": "'; "chat_template": "" rendered every conversation to
+    nothing; transformers' {% generation %} (assistant masks for training) was "not a Jinja chat template"."""
+    for name in ("TC.JSON", "tokenizer_config"):
+        (tmp_path / name).write_text(json.dumps({"chat_template": CHATML, "eos_token": "x"}))
+        assert load_template(tmp_path / name).render(CONVERSATION[:1], "<|endoftext|>").startswith("<|im_start|>system")
+    for name, text in (("empty.json", json.dumps({"chat_template": ""})), ("blank.jinja", " \n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ChatTemplateError, match=rf"^{re.escape(str(tmp_path / name))}: the chat template is empty "
+                                                    r"\(every conversation would render to nothing\)$"):
+            load_template(tmp_path / name)
+    tagged = CHATML.replace("{{ '<|im_start|>' + m['role']", "{% generation %}{{ '<|im_start|>' + m['role']").replace(
+        "eos_token + '\\n' }}", "eos_token + '\\n' }}{% endgeneration %}")
+    assert tagged != CHATML
+    (tmp_path / "tagged.jinja").write_text(tagged)
+    (tmp_path / "plain.jinja").write_text(CHATML)
+    assert load_template(tmp_path / "tagged.jinja").render(CONVERSATION, "<|endoftext|>") == \
+        load_template(tmp_path / "plain.jinja").render(CONVERSATION, "<|endoftext|>")
 
 
 def test_the_plain_template_pickles_as_its_text() -> None:

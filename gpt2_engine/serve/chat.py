@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import select
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -118,11 +120,24 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's text for its training masks
+    (return_assistant_tokens_mask): here its body renders as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
 def compile_template(source: str, name: str) -> jinja2.Template:
     """A template in the sandbox transformers renders chat templates in: no file or attribute access beyond data."""
     # optimized=False: no constant folding while compiling, where '{{ "x"|center(1500000000) }}' in a branch never
     # taken would be evaluated, unbounded (the sandbox's checks apply when a template runs, not when it compiles)
-    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], optimized=False)
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationTag],
+                     optimized=False)
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(source)
@@ -136,6 +151,7 @@ def plain_template() -> ChatTemplate:
     return ChatTemplate(PLAIN_TEMPLATE, PLAIN_STOPS, "the plain template")
 
 
+JSON_OBJECT = re.compile(r'\s*\{\s*"')  # a JSON object's start: no Jinja text starts so ({{ "x" }} is "{{")
 TEMPLATE_BYTES = 1 << 20  # a chat template file (transformers' largest are a few KB; a tokenizer_config.json more)
 
 
@@ -148,7 +164,7 @@ def load_template(path: Path) -> ChatTemplate:
         raise ChatTemplateError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ChatTemplateError(f"{path}: cannot read the chat template ({e.__class__.__name__}: {e})") from None
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json" or JSON_OBJECT.match(text):  # a tokenizer_config.json by any name
         try:
             text = json.loads(text)["chat_template"]
         except (ValueError, KeyError, TypeError, RecursionError):
@@ -156,6 +172,8 @@ def load_template(path: Path) -> ChatTemplate:
         if not isinstance(text, str):
             raise ChatTemplateError(f"{path}: \"chat_template\" must be one template string (named templates are "
                                     "not supported)")
+    if not text.strip():
+        raise ChatTemplateError(f"{path}: the chat template is empty (every conversation would render to nothing)")
     trial_render(text, str(path))  # first, in a bounded child: compiling folds constants, which can take memory
     return ChatTemplate(text, (), str(path), isolated=True)
 
