@@ -272,7 +272,7 @@ def test_compare_refuses_a_prompt_longer_than_the_context_and_an_empty_one(capsy
                                        "tokens exceeds the context of 512 tokens; shorten it, or split it across lines\n")
     code, out, err = run(capsys, "compare", "--weights", str(trained_dir), "--prompt", "Hi", "--prompt", "word " * 600)
     assert (code, out, err) == (2, "", "gpt2 compare: error: --prompt 2: the prompt of 601 tokens exceeds the context "
-                                       "of 512 tokens; shorten it, or split it across lines\n")
+                                       "of 512 tokens; shorten it, or split it in two\n")
     code, out, err = run(capsys, "compare", "--weights", str(trained_dir), "--prompt", "")
     assert (code, out, err) == (2, "", "gpt2 compare: error: --prompt is empty; expected at least one token\n")
 

@@ -202,8 +202,9 @@ def prompt_ids(prompts: dict[str, Prompt], tokenizer: Tokenizer, n_positions: in
     for name, prompt in prompts.items():
         tokens = tokenizer.encode(prompt.text)
         if prompt.given and len(tokens) > n_positions:
+            advice = "split it in two" if prompt.given.startswith("--prompt") else "split it across lines"
             raise GPT2EngineError(f"{prompt.given}: the prompt of {len(tokens)} tokens exceeds the context of "
-                                  f"{n_positions} tokens; shorten it, or split it across lines")
+                                  f"{n_positions} tokens; shorten it, or {advice}")
         ids[name] = prompt_or_endoftext(tokens[:n_positions], tokenizer.eot_id)
     return ids
 
