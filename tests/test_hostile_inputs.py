@@ -247,6 +247,12 @@ def nanogpt_raw(tmp: Path, ckpt: object) -> list[str]:
     return ["convert", str(tmp / "ckpt.pt"), str(tmp / "out.bin"), "--to", "llmc"]
 
 
+def fifo_dir(tmp: Path, name: str) -> Path:
+    (tmp / "d").mkdir()
+    os.mkfifo(tmp / "d" / name)
+    return tmp / "d"
+
+
 def openai_sae(tmp: Path, encoder: torch.Tensor) -> list[str]:
     torch.save({"encoder.weight": encoder, "decoder.weight": torch.zeros(4, 4)}, tmp / "sae.pt")
     return ["sae", "features", "The cat", "--weights", str(tmp / "ckpt"), "--sae", str(tmp / "sae.pt"), "--hook",
@@ -436,6 +442,12 @@ CLI_CASES = [
          r"ckpt.pt: .*its tensor model.transformer.wte.weight is a meta tensor; expected a dense one\)$"),
     Case("openai-sae-sparse-tensor", lambda tmp: openai_sae(tmp, torch.ones(4, 4).to_sparse()),
          r"sae.pt: .*its tensor encoder.weight is a sparse_coo tensor; expected a dense one\)?$"),
+    Case("nanogpt-out-dir-with-a-fifo", lambda tmp: ["generate", "hi", "-n", "2", "--weights", str(fifo_dir(tmp, "ckpt.pt"))],
+         r"/d: no model.safetensors or pytorch_model.bin, but nanoGPT's ckpt.pt: pass the file, .*/d/ckpt.pt$"),
+    Case("speculate-config-a-fifo", lambda tmp: ["generate", "hi", "-n", "2", "--weights", str(tmp / "ckpt"),
+                                                 "--speculate", str(fifo_dir(tmp, "config.json"))],
+         r"speculate: expected 'int4', 'int8', 'ngram' or a GPT-2 checkpoint directory, got '.*/d' \(its config.json "
+         r"is a FIFO, not a regular file\)$"),
     Case("nanogpt-model_args-a-list", lambda tmp: nanogpt_raw(tmp, {"model": {}, "model_args": [1, 2]}),
          r"expected nanoGPT's checkpoint \(a dict with 'model' and 'model_args', as its train.py saves\), found a dict "
          r"of 'model': dict, 'model_args': list$"),

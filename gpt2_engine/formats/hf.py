@@ -134,6 +134,9 @@ def find_weights_file(directory: Path) -> Path:
     others = [name for name in OTHER_FORMATS if (directory / name).exists()]
     if others:
         raise WeightsError(f"{directory}: unsupported weights format {others[0]}; expected {SAFETENSORS} or {PYTORCH_BIN}")
+    if (directory / "ckpt.pt").exists():  # nanoGPT's out_dir: its checkpoint is read as a file
+        raise WeightsError(f"{directory}: no {SAFETENSORS} or {PYTORCH_BIN}, but nanoGPT's ckpt.pt: pass the file, "
+                           f"{directory / 'ckpt.pt'}")
     raise WeightsError(f"{directory}: no {SAFETENSORS} or {PYTORCH_BIN} found (run `make weights`, or `make demo` offline, or copy the official files there)")
 
 

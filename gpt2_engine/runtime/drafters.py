@@ -16,6 +16,7 @@ from ..core.config import GPT2Config
 from ..core.errors import GenerationError, WeightsError
 from ..core.quantize import FORMATS, quantize_weights
 from ..core.tokenizer import Tokenizer, load_tokenizer
+from ..formats.files import what_is
 from ..formats.hf import CONFIG, load_weights
 from ..core.weights import GPT2Weights, QuantizedMatrix
 from .plan import Draft, DraftAsk, Segment
@@ -188,8 +189,13 @@ def load_speculation(source: str | Path, weights: GPT2Weights, config: GPT2Confi
 def check_draft_checkpoint(directory: Path, config: GPT2Config, tokenizer: Tokenizer) -> GPT2Config:
     """The config of a draft checkpoint, after checking that it can draft for this target (its weights unread)."""
     if not (directory / CONFIG).is_file():
+        try:
+            kind = what_is(directory / CONFIG) if directory.is_dir() else None  # a FIFO is there, not missing
+        except OSError:  # a symlink loop
+            kind = "a symlink loop"
+        there = f"its {CONFIG} is {kind}, not a regular file" if kind else f"no {CONFIG} there"
         raise GenerationError(f"speculate: expected 'int4', 'int8', 'ngram' or a GPT-2 checkpoint directory, got "
-                              f"{str(directory)!r} (no {CONFIG} there)", param="speculate")
+                              f"{str(directory)!r} ({there})", param="speculate")
     draft_config = GPT2Config.from_json(directory / CONFIG)
     if draft_config.vocab_size != config.vocab_size:
         raise WeightsError(f"{directory}: the draft model's vocabulary has {draft_config.vocab_size} tokens, the "
