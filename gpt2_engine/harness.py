@@ -182,6 +182,9 @@ class EngineLM(TemplateLM):
         max_gen_toks = gen_kwargs.pop("max_new_tokens", max_gen_toks)  # hf's generate takes it over max_gen_toks
         if isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int) or max_gen_toks < 1:
             raise GenerationError(f"max_gen_toks is {max_gen_toks!r:.60}; expected a positive integer")
+        if max_gen_toks >= self.max_length:  # no room left for the prompt
+            raise GenerationError(f"max_gen_toks is {max_gen_toks:,}; expected fewer than the context of "
+                                  f"{self.max_length:,} tokens, which the prompt shares")
         sampling = sampling_params(gen_kwargs)
         if gen_kwargs:
             raise GenerationError(f"{', '.join(sorted(gen_kwargs))[:200]}: not run by the engine; expected "

@@ -1129,6 +1129,8 @@ def test_a_template_naming_a_field_the_rows_lack_is_one_line(tiny_dir: Path, tmp
     ({"until": 5}, "until is 5; expected a string or a list of strings"),
     ({"max_gen_toks": "abc"}, "max_gen_toks is 'abc'; expected a positive integer"),
     ({"max_new_tokens": 0}, "max_gen_toks is 0; expected a positive integer"),
+    ({"max_gen_toks": 10**8}, "max_gen_toks is 100,000,000; expected fewer than the context of 1,024 tokens, which the "
+                              "prompt shares"),  # failed mid-run, the task unnamed
     ({"num_beams": 4}, "num_beams other than 1; the engine does not run beam search"),
     ({"do_sample": "yes"}, "do_sample is 'yes'; expected true or false"),
     ({"penalty_alpha": 0.6}, "penalty_alpha: not run by the engine; expected until, max_gen_toks"),
@@ -1150,7 +1152,7 @@ def run_settings(kwargs: dict) -> None:
     from gpt2_engine.harness import EngineLM
 
     lm = EngineLM.__new__(EngineLM)
-    lm.max_gen_toks, lm.seed, lm.steering = 256, 0, ()
+    lm.max_gen_toks, lm.seed, lm.steering, lm.max_length = 256, 0, (), 1024
     lm._settings(dict(kwargs), "<|endoftext|>")
 
 
@@ -1161,7 +1163,7 @@ def test_a_tasks_max_new_tokens_is_honoured_and_a_bad_key_is_one_line(tiny_dir: 
     from gpt2_engine.harness import GENERATION_KWARGS, EngineLM
 
     lm = EngineLM.__new__(EngineLM)
-    lm.max_gen_toks, lm.seed, lm.steering = 256, 0, ()
+    lm.max_gen_toks, lm.seed, lm.steering, lm.max_length = 256, 0, (), 1024
     settings, until = lm._settings({"until": ["\n"], "max_new_tokens": 150, "num_beams": 1}, "<|endoftext|>")
     assert settings.max_new_tokens == 150 and settings.sampling.greedy and until == ["\n", "<|endoftext|>"]
     task = data_task(tmp_path, FILES + "    test: {d}/d.jsonl\n")
