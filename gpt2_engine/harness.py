@@ -178,11 +178,12 @@ class EngineLM(TemplateLM):
     def _read_settings(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[GenerationSettings, list[str]]:
         """_settings without the task named in its errors."""
         until = stop_sequences(gen_kwargs.pop("until", None), eos)
+        given = "max_gen_toks" in gen_kwargs or "max_new_tokens" in gen_kwargs
         max_gen_toks = gen_kwargs.pop("max_gen_toks", self.max_gen_toks)
         max_gen_toks = gen_kwargs.pop("max_new_tokens", max_gen_toks)  # hf's generate takes it over max_gen_toks
         if isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int) or max_gen_toks < 1:
             raise GenerationError(f"max_gen_toks is {max_gen_toks!r:.60}; expected a positive integer")
-        if max_gen_toks >= self.max_length:  # no room left for the prompt
+        if given and max_gen_toks >= self.max_length:  # the task's: no room left for the prompt
             raise GenerationError(f"max_gen_toks is {max_gen_toks:,}; expected fewer than the context of "
                                   f"{self.max_length:,} tokens, which the prompt shares")
         sampling = sampling_params(gen_kwargs)

@@ -799,7 +799,7 @@ def test_a_nested_steering_vector_and_a_range_past_the_model_are_one_line(tiny_d
     torch.save(torch.nested.nested_tensor([torch.ones(64)]), tmp_path / "v.pt")
     one_line_error(*run_cli(["generate", "hi", "-n", "2", "--weights", str(tiny_dir), "--steer",
                              f"vector={tmp_path / 'v.pt'},hook=blocks.0.hook_resid_pre,coef=1"]),
-                   r"expected a dense tensor of values, got a nested one$")
+                   r"\(its tensor is a nested tensor; expected a dense one\)$")
     one_line_error(*run_cli(["inspect", "hi there", "--weights", str(tiny_dir), "--layers", "0-99999999999",
                              "--out", str(tmp_path / "o"), "--quiet"]),
                    r"--layers '0-99999999999': this model's layers are 0..1$")

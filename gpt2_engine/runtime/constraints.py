@@ -227,6 +227,9 @@ class GrammarLimits:
         """GrammarError where a grammar spells out more literal text in one alternative than max_spelled (llguidance
         joins it into one lexeme, whose cost no probe of the cheapest branch sees: grammar_text.py); else its
         longest literal."""
+        longest = max((len(m) - 2 for m in LITERAL.findall(spec)), default=0)
+        if longest > self.max_literal:
+            return longest  # check() names the one literal
         try:
             spelled = longest_literal(spec)
         except ValueError as e:
@@ -235,7 +238,7 @@ class GrammarLimits:
             raise GrammarError(f"{what} spells out up to {spelled:,} characters of literal text in one alternative "
                                f"(its literals joined and repeated, which llguidance makes one lexeme); at most "
                                f"{self.max_spelled:,}")
-        return max((len(m) - 2 for m in LITERAL.findall(spec)), default=0)
+        return longest
 
 
 ANNOTATIONS = frozenset({"description", "title", "$comment", "examples", "default", "$schema", "$id"})  # never generated
