@@ -402,6 +402,8 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('start: "a" | "b" ' + "/E/ " * 20, 20_001),  # a regex that is a plain string joins them too
     ('start: "a" | "b" ' + " ".join(f"x{i}" for i in range(20)) + "".join(f'\nx{i}: "E"' for i in range(20)), 20_001),
     ('root ::= "a" | "b" ("E"){20}', 20_001),  # GBNF's count
+    ('start: "a" | "b" ' + "/e{1000}/ " * 30, 30_001),  # regexes that are fixed strings (99 of them: 5 s a step)
+    ('start: "a" | "b" /((e{10}){10}){200}/ "E"', 21_001),  # a regex by its longest match, counts nested
 ])
 def test_a_grammar_that_spells_out_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
     """The thirteenth attack: llguidance joins literals one alternative spells out into one lexeme, whose cost is
@@ -417,16 +419,17 @@ def test_a_grammar_that_spells_out_a_long_literal_is_refused_before_it_compiles(
 @pytest.mark.parametrize("grammar", [
     'start: "a" | "b" ("E")~3',  # 3,001
     "start: " + " | ".join(f'"k{i}"' for i in range(1500)),  # alternatives are not joined
-    'start: "a" ("E" /[0-9]/)~30',  # a regex between literals ends the lexeme, but is counted: 1 + 30 x 1,005
+    'start: "a" ("E" /[0-9]/)~30',  # a regex between literals ends the lexeme, but is counted: 1 + 30 x 1,001
     'start: "x" start | "y"',  # recursion is not inlined
+    r'start: /[0-9]{1,10}/ /\d\d\d/ /(ab|cde){3}x*/ /[a-z]+/',  # regexes by their longest match, * and + once
 ])
 def test_legitimate_grammars_spell_out_what_they_say(grammar: str) -> None:
     """Alternatives are the longest of them, not their sum; a recursive rule counts its own reference as empty. The
     bound is an upper bound: literals separated by a regex are not one lexeme in llguidance, and are counted as one
     (a grammar that needs more literal text than 4,000 characters in an alternative is not one a model writes)."""
     limits, text = GrammarLimits(), grammar.replace("E", "e" * 1000)
-    if "[0-9]" in grammar:
-        with pytest.raises(GrammarError, match="spells out up to 30,151 characters"):
+    if "~30" in grammar:
+        with pytest.raises(GrammarError, match="spells out up to 30,031 characters"):
             limits.check(Constraint.grammar(text))
     else:
         limits.check(Constraint.grammar(text))
@@ -449,6 +452,12 @@ def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are
                    {"$defs": {"title": {"enum": [long]}}}):
         with pytest.raises(GrammarError, match="has a literal of 1,500 characters; at most 1,000"):
             limits.check(Constraint.json_schema(schema))
+    # a pattern's fixed text costs as a literal does (0.3 s for this one before llguidance's fuel ends it)
+    with pytest.raises(GrammarError, match=r"^the JSON schema has a pattern whose match spells out up to 30,001 "
+                                           r"characters; at most 4,000$"):
+        limits.check(Constraint.json_schema({"anyOf": [{"const": "a"},
+                                                       {"type": "string", "pattern": "^b(e{1000}){30}$"}]}))
+    limits.check(Constraint.json_schema({"type": "string", "pattern": r"^.{0,4000}$|^\d{4}-\d{2}-\d{2}$"}))
     grammars = Grammars(trained_model.tokenizer, trained_model.config.vocab_size)
     try:
         for choices in ([f"c{i}" for i in range(1999)], [f" word{i}" for i in range(1999)]):

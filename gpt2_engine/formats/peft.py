@@ -180,10 +180,7 @@ def check_selected(cfg: dict, path: Path, tensors: dict[str, torch.Tensor], conf
     targets, layers, excluded = target_list(cfg, path), layer_list(cfg, path), excluded_list(cfg, path)
     stems = [module_name(i, t) for i in range(config.n_layer) for t in ALL_TARGETS]
     adapted = {name.rpartition(".")[0] for name in tensors}
-    for stem in (s for s in stems if s in adapted):
-        if entry := next((e for e in excluded if picks(e, stem)), None):
-            raise LoraError(f"{path}: exclude_modules entry {entry!r} leaves out {stem}, which the adapter's weights "
-                            "update (PEFT would not load that update)")
+    check_not_excluded(path, [s for s in stems if s in adapted], excluded)
     if targets is None:
         return
     for entry in targets:
@@ -192,6 +189,14 @@ def check_selected(cfg: dict, path: Path, tensors: dict[str, torch.Tensor], conf
                             "attn.c_proj, c_fc, mlp.c_proj; c_proj for both)")
     named = "" if "target_modules" in cfg else " (PEFT's default for GPT-2, as the config gives none)"
     check_updated_modules(path, [s for s in stems if s in adapted], targets, named, layers)
+
+
+def check_not_excluded(path: Path, stems: list[str], excluded: list[str]) -> None:
+    """LoraError for an updated module (of `stems`) that an exclude_modules entry leaves out."""
+    for stem in stems:
+        if entry := next((e for e in excluded if picks(e, stem)), None):
+            raise LoraError(f"{path}: exclude_modules entry {entry!r} leaves out {stem}, which the adapter's weights "
+                            "update (PEFT would not load that update)")
 
 
 def check_updated_modules(path: Path, stems: list[str], targets: list[str], named: str, layers: list[int] | None) -> None:

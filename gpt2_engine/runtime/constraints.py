@@ -56,7 +56,7 @@ from ..core.errors import GenerationError
 from ..core.scalars import as_int, as_real
 from ..core.tokenizer import Tokenizer
 from . import grammar_worker
-from .grammar_text import longest_literal
+from .grammar_text import longest_literal, regex_length
 from .grammar_worker import KINDS, matcher_error
 
 CACHED_GRAMMARS = 64  # compiled grammars (and refused ones) kept, least recently used first out
@@ -206,9 +206,13 @@ class GrammarLimits:
         longest = 0
         if constraint.kind == "json_schema":
             try:
-                refs, depth, longest = schema_shape(json.loads(spec))
+                refs, depth, longest, spelled = schema_shape(json.loads(spec))
             except (ValueError, RecursionError):
-                raise GrammarError(f"{what} is not valid JSON, or nests too deeply to read") from None
+                raise GrammarError(f"{what} is not valid JSON, its patterns nest too deeply, or it nests too deeply "
+                                   "to read") from None
+            if spelled > self.max_spelled:  # llguidance's fuel ends it, but after ~0.3 s of the engine's time
+                raise GrammarError(f"{what} has a pattern whose match spells out up to {spelled:,} characters; at most "
+                                   f"{self.max_spelled:,}")
             if depth > self.max_depth:
                 raise GrammarError(f"{what} nests {depth:,} levels deep; at most {self.max_depth:,}")
             if refs > self.max_rules:
@@ -245,17 +249,20 @@ ANNOTATIONS = frozenset({"description", "title", "$comment", "examples", "defaul
 NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def schema_shape(schema: Any) -> tuple[int, int, int]:
-    """A parsed JSON schema's $ref count, nesting depth (objects and arrays) and longest string that can be generated
-    (property names, const and enum values, patterns; not a description, title, comment or example), walked without
-    recursion. A dict is a schema, or (under NAMED_SCHEMAS) a map from names to schemas."""
-    refs = deepest = longest = 0
+def schema_shape(schema: Any) -> tuple[int, int, int, int]:
+    """A parsed JSON schema's $ref count, nesting depth (objects and arrays), longest string that can be generated
+    (property names, const and enum values, patterns; not a description, title, comment or example) and longest
+    match of its patterns (grammar_text.regex_length), walked without recursion. A dict is a schema, or (under
+    NAMED_SCHEMAS) a map from names to schemas; ValueError for a pattern nested too deeply to read."""
+    refs = deepest = longest = spelled = 0
     todo = [(schema, 1, False)]
     while todo:
         node, depth, named = todo.pop()
         if isinstance(node, dict):
             refs += "$ref" in node and not named
             longest = max([longest, *map(len, node)])
+            if isinstance(node.get("pattern"), str) and not named:
+                spelled = max(spelled, regex_length(node["pattern"]))
             todo.extend((v, depth + 1, not named and k in NAMED_SCHEMAS) for k, v in node.items()
                         if named or k not in ANNOTATIONS)
         elif isinstance(node, list):
@@ -266,7 +273,7 @@ def schema_shape(schema: Any) -> tuple[int, int, int]:
         else:
             continue
         deepest = max(deepest, depth)
-    return refs, deepest, longest
+    return refs, deepest, longest, spelled
 
 
 class CompileWorker:

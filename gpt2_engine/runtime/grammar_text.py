@@ -5,8 +5,9 @@ llguidance joins what a rule spells out with literals alone (`"ab" "cd"`, a rule
 with none of its lexer fuel spent: `start: "a" | "b" ("e" * 1000)~20` costs 0.2 s of CPU at each token once "b" is
 taken, `~99` 6 s. The compile's probe follows the cheapest branch and cannot see it. So the longest literal text any
 one alternative can spell out is bounded here: an upper bound, reading every literal and /regex/ body as literal text
-of its length, a reference to a rule as that rule's longest, and a repetition by its largest count (`*`, `+`, `?` and
-unbounded counts once, as llguidance does not inline them). A rule that refers to itself counts its own references as
+(a regex as its longest match, `/e{1000}/` a thousand: llguidance makes a fixed string of a regex a literal too, and
+ninety-nine of those side by side cost 5 s a step), a reference to a rule as that rule's longest, and a repetition by
+its largest count (`*`, `+`, `?` and unbounded counts once, as llguidance does not inline them). A rule that refers to itself counts its own references as
 empty (recursion is not inlined either).
 """
 
@@ -27,6 +28,14 @@ TOKENS = r"""
 """
 LARK = re.compile(TOKENS % "", re.VERBOSE | re.DOTALL)
 GBNF = re.compile(TOKENS % r"|\[(?:[^\]\\\n]|\\.)*\]", re.VERBOSE | re.DOTALL)  # a character class: one character
+REGEX = re.compile(r"""
+    (?P<literal>\\.|\[(?:[^\]\\]|\\.)*\]|[^()|{}*+?\\\[^$])  # one character: escaped, a class, or plain
+  | (?P<counted>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
+  | (?P<open>\()
+  | (?P<close>\))
+  | (?P<bar>\|)
+  | (?P<other>.)
+""", re.VERBOSE | re.DOTALL)  # a /regex/ body: llguidance makes a fixed string of one (`/e{1000}/`) a literal too
 HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)
 COUNT = re.compile(r"\d+")
 
@@ -43,11 +52,17 @@ def longest_literal(text: str) -> int:
     return max((rule_length(name, parsed, memo) for name in parsed), default=0)
 
 
-def parse(body: str, token: re.Pattern[str]) -> list:
-    """A rule's body as nested lists: ["|", [alternative...]...] where an alternative is a list of items, each
-    (kind, value, count): ("literal", length, n), ("name", rule, n) or ("group", ["|", ...], n)."""
+def regex_length(pattern: str) -> int:
+    """An upper bound on the characters one match of `pattern` spells out (`*`, `+` and `?` once, counts expanded);
+    ValueError where its parentheses nest over MAX_NESTING levels."""
+    return node_length(parse(pattern, REGEX), {})
+
+
+def parse(body: str, token: re.Pattern[str], depth: int = 0) -> list:
+    """A rule's body (or a regex's) as nested lists: ["|", [alternative...]...] where an alternative is a list of
+    items, each (kind, value, count): ("literal", length, n), ("name", rule, n) or ("group", ["|", ...], n)."""
     tokens = [(m.lastgroup, m.group()) for m in token.finditer(body) if m.lastgroup not in ("space", "other")]
-    return alternatives(tokens, 0, 0)[0]
+    return alternatives(tokens, 0, depth)[0]
 
 
 def alternatives(tokens: list[tuple[str, str]], at: int, depth: int) -> tuple[list, int]:
@@ -66,7 +81,7 @@ def alternatives(tokens: list[tuple[str, str]], at: int, depth: int) -> tuple[li
             item = alts[-1][-1]
             alts[-1][-1] = (item[0], item[1], item[2] * max(map(int, COUNT.findall(value))))
         elif kind == "literal":
-            alts[-1].append(("literal", literal_length(value), 1))
+            alts[-1].append(("literal", literal_length(value, depth + 1) if len(value) > 1 else 1, 1))  # 1: a regex's
         elif kind == "name":
             alts[-1].append(("name", value.lstrip("?!").split(".")[0], 1))
         elif kind == "open":
@@ -75,10 +90,14 @@ def alternatives(tokens: list[tuple[str, str]], at: int, depth: int) -> tuple[li
     return ["|", *alts], at
 
 
-def literal_length(token: str) -> int:
-    """The characters a quoted string or a /regex/ body spells (escapes counted as written: an upper bound); a
-    character class one."""
-    return 1 if token.startswith("[") else len(token.rstrip("imslux")) - 2
+def literal_length(token: str, depth: int = 0) -> int:
+    """The characters a quoted string spells (escapes counted as written: an upper bound), a /regex/ body at most
+    (its counted repetitions expanded, `*`, `+` and `?` once), a character class one."""
+    if token.startswith(("[", "\\")):  # a class, or a regex's escaped character
+        return 1
+    if token.startswith("/"):
+        return node_length(parse(token.rstrip("imslux")[1:-1], REGEX, depth), {})  # regex_length, one level down
+    return len(token.rstrip("imslux")) - 2
 
 
 def rule_length(name: str, parsed: dict[str, list], memo: dict[str, int]) -> int:

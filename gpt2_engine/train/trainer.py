@@ -758,18 +758,24 @@ def _check_fields(path: Path, state: dict, total: int, generator_bytes: int) -> 
             raise TrainError(f"{path}: {name} is {_json(state.get(name))}, expected {expected}")
 
 
+def check_a_file(path: Path) -> None:
+    """TrainError where something other than a regular file is at `path` (a FIFO would block the read for ever, deaf
+    to SIGTERM); nothing there is the reader's to name."""
+    try:
+        kind = what_is(path)
+    except OSError as e:
+        raise TrainError(f"{path}: cannot be looked at ({one_line(e, 200)})") from None
+    if kind is not None and kind != "a regular file":
+        raise TrainError(f"{path}: {kind}, not a regular file (the optimizer state --resume continues from)")
+
+
 def read_moments(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """last/optimizer.safetensors: AdamW's moments under the names, shapes and dtypes of `expected` (the optimizer's
     own), each finite (and the second moments, means of squares, >= 0): a NaN moment would poison every update after
     the resume, and the run would blame its learning rate."""
     from safetensors.torch import load_file
 
-    try:
-        kind = what_is(path)
-    except OSError as e:
-        raise TrainError(f"{path}: cannot be looked at ({one_line(e, 200)})") from None
-    if kind is not None and kind != "a regular file":  # a FIFO would block the read for ever, deaf to SIGTERM
-        raise TrainError(f"{path}: {kind}, not a regular file (the optimizer state --resume continues from)")
+    check_a_file(path)
     try:
         moments = load_file(str(path))
     except FileNotFoundError:
