@@ -7,8 +7,8 @@ taken, `~99` 6 s. The compile's probe follows the cheapest branch and cannot see
 one alternative can spell out is bounded here: an upper bound, reading every literal and /regex/ body as literal text
 (a regex as its longest match, `/e{1000}/` a thousand: llguidance makes a fixed string of a regex a literal too, and
 ninety-nine of those side by side cost 5 s a step), a reference to a rule as that rule's longest, and a repetition by
-its largest count (`*`, `+`, `?` and unbounded counts once, as llguidance does not inline them). A rule that refers to itself counts its own references as
-empty (recursion is not inlined either).
+its largest count (`*`, `+`, `?` and unbounded counts once, as llguidance does not inline them). A rule that refers
+to itself counts its own references as empty (recursion is not inlined either).
 """
 
 from __future__ import annotations
