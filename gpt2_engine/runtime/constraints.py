@@ -245,7 +245,8 @@ class GrammarLimits:
         return longest
 
 
-ANNOTATIONS = frozenset({"description", "title", "$comment", "examples", "default", "$schema", "$id"})  # never generated
+# a schema's keys whose values are never generated (not literals), and those whose values are schemas by name
+ANNOTATIONS = frozenset({"description", "title", "$comment", "examples", "default", "$schema", "$id"})
 NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
