@@ -404,6 +404,7 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('root ::= "a" | "b" ("E"){20}', 20_001),  # GBNF's count
     ('start: "a" | "b" ' + "/e{1000}/ " * 30, 30_001),  # regexes that are fixed strings (99 of them: 5 s a step)
     ('start: "a" | "b" /((e{10}){10}){200}/ "E"', 21_001),  # a regex by its longest match, counts nested
+    ('start: "a" | "b" [' + '"E" ' * 5 + ']\nx: "::="', 5_001),  # Lark as llguidance tells it ([...] optional)
 ])
 def test_a_grammar_that_spells_out_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
     """The thirteenth attack: llguidance joins literals one alternative spells out into one lexeme, whose cost is

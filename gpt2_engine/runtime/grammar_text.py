@@ -38,6 +38,7 @@ REGEX = re.compile(r"""
 """, re.VERBOSE | re.DOTALL)  # a /regex/ body: llguidance makes a fixed string of one (`/e{1000}/`) a literal too
 HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)
 COUNT = re.compile(r"\d+")
+LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")  # llguidance's own test: else GBNF, converted to Lark
 
 
 def longest_literal(text: str) -> int:
@@ -46,7 +47,7 @@ def longest_literal(text: str) -> int:
     heads = list(HEAD.finditer(text))
     bodies = {m.group(1): text[m.end():nxt.start() if nxt else len(text)]
               for m, nxt in zip(heads, [*heads[1:], None])}
-    tokens = GBNF if "::=" in text else LARK  # llguidance reads a grammar with ::= rules as GBNF
+    tokens = LARK if LARK_SYNTAX.search(text) else GBNF
     parsed = {name: parse(body, tokens) for name, body in bodies.items()}
     memo: dict[str, int] = {}
     return max((rule_length(name, parsed, memo) for name in parsed), default=0)
