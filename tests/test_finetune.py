@@ -380,7 +380,7 @@ def test_the_python_api_reads_numpy_and_torch_numbers_and_refuses_the_rest_befor
                                ("warmup", 0.5, "warmup: expected an integer, got float 0.5"),
                                ("sample_every", 0.5, "sample_every: expected an integer, got float 0.5"),
                                ("epochs", "1", "epochs: expected a number, got str '1'"),
-                               ("weight_decay", float("nan"), "weight_decay: expected a number, got float nan"),
+                               ("weight_decay", float("nan"), "weight_decay: expected a finite number, got float nan"),
                                ("seed", -1, "seed: expected an integer in [0, 2^63), got -1"),
                                ("beta2", 1.0, "beta2: expected a number in [0, 1), got 1.0"),
                                ("recompute", 1, "recompute: expected True or False, got 1")]:

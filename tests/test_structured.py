@@ -22,6 +22,7 @@ from test_serve import live
 
 from gpt2_engine import GPT2, Constraint, GenerationError
 from gpt2_engine.runtime.constraints import GrammarError, GrammarLimits, Grammars
+from gpt2_engine.runtime.grammar_text import longest_literal
 
 openai = pytest.importorskip("openai", reason="the openai client is part of the test extra")
 
@@ -309,6 +310,17 @@ def test_a_chain_of_20000_rules_is_a_400_and_the_server_stays_up(server: str) ->
     assert after.status_code == 200 and re.fullmatch("[0-9]{3}", after.json()["choices"][0]["text"]), after.text
 
 
+def test_a_schema_holding_nan_is_a_400_not_null(server: str) -> None:
+    """The fourteenth attack: {"const": NaN} in a request body (Python's JSON reader takes NaN) generated `null`."""
+    r = httpx.post(f"{server}/v1/completions", timeout=60, headers={"Content-Type": "application/json"},
+                   content=b'{"prompt": "Answer:", "max_tokens": 5, "temperature": 0, '
+                           b'"structured_outputs": {"json": {"const": NaN}}}')
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "the JSON schema holds NaN or Infinity, which are not JSON numbers (llguidance would read them as "
+                   "null); expected finite numbers", "type": "invalid_request_error", "param": "structured_outputs",
+        "code": None}, r.text
+
+
 def test_a_crash_or_a_runaway_of_the_grammar_compiler_costs_only_its_process(trained_model: GPT2) -> None:
     """With the rule limit lifted, the chain reaches llguidance and crashes it, in the compile process; with the lexer
     fuel at llguidance's default, a counted repetition compiles for minutes, and the process is killed at the time
@@ -403,39 +415,58 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('start: "a" | "b" ' + " ".join(f"x{i}" for i in range(20)) + "".join(f'\nx{i}: "E"' for i in range(20)), 20_001),
     ('root ::= "a" | "b" ("E"){20}', 20_001),  # GBNF's count
     ('start: "a" | "b" ' + "/e{1000}/ " * 30, 30_001),  # regexes that are fixed strings (99 of them: 5 s a step)
-    ('start: "a" | "b" /((e{10}){10}){200}/ "E"', 21_001),  # a regex by its longest match, counts nested
-    ('start: "a" | "b" [' + '"E" ' * 5 + ']\nx: "::="', 5_001),  # Lark as llguidance tells it ([...] optional)
+    ('start: "a" | "b" /((e{10}){10}){200}/ "E"', 21_001),  # a regex's counts, nested
+    ('start: "a" | "b" [' + '"E" ' * 5 + ']\nx: "::="', 5_000),  # Lark as llguidance tells it ([...] optional)
+    # the fourteenth attack's (5.6 s a step each): a GBNF name with a dash, a rule with attributes, a terminal regex
+    ('root ::= "a" | "b" -e{99}\n-e ::= "E"', 99_001),
+    ('start: "a" | "b" e~99\ne[capture]: "E"', 99_001),
+    ('start: "a" | "b" E~99\nE: /e{1000}/', 99_001),
+    ('start: "a" | "b" y~20\ny: "E" | "E"', 20_001),  # alternatives that are one string (0.21 s a step)
+    ('start: "a" | "b" ("E")~10..20', 10_001),  # a range's first ten are joined (54 ms)
+    ('root ::= "a" | "b" ("E"){10,20}', 10_001),
+    ('start: "a" | "b" ' + '"E" ' * 10 + 'z\nz: "E" | "x"', 10_001),  # the run ends at a rule of two strings
 ])
-def test_a_grammar_that_spells_out_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
-    """The thirteenth attack: llguidance joins literals one alternative spells out into one lexeme, whose cost is
-    about the square of its length at every token and spends none of its lexer fuel (measured in grammar_text.py's
-    doc), behind a branch the probe never takes. Each form is refused from its text."""
+def test_a_grammar_that_joins_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
+    """The thirteenth and fourteenth attacks: llguidance joins a run of fixed strings into one lexeme, whose cost is
+    about the square of its length at every token and spends none of its lexer fuel (grammar_text.py's doc), behind
+    a branch the probe never takes. Each form is refused from its text, with the length llguidance would build."""
     text = grammar.replace("E", "e" * 1000)
-    with pytest.raises(GrammarError, match=rf"^the grammar spells out up to {spelled:,} characters of literal text in "
-                                           r"one alternative \(its literals joined and repeated, which llguidance makes "
-                                           r"one lexeme\); at most 4,000$"):
+    with pytest.raises(GrammarError, match=rf"^the grammar makes a literal of {spelled:,} characters \(fixed strings "
+                                           r"side by side or repeated, which llguidance joins into one lexeme that costs "
+                                           r"the square of its length at every token\); at most 4,000$"):
         GrammarLimits().check(Constraint.grammar(text))
 
 
-@pytest.mark.parametrize("grammar", [
-    'start: "a" | "b" ("E")~3',  # 3,001
-    "start: " + " | ".join(f'"k{i}"' for i in range(1500)),  # alternatives are not joined
-    'start: "a" ("E" /[0-9]/)~30',  # a regex between literals ends the lexeme, but is counted: 1 + 30 x 1,001
-    'start: "x" start | "y"',  # recursion is not inlined
-    r'start: /[0-9]{1,10}/ /\d\d\d/ /(ab|cde){3}x*/ /[a-z]+/',  # regexes by their longest match, * and + once
+LLAMA_CPP_ARRAY = r"""char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})
+item ::= "\"" char{0,1000} "\"" space
+root ::= "[" space (item ("," space item){0,9})? "]" space
+space ::= | " " | "\n" [ \t]{0,20}"""
+
+
+@pytest.mark.parametrize("grammar, longest", [
+    ('start: "a" | "b" ("E")~3', 3_001),
+    ("start: " + " | ".join(f'"k{i}"' for i in range(1500)), 5),  # alternatives are not joined
+    ('start: "a" ("E" /[0-9]/)~30', 1_000),  # a class ends the run (0.9 ms a step)
+    ('start: "a" | "b" ("E" ("x" | "y"))~20', 1_000),  # as does an alternation of different strings
+    ('start: "a" | "b" ("E" "x"?)~20', 1_000),  # an optional part
+    ('start: "a" | "b" ("E")+', 1_000),  # an unbounded repetition (not inlined)
+    ('start: "x" start | "y"', 1),  # recursion is not inlined
+    (r'start: /[0-9]{1,10}/ /\d\d\d/ /(ab|cde){3}x*/ /[a-z]+/', 3),  # "cde", a run inside an alternation
+    # the fourteenth attack's legitimate grammars, refused when everything in an alternative was counted
+    (LLAMA_CPP_ARRAY, 2),  # llama.cpp's JSON-schema-to-GBNF form of an array of strings of maxLength 1,000
+    ('root ::= date ("," date){0,364}\ndate ::= [0-9]{4} "-" [0-9]{2} "-" [0-9]{2}', 1),
+    ('start: UUID ("," UUID)~99\nUUID: /[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}/', 1),
+    ("start: " + " ".join(f'"Field {i} of the quarterly report: " NUM "\\n"' for i in range(80)) +
+     "\nNUM: /[0-9]+/", 36),  # a form: "\n" and the next field's label between its values
 ])
-def test_legitimate_grammars_spell_out_what_they_say(grammar: str) -> None:
-    """Alternatives are the longest of them, not their sum; a recursive rule counts its own reference as empty. The
-    bound is an upper bound: literals separated by a regex are not one lexeme in llguidance, and are counted as one
-    (a grammar that needs more literal text than 4,000 characters in an alternative is not one a model writes)."""
-    limits, text = GrammarLimits(), grammar.replace("E", "e" * 1000)
-    if "~30" in grammar:
-        with pytest.raises(GrammarError, match="spells out up to 30,031 characters"):
-            limits.check(Constraint.grammar(text))
-    else:
-        limits.check(Constraint.grammar(text))
+def test_legitimate_grammars_make_the_literals_they_say(grammar: str, longest: int) -> None:
+    """What ends a run of fixed strings, each measured (grammar_text.py's doc): a grammar of many short strings, or
+    of long ones between classes, alternations and optional parts, is read as what llguidance builds."""
+    text = grammar.replace("E", "e" * 1000)
+    assert longest_literal(text) == longest
+    GrammarLimits().check(Constraint.grammar(text))
     with pytest.raises(GrammarError, match=r"^the grammar: its parentheses nest over 100 levels$"):
-        limits.check(Constraint.grammar("start: " + "(" * 101 + '"a"' + ")" * 101))
+        GrammarLimits().check(Constraint.grammar("start: " + "(" * 101 + '"a"' + ")" * 101))
 
 
 def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are_judged_whole(
@@ -454,8 +485,9 @@ def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are
         with pytest.raises(GrammarError, match="has a literal of 1,500 characters; at most 1,000"):
             limits.check(Constraint.json_schema(schema))
     # a pattern's fixed text costs as a literal does (0.3 s for this one before llguidance's fuel ends it)
-    with pytest.raises(GrammarError, match=r"^the JSON schema has a pattern whose match spells out up to 30,001 "
-                                           r"characters; at most 4,000$"):
+    with pytest.raises(GrammarError, match=r"^the JSON schema has a pattern with 30,001 characters of fixed text in a "
+                                           r"row \(llguidance makes it one literal, which costs the square of its "
+                                           r"length at every token\); at most 4,000$"):
         limits.check(Constraint.json_schema({"anyOf": [{"const": "a"},
                                                        {"type": "string", "pattern": "^b(e{1000}){30}$"}]}))
     limits.check(Constraint.json_schema({"type": "string", "pattern": r"^.{0,4000}$|^\d{4}-\d{2}-\d{2}$"}))
@@ -492,7 +524,7 @@ def test_hostile_grammars_do_not_stall_concurrent_greedy_requests(server: str) -
         # the twelfth attack's: 96 bytes within the text limits, 27 ms a token (a concurrent greedy request took 12x)
         ({"regex": "e{9990}"}, 400, "ms of CPU a token to follow (the median of its first 16); at most 1 ms"),
         # the thirteenth's: 1.2 KB whose cheap branch ("a") passed the probe; "b" then cost 6 s of one step
-        ({"grammar": 'start: "a" | "b" ("' + "e" * 1000 + '")~99'}, 400, "spells out up to 99,001 characters"),
+        ({"grammar": 'start: "a" | "b" ("' + "e" * 1000 + '")~99'}, 400, "makes a literal of 99,001 characters"),
     ]
     with httpx.Client(base_url=server, timeout=120) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         def timed() -> float:
@@ -534,9 +566,15 @@ def test_a_schema_may_hold_numpy_and_torch_numbers_and_nothing_else_that_is_not_
     assert json.loads(Constraint.json_schema({"type": "integer", "maximum": np.int64(3), "minimum": torch.tensor(1),
                                               "multipleOf": np.float32(0.5)}).spec) == {
         "type": "integer", "maximum": 3, "minimum": 1, "multipleOf": 0.5}
-    for bad, name in (({"enum": {1, 2}}, "set"), ({"const": b"x"}, "bytes"), ({"maximum": np.bool_(True)}, "bool")):
+    assert json.loads(Constraint.json_schema({"const": np.bool_(False)}).spec) == {"const": False}
+    for bad, name in (({"enum": {1, 2}}, "set"), ({"const": b"x"}, "bytes")):
         with pytest.raises(GenerationError, match=rf"^the JSON schema must hold only JSON values \(.*\): Object of "
                                                   rf"type {name}_? is not JSON serializable$"):
+            Constraint.json_schema(bad)
+    # the fourteenth attack: {"const": NaN} (Python's json reads and writes NaN) generated null, with a 200
+    for bad in ({"const": float("nan")}, '{"const": NaN}', {"maximum": -float("inf")}, {"enum": [np.float64("nan")]}):
+        with pytest.raises(GenerationError, match=r"^the JSON schema holds NaN or Infinity, which are not JSON numbers "
+                                                  r"\(llguidance would read them as null\); expected finite numbers$"):
             Constraint.json_schema(bad)
 
 

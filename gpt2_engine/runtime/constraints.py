@@ -81,8 +81,10 @@ class GrammarError(GenerationError):
 MAX_CHOICES = 2000  # alternatives of one choice constraint
 
 
-def json_number(value: object) -> int | float:
-    """A numpy or torch scalar inside a schema as the JSON number it is (json.dumps' `default`); TypeError else."""
+def json_number(value: object) -> bool | int | float:
+    """A numpy or torch scalar inside a schema as the JSON value it is (json.dumps' `default`); TypeError else."""
+    if isinstance(value, np.bool_):
+        return bool(value)
     number = as_int(value)
     number = as_real(value) if number is None else number
     if number is None:
@@ -118,10 +120,13 @@ class Constraint:
             raise GenerationError(f"a JSON schema must be an object, or its JSON text (true is taken as {{}}: any "
                                   f"JSON), got {shown}", param="constraint")
         try:
-            text = json.dumps(schema, sort_keys=True, default=json_number)
+            text = json.dumps(schema, sort_keys=True, default=json_number, allow_nan=False)
         except RecursionError:
             raise GenerationError("the JSON schema nests too deeply to read", param="constraint") from None
-        except (TypeError, ValueError) as e:  # a set, bytes or a non-string key inside it
+        except (TypeError, ValueError) as e:  # a set, bytes or a non-string key inside it; NaN or Infinity
+            if "Out of range float" in str(e):
+                raise GenerationError("the JSON schema holds NaN or Infinity, which are not JSON numbers (llguidance "
+                                      "would read them as null); expected finite numbers", param="constraint") from None
             raise GenerationError(f"the JSON schema must hold only JSON values (dicts with string keys, lists, strings, "
                                   f"numbers, booleans, None): {e}", param="constraint") from None
         return cls("json_schema", text, whitespace_flexible)
@@ -179,7 +184,7 @@ class GrammarLimits:
 
     max_bytes: int = 100_000  # the schema, regex, choices or grammar text, in UTF-8 bytes
     max_literal: int = 1_000  # characters of one string (a JSON schema's, a choice, a grammar's): ~0.4 ms a token
-    max_spelled: int = 4_000  # literal text one alternative of a grammar spells out, joined and repeated: ~10 ms
+    max_spelled: int = 4_000  # a literal llguidance joins from a grammar's fixed strings, or a pattern's: ~10 ms
     max_regex: int = 10_000  # characters of a regex (what its repetitions cost is measured: token_seconds)
     max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
     max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
@@ -211,8 +216,9 @@ class GrammarLimits:
                 raise GrammarError(f"{what} is not valid JSON, its patterns nest too deeply, or it nests too deeply "
                                    "to read") from None
             if spelled > self.max_spelled:  # llguidance's fuel ends it, but after ~0.3 s of the engine's time
-                raise GrammarError(f"{what} has a pattern whose match spells out up to {spelled:,} characters; at most "
-                                   f"{self.max_spelled:,}")
+                raise GrammarError(f"{what} has a pattern with {spelled:,} characters of fixed text in a row "
+                                   f"(llguidance makes it one literal, which costs the square of its length at every "
+                                   f"token); at most {self.max_spelled:,}")
             if depth > self.max_depth:
                 raise GrammarError(f"{what} nests {depth:,} levels deep; at most {self.max_depth:,}")
             if refs > self.max_rules:
@@ -228,9 +234,9 @@ class GrammarLimits:
 
 
     def check_grammar(self, what: str, spec: str) -> int:
-        """GrammarError where a grammar spells out more literal text in one alternative than max_spelled (llguidance
-        joins it into one lexeme, whose cost no probe of the cheapest branch sees: grammar_text.py); else its
-        longest literal."""
+        """GrammarError where a grammar makes llguidance build a literal longer than max_spelled (fixed strings it joins
+        into one lexeme, whose cost no probe of the cheapest branch sees: grammar_text.py); else its longest
+        literal."""
         longest = max((len(m) - 2 for m in LITERAL.findall(spec)), default=0)
         if longest > self.max_literal:
             return longest  # check() names the one literal
@@ -239,9 +245,9 @@ class GrammarLimits:
         except ValueError as e:
             raise GrammarError(f"{what}: {e}") from None
         if spelled > self.max_spelled:
-            raise GrammarError(f"{what} spells out up to {spelled:,} characters of literal text in one alternative "
-                               f"(its literals joined and repeated, which llguidance makes one lexeme); at most "
-                               f"{self.max_spelled:,}")
+            raise GrammarError(f"{what} makes a literal of {spelled:,} characters (fixed strings side by side or "
+                               f"repeated, which llguidance joins into one lexeme that costs the square of its length "
+                               f"at every token); at most {self.max_spelled:,}")
         return longest
 
 

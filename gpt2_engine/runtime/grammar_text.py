@@ -1,145 +1,200 @@
-"""How long a literal a Lark or GBNF grammar can make, read from its text before llguidance sees it.
+"""How long a literal a Lark or GBNF grammar makes llguidance build, read from its text before llguidance sees it.
 
-llguidance joins what a rule spells out with literals alone (`"ab" "cd"`, a rule that is one literal, a group repeated
-`~N` or `{N}` times) into one lexeme, and a literal lexeme costs it about the square of its length at every token,
-with none of its lexer fuel spent: `start: "a" | "b" ("e" * 1000)~20` costs 0.2 s of CPU at each token once "b" is
-taken, `~99` 6 s. The compile's probe follows the cheapest branch and cannot see it. So the longest literal text any
-one alternative can spell out is bounded here: an upper bound, reading every literal and /regex/ body as literal text
-(a regex as its longest match, `/e{1000}/` a thousand: llguidance makes a fixed string of a regex a literal too, and
-ninety-nine of those side by side cost 5 s a step), a reference to a rule as that rule's longest, and a repetition by
-its largest count (`*`, `+`, `?` and unbounded counts once, as llguidance does not inline them). A rule that refers
-to itself counts its own references as empty (recursion is not inlined either).
+llguidance joins a run of fixed strings into one lexeme: quoted strings side by side (`"ab" "cd"`), a rule or a
+terminal that is one fixed string (`x: "ab"`, `X: /e{1000}/`), a group of them repeated an exact number of times
+(`~N`, `{N}`) and the first N of a range (`~N..M`, `{N,M}`). A literal lexeme costs it about the square of its length
+at every token, with none of its lexer fuel spent: `start: "a" | "b" ("e" * 1000)~20` costs 0.2 s of CPU at each
+token once "b" is taken, `~99` 6 s, and the compile's probe, following the cheapest branch, never meets it. What
+breaks a run, measured: an alternation of different strings (`"x" | "y"`, a character class, `\\d`, `.`), an optional
+or unbounded part (`?`, `*`, `+`, `[...]` in Lark), the rest of a range. So the longest run any rule spells out is
+computed here, exactly for these forms, and bounded (GrammarLimits.max_spelled); a rule that refers to itself is not
+a fixed string (recursion is not inlined).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-MAX_NESTING = 100  # parentheses in one rule (each a level of this reader's recursion)
-TOKENS = r"""
-    (?P<space>\s+|//[^\n]*|\#[^\n]*)
-  | (?P<literal>"(?:[^"\\\n]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*%s)
-  | (?P<counted>~\s*\d+(?:\s*\.\.\s*\d+)?|\{\s*\d+\s*(?:,\s*\d*\s*)?\})
-  | (?P<name>[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?)
-  | (?P<open>[(\[])
+MAX_NESTING = 100  # parentheses in one rule or regex (each a level of this reader's recursion)
+CAP = 1_000_000  # a run this long is refused whatever the bound: the texts compared are held to it
+LARK = re.compile(r"""
+    (?P<space>\s+|//[^\n]*)
+  | (?P<literal>"(?:[^"\\\n]|\\.)*"i?)
+  | (?P<regex>/(?:[^/\\\n]|\\.)+/[imslux]*)
+  | (?P<count>~\s*\d+(?:\s*\.\.\s*\d+)?)
+  | (?P<quant>[*+?])
+  | (?P<dots>\.\.)
+  | (?P<name>[A-Za-z_]\w*)
+  | (?P<open>\()
+  | (?P<option>\[)
   | (?P<close>[)\]])
   | (?P<bar>\|)
   | (?P<other>.)
-"""
-LARK = re.compile(TOKENS % "", re.VERBOSE | re.DOTALL)
-GBNF = re.compile(TOKENS % r"|\[(?:[^\]\\\n]|\\.)*\]", re.VERBOSE | re.DOTALL)  # a character class: one character
-REGEX = re.compile(r"""
-    (?P<literal>\\.|\[(?:[^\]\\]|\\.)*\]|[^()|{}*+?\\\[^$])  # one character: escaped, a class, or plain
-  | (?P<counted>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
+""", re.VERBOSE | re.DOTALL)
+GBNF = re.compile(r"""
+    (?P<space>\s+|\#[^\n]*)
+  | (?P<literal>"(?:[^"\\\n]|\\.)*")
+  | (?P<class>\[(?:[^\]\\\n]|\\.)*\]|\.)
+  | (?P<count>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
+  | (?P<quant>[*+?])
+  | (?P<name>[\w-]+)
   | (?P<open>\()
   | (?P<close>\))
   | (?P<bar>\|)
   | (?P<other>.)
-""", re.VERBOSE | re.DOTALL)  # a /regex/ body: llguidance makes a fixed string of one (`/e{1000}/`) a literal too
-HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)
-COUNT = re.compile(r"\d+")
+""", re.VERBOSE | re.DOTALL)
+REGEX = re.compile(r"""
+    (?P<class>\[(?:[^\]\\]|\\.)*\]|\\[dDwWsSbBpPhHvV]|\.)
+  | (?P<char>\\.|[^()|{}*+?\\\[^$])
+  | (?P<count>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
+  | (?P<quant>[*+?])
+  | (?P<open>\((?:\?(?:[:!=]|<[!=]|P?<\w+>))?)
+  | (?P<close>\))
+  | (?P<bar>\|)
+  | (?P<other>.)
+""", re.VERBOSE | re.DOTALL)
+LARK_HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?(?:\[[^\]\n]*\])?[ \t]*:", re.MULTILINE)
+GBNF_HEAD = re.compile(r"^[ \t]*([\w-]+)[ \t]*::=", re.MULTILINE)
 LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")  # llguidance's own test: else GBNF, converted to Lark
+COUNT = re.compile(r"\d+")
+DIRECTIVE = re.compile(r"^[ \t]*%.*$", re.MULTILINE)  # %import, %ignore, %llguidance: no rule's body
+QUANTS = ("*", "+", "?")
+
+
+@dataclass(frozen=True)
+class Spelled:
+    """What a rule, group or item spells: `fixed`, its one text where it is a fixed string (else None), and `run`, the
+    longest run of fixed strings inside it (its own length where it is fixed)."""
+
+    fixed: str | None
+    run: int
+
+
+NOT_FIXED = Spelled(None, 0)
+
+
+class Reader:
+    """One grammar's rules, each read once into what it spells (memo), in an order where what a rule refers to is read
+    before it (an explicit stack: a chain of a thousand rules recurses no Python frames); a rule still being read, a
+    reference back to itself, counts as not fixed."""
+
+    def __init__(self, text: str) -> None:
+        lark = LARK_SYNTAX.search(text) is not None
+        self.tokens, heads = (LARK, LARK_HEAD) if lark else (GBNF, GBNF_HEAD)
+        text = DIRECTIVE.sub("", text)
+        found = list(heads.finditer(text))
+        self.bodies = {m.group(1): text[m.end():nxt.start() if nxt else len(text)]
+                       for m, nxt in zip(found, [*found[1:], None])}
+        self.memo: dict[str, Spelled] = {}
+
+    def longest(self) -> int:
+        """The longest run of fixed strings any rule spells out."""
+        for root in self.bodies:
+            if root in self.memo:
+                continue
+            self.memo[root] = NOT_FIXED
+            stack = [(root, iter(self.references(root)))]
+            while stack:
+                name, refs = stack[-1]
+                child = next((r for r in refs if r in self.bodies and r not in self.memo), None)
+                if child is not None:
+                    self.memo[child] = NOT_FIXED  # on the stack: a reference back to it is recursion
+                    stack.append((child, iter(self.references(child))))
+                    continue
+                stack.pop()
+                self.memo[name] = self.read(self.bodies[name], self.tokens, 0)
+        return max((spelled.run for spelled in self.memo.values()), default=0)
+
+    def references(self, name: str) -> list[str]:
+        return [m.group() for m in self.tokens.finditer(self.bodies[name]) if m.lastgroup == "name"]
+
+    def read(self, body: str, token: re.Pattern[str], depth: int) -> Spelled:
+        tokens = [(m.lastgroup, m.group()) for m in token.finditer(body) if m.lastgroup not in ("space", "other")]
+        return self.alternatives(tokens, [0], depth)
+
+    def alternatives(self, tokens: list[tuple[str, str]], at: list[int], depth: int) -> Spelled:
+        """The alternatives from tokens[at[0]] to the matching close (or the end); at[0] moves past them."""
+        if depth > MAX_NESTING:
+            raise ValueError(f"its parentheses nest over {MAX_NESTING} levels")
+        alts: list[list[tuple[Spelled, str]]] = [[]]
+        while at[0] < len(tokens):
+            kind, value = tokens[at[0]]
+            at[0] += 1
+            if kind == "close":
+                break
+            if kind == "bar":
+                alts.append([])
+            elif kind in ("count", "quant", "dots"):
+                if alts[-1]:
+                    item, count = alts[-1][-1]
+                    alts[-1][-1] = (NOT_FIXED, "") if kind == "dots" else (item, count + value)  # "a".."z": a class
+            else:
+                alts[-1].append((self.item(kind, value, tokens, at, depth), ""))
+        return join([alternative(items) for items in alts])
+
+    def item(self, kind: str, value: str, tokens: list[tuple[str, str]], at: list[int], depth: int) -> Spelled:
+        """What one item spells (a group read to its close)."""
+        if kind == "literal":
+            text = value[1:-1] if value.endswith('"') else value[1:-2]  # "abc"i
+            return Spelled(text, len(text))
+        if kind == "char":  # a regex's character, maybe escaped
+            return Spelled(value[-1], 1)
+        if kind == "regex":
+            return self.read(value.rstrip("imslux")[1:-1], REGEX, depth + 1)
+        if kind == "name":
+            return self.memo.get(value, NOT_FIXED)  # read before this rule (longest's order), or not a rule
+        if kind in ("open", "option"):
+            inner = self.alternatives(tokens, at, depth + 1)
+            return Spelled(None, inner.run) if kind == "option" else inner  # Lark's [...]: optional
+        return Spelled(None, 1)  # a character class
+
+
+def alternative(items: list[tuple[Spelled, str]]) -> Spelled:
+    """One alternative: its runs of fixed strings summed (an exact count repeats a fixed item inside the run, a
+    range's first N end it, anything not fixed or optional ends it); fixed where every item is, counted exactly."""
+    run, best, text = 0, 0, ""
+    for spelled, count in items:
+        numbers = [int(n) for n in COUNT.findall(count)]
+        if spelled.fixed is None or count.startswith(QUANTS) or count.endswith(QUANTS):
+            best, run, text = max(best, run, spelled.run), 0, None
+            continue
+        times = min(numbers) if numbers else 1  # an exact count, or a range's least
+        run = min(run + len(spelled.fixed) * times, CAP)
+        if exact(count):
+            text = repeated(text, spelled.fixed, times)
+        else:  # a range: its first `times` are joined, the rest ends the run
+            best, run, text = max(best, run), 0, None
+    return Spelled(text, max(best, run))
+
+
+def exact(count: str) -> bool:
+    """Whether a count (Lark's ~N or ~N..M, GBNF's or a regex's {N}, {N,M} or {N,}) is one number of times."""
+    numbers = COUNT.findall(count)
+    return not numbers or len(set(numbers)) == 1 and (len(numbers) == 2 or not re.search(r"\.\.|,", count))
+
+
+def repeated(text: str | None, fixed: str, times: int) -> str | None:
+    """text + fixed * times, or None where either is past CAP (the run's length is what is bounded)."""
+    if text is None or len(text) + len(fixed) * times > CAP:
+        return None
+    return text + fixed * times
+
+
+def join(alts: list[Spelled]) -> Spelled:
+    """Alternatives together: a fixed string only where every one is the same fixed string."""
+    texts = {a.fixed for a in alts}
+    fixed = alts[0].fixed if len(texts) == 1 else None
+    return Spelled(fixed, max(a.run for a in alts))
 
 
 def longest_literal(text: str) -> int:
-    """An upper bound on the characters of literal text one lexeme of the grammar can hold (see the module's doc);
-    ValueError where its parentheses nest over MAX_NESTING levels."""
-    heads = list(HEAD.finditer(text))
-    bodies = {m.group(1): text[m.end():nxt.start() if nxt else len(text)]
-              for m, nxt in zip(heads, [*heads[1:], None])}
-    tokens = LARK if LARK_SYNTAX.search(text) else GBNF
-    parsed = {name: parse(body, tokens) for name, body in bodies.items()}
-    memo: dict[str, int] = {}
-    return max((rule_length(name, parsed, memo) for name in parsed), default=0)
+    """The longest literal lexeme (a run of fixed strings) the grammar makes llguidance build, in characters; ValueError
+    where its parentheses nest over MAX_NESTING levels."""
+    return Reader(text).longest()
 
 
 def regex_length(pattern: str) -> int:
-    """An upper bound on the characters one match of `pattern` spells out (`*`, `+` and `?` once, counts expanded);
-    ValueError where its parentheses nest over MAX_NESTING levels."""
-    return node_length(parse(pattern, REGEX), {})
-
-
-def parse(body: str, token: re.Pattern[str], depth: int = 0) -> list:
-    """A rule's body (or a regex's) as nested lists: ["|", [alternative...]...] where an alternative is a list of
-    items, each (kind, value, count): ("literal", length, n), ("name", rule, n) or ("group", ["|", ...], n)."""
-    tokens = [(m.lastgroup, m.group()) for m in token.finditer(body) if m.lastgroup not in ("space", "other")]
-    return alternatives(tokens, 0, depth)[0]
-
-
-def alternatives(tokens: list[tuple[str, str]], at: int, depth: int) -> tuple[list, int]:
-    """The alternatives from tokens[at] to the matching close (or the end), and where they stop."""
-    if depth > MAX_NESTING:
-        raise ValueError(f"its parentheses nest over {MAX_NESTING} levels")
-    alts: list[list] = [[]]
-    while at < len(tokens):
-        kind, value = tokens[at]
-        at += 1
-        if kind == "close":
-            break
-        if kind == "bar":
-            alts.append([])
-        elif kind == "counted" and alts[-1]:
-            item = alts[-1][-1]
-            alts[-1][-1] = (item[0], item[1], item[2] * max(map(int, COUNT.findall(value))))
-        elif kind == "literal":
-            alts[-1].append(("literal", literal_length(value, depth + 1) if len(value) > 1 else 1, 1))  # 1: a regex's
-        elif kind == "name":
-            alts[-1].append(("name", value.lstrip("?!").split(".")[0], 1))
-        elif kind == "open":
-            group, at = alternatives(tokens, at, depth + 1)
-            alts[-1].append(("group", group, 1))
-    return ["|", *alts], at
-
-
-def literal_length(token: str, depth: int = 0) -> int:
-    """The characters a quoted string spells (escapes counted as written: an upper bound), a /regex/ body at most
-    (its counted repetitions expanded, `*`, `+` and `?` once), a character class one."""
-    if token.startswith(("[", "\\")):  # a class, or a regex's escaped character
-        return 1
-    if token.startswith("/"):
-        return node_length(parse(token.rstrip("imslux")[1:-1], REGEX, depth), {})  # regex_length, one level down
-    return len(token.rstrip("imslux")) - 2
-
-
-def rule_length(name: str, parsed: dict[str, list], memo: dict[str, int]) -> int:
-    """The longest literal text rule `name` spells out; rules are evaluated in dependency order with an explicit
-    stack (a chain of a thousand rules must not recurse a thousand Python frames), a rule on the stack counting 0."""
-    if name in memo:
-        return memo[name]
-    stack, active = [name], {name}
-    while stack:
-        top = stack[-1]
-        missing = [r for r in references(parsed.get(top, ["|"])) if r in parsed and r not in memo and r not in active]
-        if missing:
-            stack.append(missing[0])
-            active.add(missing[0])
-            continue
-        memo[top] = node_length(parsed.get(top, ["|"]), memo)
-        stack.pop()
-        active.discard(top)
-    return memo[name]
-
-
-def references(node: list) -> set[str]:
-    """The rule names a parsed body refers to, at any depth."""
-    found, todo = set(), [node]
-    while todo:
-        for alt in todo.pop()[1:]:
-            for kind, value, _ in alt:
-                if kind == "name":
-                    found.add(value)
-                elif kind == "group":
-                    todo.append(value)
-    return found
-
-
-def node_length(node: list, memo: dict[str, int]) -> int:
-    """The longest alternative of a parsed node: items summed, each times its count (a rule not yet known counts 0)."""
-    def item(kind: str, value: object, count: int) -> int:
-        if kind == "literal":
-            return int(value) * count
-        if kind == "name":
-            return memo.get(str(value), 0) * count
-        return node_length(value, memo) * count  # type: ignore[arg-type]
-
-    return max((sum(item(*it) for it in alt) for alt in node[1:]), default=0)
+    """The longest run of fixed text in a regex (`e{1000}` a thousand; a class, `*` or `|` ends a run); ValueError
+    where its parentheses nest over MAX_NESTING levels."""
+    return Reader("").read(pattern, REGEX, 0).run

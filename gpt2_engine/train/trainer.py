@@ -134,8 +134,10 @@ class TrainSettings:
                 continue
             integer = name in self.INTEGERS
             read = as_int(value) if integer else as_real(value)
-            if read is None or (not integer and math.isnan(read)):
+            if read is None:
                 raise TrainError(f"{name}: expected {'an integer' if integer else 'a number'}, got {described(value)}")
+            if math.isnan(read):
+                raise TrainError(f"{name}: expected a finite number, got {described(value)}")
             object.__setattr__(self, name, read)
 
 
