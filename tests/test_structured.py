@@ -425,13 +425,14 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('start: "a" | "b" ("E")~10..20', 10_001),  # a range's first ten are joined (54 ms)
     ('root ::= "a" | "b" ("E"){10,20}', 10_001),
     ('start: "a" | "b" ' + '"E" ' * 10 + 'z\nz: "E" | "x"', 10_001),  # the run ends at a rule of two strings
+    ('start: "a" | "b" ("' + "\U0001F600" * 1000 + '")~4', 16_001),  # UTF-8 bytes, what the lexer reads
 ])
 def test_a_grammar_that_joins_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
     """The thirteenth and fourteenth attacks: llguidance joins a run of fixed strings into one lexeme, whose cost is
     about the square of its length at every token and spends none of its lexer fuel (grammar_text.py's doc), behind
     a branch the probe never takes. Each form is refused from its text, with the length llguidance would build."""
     text = grammar.replace("E", "e" * 1000)
-    with pytest.raises(GrammarError, match=rf"^the grammar makes a literal of {spelled:,} characters \(fixed strings "
+    with pytest.raises(GrammarError, match=rf"^the grammar makes a literal of {spelled:,} bytes \(fixed strings "
                                            r"side by side or repeated, which llguidance joins into one lexeme that costs "
                                            r"the square of its length at every token\); at most 4,000$"):
         GrammarLimits().check(Constraint.grammar(text))
@@ -485,7 +486,7 @@ def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are
         with pytest.raises(GrammarError, match="has a literal of 1,500 characters; at most 1,000"):
             limits.check(Constraint.json_schema(schema))
     # a pattern's fixed text costs as a literal does (0.3 s for this one before llguidance's fuel ends it)
-    with pytest.raises(GrammarError, match=r"^the JSON schema has a pattern with 30,001 characters of fixed text in a "
+    with pytest.raises(GrammarError, match=r"^the JSON schema has a pattern with 30,001 bytes of fixed text in a "
                                            r"row \(llguidance makes it one literal, which costs the square of its "
                                            r"length at every token\); at most 4,000$"):
         limits.check(Constraint.json_schema({"anyOf": [{"const": "a"},
@@ -524,7 +525,7 @@ def test_hostile_grammars_do_not_stall_concurrent_greedy_requests(server: str) -
         # the twelfth attack's: 96 bytes within the text limits, 27 ms a token (a concurrent greedy request took 12x)
         ({"regex": "e{9990}"}, 400, "ms of CPU a token to follow (the median of its first 16); at most 1 ms"),
         # the thirteenth's: 1.2 KB whose cheap branch ("a") passed the probe; "b" then cost 6 s of one step
-        ({"grammar": 'start: "a" | "b" ("' + "e" * 1000 + '")~99'}, 400, "makes a literal of 99,001 characters"),
+        ({"grammar": 'start: "a" | "b" ("' + "e" * 1000 + '")~99'}, 400, "makes a literal of 99,001 bytes"),
     ]
     with httpx.Client(base_url=server, timeout=120) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         def timed() -> float:

@@ -184,7 +184,7 @@ class GrammarLimits:
 
     max_bytes: int = 100_000  # the schema, regex, choices or grammar text, in UTF-8 bytes
     max_literal: int = 1_000  # characters of one string (a JSON schema's, a choice, a grammar's): ~0.4 ms a token
-    max_spelled: int = 4_000  # a literal llguidance joins from a grammar's fixed strings, or a pattern's: ~10 ms
+    max_spelled: int = 4_000  # UTF-8 bytes of a literal llguidance joins from fixed strings (a pattern's too): ~10 ms
     max_regex: int = 10_000  # characters of a regex (what its repetitions cost is measured: token_seconds)
     max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
     max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
@@ -216,7 +216,7 @@ class GrammarLimits:
                 raise GrammarError(f"{what} is not valid JSON, its patterns nest too deeply, or it nests too deeply "
                                    "to read") from None
             if spelled > self.max_spelled:  # llguidance's fuel ends it, but after ~0.3 s of the engine's time
-                raise GrammarError(f"{what} has a pattern with {spelled:,} characters of fixed text in a row "
+                raise GrammarError(f"{what} has a pattern with {spelled:,} bytes of fixed text in a row "
                                    f"(llguidance makes it one literal, which costs the square of its length at every "
                                    f"token); at most {self.max_spelled:,}")
             if depth > self.max_depth:
@@ -245,7 +245,7 @@ class GrammarLimits:
         except ValueError as e:
             raise GrammarError(f"{what}: {e}") from None
         if spelled > self.max_spelled:
-            raise GrammarError(f"{what} makes a literal of {spelled:,} characters (fixed strings side by side or "
+            raise GrammarError(f"{what} makes a literal of {spelled:,} bytes (fixed strings side by side or "
                                f"repeated, which llguidance joins into one lexeme that costs the square of its length "
                                f"at every token); at most {self.max_spelled:,}")
         return longest

@@ -65,7 +65,7 @@ QUANTS = ("*", "+", "?")
 @dataclass(frozen=True)
 class Spelled:
     """What a rule, group or item spells: `fixed`, its one text where it is a fixed string (else None), and `run`, the
-    longest run of fixed strings inside it (its own length where it is fixed)."""
+    longest run of fixed strings inside it, in UTF-8 bytes (its own length where it is fixed)."""
 
     fixed: str | None
     run: int
@@ -137,9 +137,9 @@ class Reader:
         """What one item spells (a group read to its close)."""
         if kind == "literal":
             text = value[1:-1] if value.endswith('"') else value[1:-2]  # "abc"i
-            return Spelled(text, len(text))
+            return Spelled(text, utf8(text))
         if kind == "char":  # a regex's character, maybe escaped
-            return Spelled(value[-1], 1)
+            return Spelled(value[-1], utf8(value[-1]))
         if kind == "regex":
             return self.read(value.rstrip("imslux")[1:-1], REGEX, depth + 1)
         if kind == "name":
@@ -160,12 +160,17 @@ def alternative(items: list[tuple[Spelled, str]]) -> Spelled:
             best, run, text = max(best, run, spelled.run), 0, None
             continue
         times = min(numbers) if numbers else 1  # an exact count, or a range's least
-        run = min(run + len(spelled.fixed) * times, CAP)
+        run = min(run + utf8(spelled.fixed) * times, CAP)
         if exact(count):
             text = repeated(text, spelled.fixed, times)
         else:  # a range: its first `times` are joined, the rest ends the run
             best, run, text = max(best, run), 0, None
     return Spelled(text, max(best, run))
+
+
+def utf8(text: str) -> int:
+    """A text's length in UTF-8 bytes, the unit llguidance's lexer reads (a 4-byte character costs four)."""
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def exact(count: str) -> bool:
@@ -189,7 +194,7 @@ def join(alts: list[Spelled]) -> Spelled:
 
 
 def longest_literal(text: str) -> int:
-    """The longest literal lexeme (a run of fixed strings) the grammar makes llguidance build, in characters; ValueError
+    """The longest literal lexeme (a run of fixed strings) the grammar makes llguidance build, in UTF-8 bytes; ValueError
     where its parentheses nest over MAX_NESTING levels."""
     return Reader(text).longest()
 
