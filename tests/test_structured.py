@@ -426,6 +426,8 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('root ::= "a" | "b" ("E"){10,20}', 10_001),
     ('start: "a" | "b" ' + '"E" ' * 10 + 'z\nz: "E" | "x"', 10_001),  # the run ends at a rule of two strings
     ('start: "a" | "b" ("' + "\U0001F600" * 1000 + '")~4', 16_001),  # UTF-8 bytes, what the lexer reads
+    ('start: "a" | "b" ("E" -> q)~20', 20_001),  # an alias is a tree node's name (0.21 s a step)
+    ('start: "a" | "b" x~20\nx[lazy]: "E"', 20_001),  # attributes on the rule's head
 ])
 def test_a_grammar_that_joins_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
     """The thirteenth and fourteenth attacks: llguidance joins a run of fixed strings into one lexeme, whose cost is

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 MAX_NESTING = 100  # parentheses in one rule or regex (each a level of this reader's recursion)
 CAP = 1_000_000  # a run this long is refused whatever the bound: the texts compared are held to it
 LARK = re.compile(r"""
-    (?P<space>\s+|//[^\n]*)
+    (?P<space>\s+|//[^\n]*|->\s*[A-Za-z_]\w*)  # an alias names a tree node: nothing to the lexer
   | (?P<literal>"(?:[^"\\\n]|\\.)*"i?)
   | (?P<regex>/(?:[^/\\\n]|\\.)+/[imslux]*)
   | (?P<count>~\s*\d+(?:\s*\.\.\s*\d+)?)
