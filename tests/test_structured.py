@@ -493,6 +493,8 @@ def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are
                                            r"length at every token\); at most 4,000$"):
         limits.check(Constraint.json_schema({"anyOf": [{"const": "a"},
                                                        {"type": "string", "pattern": "^b(e{1000}){30}$"}]}))
+    with pytest.raises(GrammarError, match=r"^the JSON schema has a pattern with 30,001 bytes of fixed text"):
+        limits.check(Constraint.json_schema({"type": "object", "patternProperties": {"^b(e{1000}){30}$": {}}}))
     limits.check(Constraint.json_schema({"type": "string", "pattern": r"^.{0,4000}$|^\d{4}-\d{2}-\d{2}$"}))
     grammars = Grammars(trained_model.tokenizer, trained_model.config.vocab_size)
     try:

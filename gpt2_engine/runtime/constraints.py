@@ -268,8 +268,10 @@ def schema_shape(schema: Any) -> tuple[int, int, int, int]:
         if isinstance(node, dict):
             refs += "$ref" in node and not named
             longest = max([longest, *map(len, node)])
-            if isinstance(node.get("pattern"), str) and not named:
-                spelled = max(spelled, regex_length(node["pattern"]))
+            if not named:  # a schema: its pattern, and its patternProperties' names, are regexes
+                names = node.get("patternProperties")
+                patterns = [node.get("pattern"), *(names if isinstance(names, dict) else ())]
+                spelled = max([spelled, *(regex_length(p) for p in patterns if isinstance(p, str))])
             todo.extend((v, depth + 1, not named and k in NAMED_SCHEMAS) for k, v in node.items()
                         if named or k not in ANNOTATIONS)
         elif isinstance(node, list):
