@@ -50,6 +50,30 @@ def test_tokenize_writes_llmc_shards_of_whole_documents(trained_model: GPT2, tmp
     assert state["documents"] == 40 and state["tokens"] == len(want) and state["done"]
 
 
+def test_tokenize_batches_by_text_size_too_and_writes_the_same_shards(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fourteenth attack: 256 documents were encoded together whatever their size, their tokens held as Python
+    ints (~40 bytes a token: 2.3 GB for 130 MB of text in 48 files). Batches now stop at BATCH_BYTES of text too;
+    the shards are the same bytes whatever the batches."""
+    data = corpus(tmp_path)
+    tokenize_command.tokenize_corpus([str(data)], tmp_path / "whole", 300, progress=False)
+    sizes = []
+    real = tokenize_command.batches
+
+    def seen(docs):
+        for batch in real(docs):
+            sizes.append((len(batch), sum(map(len, batch))))
+            yield batch
+
+    monkeypatch.setattr(tokenize_command, "BATCH_BYTES", 500)
+    monkeypatch.setattr(tokenize_command, "batches", seen)
+    tokenize_command.tokenize_corpus([str(data)], tmp_path / "small", 300, progress=False)
+    assert len(sizes) > 3 and all(size <= 500 or count == 1 for count, size in sizes)  # a longer document alone
+    for path in (tmp_path / "whole").glob("shard_*.bin"):
+        assert path.read_bytes() == (tmp_path / "small" / path.name).read_bytes()
+    assert len(list((tmp_path / "small").glob("shard_*.bin"))) == len(list((tmp_path / "whole").glob("shard_*.bin")))
+
+
 def test_a_killed_tokenize_resumes_to_the_same_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = corpus(tmp_path)
     tokenize_command.tokenize_corpus([str(data)], tmp_path / "whole", 300, progress=False)
