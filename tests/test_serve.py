@@ -216,7 +216,8 @@ def test_unknown_route_and_invalid_json(server: str) -> None:
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
-UNREADABLE = "the body is not valid JSON (its text is not UTF-8, or its values nest too deeply)"
+UNREADABLE = ("the body could not be read as JSON (its text is not UTF-8, its values nest too deeply, or an integer "
+              "has over 4,300 digits)")
 
 
 @pytest.mark.parametrize("body, message", [
@@ -224,6 +225,7 @@ UNREADABLE = "the body is not valid JSON (its text is not UTF-8, or its values n
     (b'{"prompt": "\xff\xfe", "max_tokens": 2}', UNREADABLE),
     (b"[" * 100_000, UNREADABLE),
     (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, UNREADABLE),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", UNREADABLE),  # valid JSON past Python's digit limit
     (b"", "the body is empty: expected a JSON object"),
 ])
 def test_an_unreadable_body_is_a_400_saying_why(server: str, body: bytes, message: str) -> None:

@@ -276,7 +276,8 @@ async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
     message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
     if message == UNREADABLE_BODY:  # FastAPI's words for a body json.loads raised other than JSONDecodeError on
-        message = "the body is not valid JSON (its text is not UTF-8, or its values nest too deeply)"
+        message = ("the body could not be read as JSON (its text is not UTF-8, its values nest too deeply, or an "
+                   "integer has over 4,300 digits)")
     return error_response(APIError(err.status_code, message, type=kind))
 
 
