@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import warnings
@@ -338,6 +339,9 @@ class GPT2:
         (steps, epochs, lr, batch_size, context, ...); `out`: checkpoints as `gpt2 finetune --out` writes them
         (None: none). `lora` (a rank, or LoraSettings): train a LoRA adapter on the frozen weights instead, float32
         or quantized (QLoRA); afterwards the model carries it (model.lora). Same code as `gpt2 finetune`."""
+        if unknown := sorted(set(settings) - {f.name for f in dataclasses.fields(TrainSettings)}):
+            raise GPT2EngineError(f"finetune: no setting {unknown[0]!r}; expected TrainSettings' fields "
+                                  f"({', '.join(f.name for f in dataclasses.fields(TrainSettings))})")
         lora = self._trainable(lora)
         weights = self.weights if lora is not None else trainable_copy(self.weights, self.config)
         # the base, as gpt2 finetune records it: for the resume check, and in an adapter's files

@@ -369,6 +369,7 @@ def test_the_python_api_reads_numpy_and_torch_numbers_and_refuses_the_rest_befor
     integer >= 1, got np.int64(2)", and lr=True, warmup=0.5 were taken. Numbers are read as generate reads them."""
     import numpy as np
 
+    from gpt2_engine.core.errors import GPT2EngineError
     from gpt2_engine.train.trainer import TrainError, TrainSettings
 
     read = TrainSettings(lr=np.float32(0.5), clip=torch.tensor(2.0), steps=np.int64(3), seed=torch.tensor(7),
@@ -390,6 +391,8 @@ def test_the_python_api_reads_numpy_and_torch_numbers_and_refuses_the_rest_befor
     texts = ["Return the value of the given key, or raise KeyError when it is missing. " * 8] * 6
     with pytest.raises(TrainError, match="^lr: expected a number, got str '0.1'$"):
         model.finetune(texts, steps=1, context=32, out=out, lr="0.1")
+    with pytest.raises(GPT2EngineError, match=r"^finetune: no setting 'bogus'; expected TrainSettings' fields \(context, "):
+        model.finetune(texts, steps=1, bogus=1)
     assert not out.exists()
     model.finetune(texts, steps=1, context=32, batch_size=2, out=out, lr=np.float32(1e-4), seed=np.int64(2))
     state = json.loads((out / "last" / "trainer_state.json").read_text())
