@@ -45,6 +45,15 @@ from .train.step import trainable_copy
 from .train.trainer import Base, Output, Started, Trainer, TrainResult, TrainSettings, record
 
 
+def train_settings(settings: dict[str, Any]) -> TrainSettings:
+    """finetune's keyword settings as TrainSettings; one that is not a field is named (not a constructor's
+    TypeError)."""
+    names = [f.name for f in dataclasses.fields(TrainSettings)]
+    if unknown := sorted(set(settings) - set(names)):
+        raise GPT2EngineError(f"finetune: no setting {unknown[0]!r}; expected TrainSettings' fields ({', '.join(names)})")
+    return TrainSettings(**settings)
+
+
 class GPT2:
     """A loaded GPT-2: config, weights and tokenizer, with a from-scratch forward pass."""
 
@@ -339,15 +348,12 @@ class GPT2:
         (steps, epochs, lr, batch_size, context, ...); `out`: checkpoints as `gpt2 finetune --out` writes them
         (None: none). `lora` (a rank, or LoraSettings): train a LoRA adapter on the frozen weights instead, float32
         or quantized (QLoRA); afterwards the model carries it (model.lora). Same code as `gpt2 finetune`."""
-        if unknown := sorted(set(settings) - {f.name for f in dataclasses.fields(TrainSettings)}):
-            raise GPT2EngineError(f"finetune: no setting {unknown[0]!r}; expected TrainSettings' fields "
-                                  f"({', '.join(f.name for f in dataclasses.fields(TrainSettings))})")
         lora = self._trainable(lora)
         weights = self.weights if lora is not None else trainable_copy(self.weights, self.config)
         # the base, as gpt2 finetune records it: for the resume check, and in an adapter's files
         fingerprint = weights_fingerprint(self.source) if self.source is not None and self.lora is None else ""
         base = fingerprint + (f":{self.quantize}" if fingerprint and self.quantize else "")
-        trainer = Trainer(weights, self.config, self.tokenizer, training_texts(texts_or_paths), TrainSettings(**settings),
+        trainer = Trainer(weights, self.config, self.tokenizer, training_texts(texts_or_paths), train_settings(settings),
                           val_texts=None if val is None else training_texts(val),
                           base=Base(base, lora, str(self.source.resolve()) if lora and self.source else "",
                                     fingerprint if lora else ""),

@@ -428,6 +428,22 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('start: "a" | "b" ("' + "\U0001F600" * 1000 + '")~4', 16_001),  # UTF-8 bytes, what the lexer reads
     ('start: "a" | "b" ("E" -> q)~20', 20_001),  # an alias is a tree node's name (0.21 s a step)
     ('start: "a" | "b" x~20\nx[lazy]: "E"', 20_001),  # attributes on the rule's head
+    # the fifteenth attack's (5.2-5.5 s a step each): spellings llguidance reads as the same fixed string
+    ('root ::= "a" | "b" x{99}\rx ::= "E"\r', 99_001),  # a bare CR ends a line, and a comment
+    ('root ::= "a" | "b" x{99} # c\rx ::= "E"\n', 99_001),
+    ('start: "a" | "b" E~99\nE: /\\x{65}{1000}/', 99_001),  # escapes of one character
+    ('start: "a" | "b" E~99\nE: /\\u{65}{1000}/', 99_001),
+    ('start: "a" | "b" E~99\nE: /e{1000}?/', 99_001),  # a lazy count is the same count
+    ('start: "a" | "b" E~99\nE: /(?x)e{1 0 0 0}/', 99_001),  # verbose: spaces are not the regex's
+    ('start: "a" | "b" E~99\nE: /e{1 0 0 0}/x', 99_001),
+    ('start: "a" | "b" E~99\nE: /[e]{1000}/', 99_001),  # a class of one character is that character
+    ('start: "a" | "b" E~99\nE: /[e-e]{1000}/', 99_001),
+    ('root ::= "a" | "b" x{99}\nx ::= [e]{1000}', 99_001),
+    ('start: "a" | "b" E~99\nE: ("e".."e")~1000', 99_001),  # a range of one character
+    ('start: "a" | "b" E~99\nE: /e{1000}{1}/', 99_001),  # counts of counts multiply
+    ('start: "a" | "b" e~99\ne [capture]: "E"', 99_001),  # heads as llguidance reads them
+    ('start: "a" | "b" e~99\ne[stop="]"]: "E"', 99_001),
+    ('?start: "a" | "b" ("E")~99', 99_001),  # Lark's own docs begin a grammar so
 ])
 def test_a_grammar_that_joins_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
     """The thirteenth and fourteenth attacks: llguidance joins a run of fixed strings into one lexeme, whose cost is
@@ -446,6 +462,18 @@ root ::= "[" space (item ("," space item){0,9})? "]" space
 space ::= | " " | "\n" [ \t]{0,20}"""
 
 
+LARK_DOCS_JSON = r"""?start: value
+?value: object | array | string | SIGNED_NUMBER -> number | "true" -> true | "false" -> false | "null" -> null
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS"""
+
+
 @pytest.mark.parametrize("grammar, longest", [
     ('start: "a" | "b" ("E")~3', 3_001),
     ("start: " + " | ".join(f'"k{i}"' for i in range(1500)), 5),  # alternatives are not joined
@@ -461,11 +489,12 @@ space ::= | " " | "\n" [ \t]{0,20}"""
     ('start: UUID ("," UUID)~99\nUUID: /[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}/', 1),
     ("start: " + " ".join(f'"Field {i} of the quarterly report: " NUM "\\n"' for i in range(80)) +
      "\nNUM: /[0-9]+/", 36),  # a form: "\n" and the next field's label between its values
+    (LARK_DOCS_JSON, 5),  # the fifteenth attack's: `?start:` was read as GBNF and failed to convert
 ])
 def test_legitimate_grammars_make_the_literals_they_say(grammar: str, longest: int) -> None:
     """What ends a run of fixed strings, each measured (grammar_text.py's doc): a grammar of many short strings, or
     of long ones between classes, alternations and optional parts, is read as what llguidance builds."""
-    text = grammar.replace("E", "e" * 1000)
+    text = grammar.replace("E", "e" * 1000) if "ESCAPED" not in grammar else grammar
     assert longest_literal(text) == longest
     GrammarLimits().check(Constraint.grammar(text))
     with pytest.raises(GrammarError, match=r"^the grammar: its parentheses nest over 100 levels$"):
@@ -506,6 +535,11 @@ def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are
                 guide.accept(token)
             assert guide.finished
         grammars.compile(Constraint.grammar("start: " + " | ".join(f'"k{i}"' for i in range(1500))))
+        # the fifteenth attack's: Lark's documented JSON grammar (`?start:`), a pattern of 1,400 characters
+        grammars.compile(Constraint.grammar(LARK_DOCS_JSON))
+        countries = "^(" + "|".join(f"Country{i:03d}" for i in range(140)) + ")$"
+        assert len(countries) > 1_400
+        grammars.compile(Constraint.json_schema({"type": "string", "pattern": countries}))
     finally:
         grammars.close()
     with pytest.raises(GenerationError, match=r"^choice: over 2,000 choices; expected at most 2,000$"):

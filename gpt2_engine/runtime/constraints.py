@@ -258,9 +258,10 @@ NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definiti
 
 def schema_shape(schema: Any) -> tuple[int, int, int, int]:
     """A parsed JSON schema's $ref count, nesting depth (objects and arrays), longest string that can be generated
-    (property names, const and enum values, patterns; not a description, title, comment or example) and longest
-    match of its patterns (grammar_text.regex_length), walked without recursion. A dict is a schema, or (under
-    NAMED_SCHEMAS) a map from names to schemas; ValueError for a pattern nested too deeply to read."""
+    (property names, const and enum values; not a description, title, comment or example) and longest run of fixed
+    text in its patterns (grammar_text.regex_length: a pattern is a regex, not a literal), walked without recursion.
+    A dict is a schema, or (under NAMED_SCHEMAS) a map from names to schemas; ValueError for a pattern nested too
+    deeply to read."""
     refs = deepest = longest = spelled = 0
     todo = [(schema, 1, False)]
     while todo:
@@ -268,12 +269,10 @@ def schema_shape(schema: Any) -> tuple[int, int, int, int]:
         if isinstance(node, dict):
             refs += "$ref" in node and not named
             longest = max([longest, *map(len, node)])
-            if not named:  # a schema: its pattern, and its patternProperties' names, are regexes
-                names = node.get("patternProperties")
-                patterns = [node.get("pattern"), *(names if isinstance(names, dict) else ())]
-                spelled = max([spelled, *(regex_length(p) for p in patterns if isinstance(p, str))])
+            if not named:
+                spelled = max(spelled, patterns_run(node))
             todo.extend((v, depth + 1, not named and k in NAMED_SCHEMAS) for k, v in node.items()
-                        if named or k not in ANNOTATIONS)
+                        if named or (k not in ANNOTATIONS and not (k == "pattern" and isinstance(v, str))))
         elif isinstance(node, list):
             todo.extend((v, depth + 1, False) for v in node)
         elif isinstance(node, str):
@@ -283,6 +282,13 @@ def schema_shape(schema: Any) -> tuple[int, int, int, int]:
             continue
         deepest = max(deepest, depth)
     return refs, deepest, longest, spelled
+
+
+def patterns_run(schema: dict) -> int:
+    """The longest run of fixed text in a schema's own regexes: its pattern and its patternProperties' names."""
+    names = schema.get("patternProperties")
+    patterns = [schema.get("pattern"), *(names if isinstance(names, dict) else ())]
+    return max((regex_length(p) for p in patterns if isinstance(p, str)), default=0)
 
 
 class CompileWorker:

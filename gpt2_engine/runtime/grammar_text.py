@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .grammar_worker import LARK_SYNTAX
+
 MAX_NESTING = 100  # parentheses in one rule or regex (each a level of this reader's recursion)
 CAP = 1_000_000  # a run this long is refused whatever the bound: the texts compared are held to it
 LARK = re.compile(r"""
@@ -45,18 +47,19 @@ GBNF = re.compile(r"""
   | (?P<other>.)
 """, re.VERBOSE | re.DOTALL)
 REGEX = re.compile(r"""
-    (?P<class>\[(?:[^\]\\]|\\.)*\]|\\[dDwWsSbBpPhHvV]|\.)
-  | (?P<char>\\.|[^()|{}*+?\\\[^$])
+    (?P<space>\(\?[a-zA-Z-]+\))  # inline flags: (?x), (?i)
+  | (?P<class>\[(?:[^\]\\]|\\.)*\]|\\[pP](?:\{[^}]*\}|\w)|\\[dDwWsSbBhHvV]|\.)
+  | (?P<char>\\[xu]\{[0-9a-fA-F]+\}|\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}|\\.|[^()|{}*+?\\\[^$])
   | (?P<count>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
   | (?P<quant>[*+?])
-  | (?P<open>\((?:\?(?:[:!=]|<[!=]|P?<\w+>))?)
+  | (?P<open>\((?:\?(?:[:!=]|<[!=]|P?<\w+>|[a-zA-Z-]+:))?)
   | (?P<close>\))
   | (?P<bar>\|)
   | (?P<other>.)
 """, re.VERBOSE | re.DOTALL)
-LARK_HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?(?:\[[^\]\n]*\])?[ \t]*:", re.MULTILINE)
+ATTRIBUTES = r'(?:[ \t]*\[(?:[^\]"\n]|"(?:[^"\\\n]|\\.)*")*\])?'  # llguidance's [capture], [stop="]"], [lazy]
+LARK_HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_]\w*)(?:[ \t]*\.-?\d+)?" + ATTRIBUTES + r"[ \t]*:", re.MULTILINE)
 GBNF_HEAD = re.compile(r"^[ \t]*([\w-]+)[ \t]*::=", re.MULTILINE)
-LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")  # llguidance's own test: else GBNF, converted to Lark
 COUNT = re.compile(r"\d+")
 DIRECTIVE = re.compile(r"^[ \t]*%.*$", re.MULTILINE)  # %import, %ignore, %llguidance: no rule's body
 QUANTS = ("*", "+", "?")
@@ -80,6 +83,7 @@ class Reader:
     reference back to itself, counts as not fixed."""
 
     def __init__(self, text: str) -> None:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # llguidance ends a line at either
         lark = LARK_SYNTAX.search(text) is not None
         self.tokens, heads = (LARK, LARK_HEAD) if lark else (GBNF, GBNF_HEAD)
         text = DIRECTIVE.sub("", text)
@@ -110,6 +114,8 @@ class Reader:
         return [m.group() for m in self.tokens.finditer(self.bodies[name]) if m.lastgroup == "name"]
 
     def read(self, body: str, token: re.Pattern[str], depth: int) -> Spelled:
+        if token is REGEX and VERBOSE.search(body):
+            body = unverbose(body)
         tokens = [(m.lastgroup, m.group()) for m in token.finditer(body) if m.lastgroup not in ("space", "other")]
         return self.alternatives(tokens, [0], depth)
 
@@ -117,7 +123,7 @@ class Reader:
         """The alternatives from tokens[at[0]] to the matching close (or the end); at[0] moves past them."""
         if depth > MAX_NESTING:
             raise ValueError(f"its parentheses nest over {MAX_NESTING} levels")
-        alts: list[list[tuple[Spelled, str]]] = [[]]
+        alts: list[list[tuple[Spelled, tuple[str, ...]]]] = [[]]
         while at[0] < len(tokens):
             kind, value = tokens[at[0]]
             at[0] += 1
@@ -127,11 +133,24 @@ class Reader:
                 alts.append([])
             elif kind in ("count", "quant", "dots"):
                 if alts[-1]:
-                    item, count = alts[-1][-1]
-                    alts[-1][-1] = (NOT_FIXED, "") if kind == "dots" else (item, count + value)  # "a".."z": a class
+                    alts[-1][-1] = self.counted(alts[-1][-1], kind, value, tokens, at)
             else:
-                alts[-1].append((self.item(kind, value, tokens, at, depth), ""))
+                alts[-1].append((self.item(kind, value, tokens, at, depth), ()))
         return join([alternative(items) for items in alts])
+
+    def counted(self, last: tuple[Spelled, tuple[str, ...]], kind: str, value: str, tokens: list[tuple[str, str]],
+                at: list[int]) -> tuple[Spelled, tuple[str, ...]]:
+        """The last item with a count or quantifier added (a `?` after one is lazy: the same text), or a Lark range
+        in its place (`"e".."e"` is the one character)."""
+        item, counts = last
+        if kind == "dots":
+            end = tokens[at[0]][1] if at[0] < len(tokens) and tokens[at[0]][0] == "literal" else None
+            at[0] += end is not None
+            same = end is not None and item.fixed is not None and end[1:-1] == item.fixed and len(item.fixed) == 1
+            return (item if same else Spelled(None, 1), counts)
+        if value == "?" and counts:  # lazy
+            return last
+        return item, (*counts, value)
 
     def item(self, kind: str, value: str, tokens: list[tuple[str, str]], at: list[int], depth: int) -> Spelled:
         """What one item spells (a group read to its close)."""
@@ -139,33 +158,70 @@ class Reader:
             text = value[1:-1] if value.endswith('"') else value[1:-2]  # "abc"i
             return Spelled(text, utf8(text))
         if kind == "char":  # a regex's character, maybe escaped
-            return Spelled(value[-1], utf8(value[-1]))
+            char = unescape(value)
+            return Spelled(char, utf8(char))
         if kind == "regex":
-            return self.read(value.rstrip("imslux")[1:-1], REGEX, depth + 1)
+            body, flags = value[1:value.rindex("/")], value[value.rindex("/") + 1:]
+            return self.read(unverbose(body) if "x" in flags else body, REGEX, depth + 1)
         if kind == "name":
             return self.memo.get(value, NOT_FIXED)  # read before this rule (longest's order), or not a rule
         if kind in ("open", "option"):
             inner = self.alternatives(tokens, at, depth + 1)
             return Spelled(None, inner.run) if kind == "option" else inner  # Lark's [...]: optional
-        return Spelled(None, 1)  # a character class
+        char = one_character(value)
+        return Spelled(char, utf8(char)) if char is not None else Spelled(None, 1)  # a class
 
 
-def alternative(items: list[tuple[Spelled, str]]) -> Spelled:
-    """One alternative: its runs of fixed strings summed (an exact count repeats a fixed item inside the run, a
-    range's first N end it, anything not fixed or optional ends it); fixed where every item is, counted exactly."""
+def alternative(items: list[tuple[Spelled, tuple[str, ...]]]) -> Spelled:
+    """One alternative: its runs of fixed strings summed (exact counts repeat a fixed item inside the run, a range's
+    first N end it, anything not fixed or optional ends it); fixed where every item is, counted exactly."""
     run, best, text = 0, 0, ""
-    for spelled, count in items:
-        numbers = [int(n) for n in COUNT.findall(count)]
-        if spelled.fixed is None or count.startswith(QUANTS) or count.endswith(QUANTS):
+    for spelled, counts in items:
+        if spelled.fixed is None or any(c in QUANTS for c in counts):
             best, run, text = max(best, run, spelled.run), 0, None
             continue
-        times = min(numbers) if numbers else 1  # an exact count, or a range's least
+        times, exact = 1, True
+        for count in counts:  # e{1000}{1}: each count repeats what the one before made
+            numbers = [int(n) for n in COUNT.findall(count)]
+            times = min(times * min(numbers), CAP)
+            exact = exact and is_exact(count)
         run = min(run + utf8(spelled.fixed) * times, CAP)
-        if exact(count):
+        if exact:
             text = repeated(text, spelled.fixed, times)
         else:  # a range: its first `times` are joined, the rest ends the run
             best, run, text = max(best, run), 0, None
     return Spelled(text, max(best, run))
+
+
+def is_exact(count: str) -> bool:
+    """Whether a count (Lark's ~N or ~N..M, GBNF's or a regex's {N}, {N,M} or {N,}) is one number of times."""
+    numbers = COUNT.findall(count)
+    return len(set(numbers)) == 1 and (len(numbers) == 2 or not re.search(r"\.\.|,", count))
+
+
+def one_character(token: str) -> str | None:
+    """The one character a class matches, where it matches one (`[e]`, `[e-e]`, `[\\x65]`): llguidance makes it a
+    literal; else None."""
+    body = token[1:-1] if token.startswith("[") and token.endswith("]") and len(token) > 2 else None
+    if body is None or body.startswith("^"):
+        return None
+    if m := re.fullmatch(r"(\\[xu]\{[0-9a-fA-F]+\}|\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\.|[^\\])(?:-\1)?", body):
+        return unescape(m.group(1))
+    return None
+
+
+def unescape(char: str) -> str:
+    """A regex's or class's one character, its escape read (`\\x65`, `\\u{65}`: e)."""
+    if m := re.fullmatch(r"\\[xuU]\{?([0-9a-fA-F]+)\}?", char):
+        code = int(m.group(1), 16)
+        return chr(code) if code < 0x110000 else "\ufffd"
+    return char[-1]
+
+
+VERBOSE = re.compile(r"\(\?[a-wyz]*x")  # (?x) or (?ix): whitespace and # comments are not the regex's
+def unverbose(body: str) -> str:
+    """A verbose regex without its whitespace and comments (escapes and classes kept)."""
+    return re.sub(r"(\\.|\[(?:[^\]\\]|\\.)*\])|\s+|#[^\n]*", lambda m: m.group(1) or "", body)
 
 
 def utf8(text: str) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import select
 import signal
 import statistics
@@ -30,6 +31,9 @@ from typing import Any, BinaryIO
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 NO_TEXT = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons at the first mask: nothing can be generated
+# Lark, as llguidance tells it from GBNF (a `start` rule or a %llguidance block), and `?start:` as Lark's own docs
+# write its JSON grammar (llguidance would read that as GBNF and fail to convert it)
+LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start\s*(?:\.-?\d+)?\s*(?:\[[^\]\n]*\])?\s*:)")
 PROBE_TOKENS = 16  # tokens a compile takes on a copy of the matcher: a grammar that fails or is slow on its first ones
 
 
@@ -50,8 +54,8 @@ def definition(kind: str, spec: str, whitespace_flexible: bool = False) -> str:
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
     if kind == "regex":
         return llguidance.grammar_from("regex", spec)
-    if kind == "grammar":
-        return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
+    if kind == "grammar":  # Lark, or GBNF converted to Lark
+        return llguidance.grammar_from("lark" if LARK_SYNTAX.search(spec) else "grammar", spec)
     raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
