@@ -444,6 +444,19 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('start: "a" | "b" e~99\ne [capture]: "E"', 99_001),  # heads as llguidance reads them
     ('start: "a" | "b" e~99\ne[stop="]"]: "E"', 99_001),
     ('?start: "a" | "b" ("E")~99', 99_001),  # Lark's own docs begin a grammar so
+    # the sixteenth attack's (5.3-5.6 s a step each)
+    ('start: "a" | "b" X{99}\nX: "E"', 99_001),  # llguidance's Lark takes {N} as its GBNF converter writes it
+    ('start: "a" | "b" X{99,200}\nX: "E"', 99_001),
+    ('root ::= "a" | "b" x{#c\n99}\nx ::= "E"', 99_001),  # a comment inside a count
+    ('root ::= "a" | "b" x{99}\nx ::= "E"\nc ::= [\rstart:]', 99_001),  # a CR does not make GBNF Lark
+    ('start: "a" | "b" X~99\nX: /[ee]{1000}/', 99_001),  # classes of one character however written
+    ('start: "a" | "b" X~99\nX: /[e&&e]{1000}/', 99_001),
+    ('start: "a" | "b" X~99\nX: /[[e]]{1000}/', 99_001),
+    ('start: "a" | "b" X~99\nX: /[e-f--f]{1000}/', 99_001),
+    ('start: "a" | "b" X~99\nX: /[\\x65e]{1000}/', 99_001),
+    ('start: "a" | "b" X~99\nX: ("e" | "\\x65")~1000', 99_001),  # one string, escaped or not
+    ('start: "a" | "b" X~99 | %lark {\nX: "E"\n}\nX: "z"', 99_001),  # a name defined twice: the longer counts
+    ('start: "a" | "b" (LF~1000)~99\n%import common.LF', 99_001),  # Lark's common LF is "\n"
 ])
 def test_a_grammar_that_joins_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
     """The thirteenth and fourteenth attacks: llguidance joins a run of fixed strings into one lexeme, whose cost is
@@ -484,11 +497,11 @@ string : ESCAPED_STRING
     ('start: "x" start | "y"', 1),  # recursion is not inlined
     (r'start: /[0-9]{1,10}/ /\d\d\d/ /(ab|cde){3}x*/ /[a-z]+/', 3),  # "cde", a run inside an alternation
     # the fourteenth attack's legitimate grammars, refused when everything in an alternative was counted
-    (LLAMA_CPP_ARRAY, 2),  # llama.cpp's JSON-schema-to-GBNF form of an array of strings of maxLength 1,000
+    (LLAMA_CPP_ARRAY, 1),  # llama.cpp's JSON-schema-to-GBNF form of an array of strings of maxLength 1,000
     ('root ::= date ("," date){0,364}\ndate ::= [0-9]{4} "-" [0-9]{2} "-" [0-9]{2}', 1),
     ('start: UUID ("," UUID)~99\nUUID: /[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}/', 1),
     ("start: " + " ".join(f'"Field {i} of the quarterly report: " NUM "\\n"' for i in range(80)) +
-     "\nNUM: /[0-9]+/", 36),  # a form: "\n" and the next field's label between its values
+     "\nNUM: /[0-9]+/", 35),  # a form: "\n" (one byte) and the next field's label between its values
     (LARK_DOCS_JSON, 5),  # the fifteenth attack's: `?start:` was read as GBNF and failed to convert
 ])
 def test_legitimate_grammars_make_the_literals_they_say(grammar: str, longest: int) -> None:

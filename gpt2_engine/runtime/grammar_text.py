@@ -5,10 +5,13 @@ terminal that is one fixed string (`x: "ab"`, `X: /e{1000}/`), a group of them r
 (`~N`, `{N}`) and the first N of a range (`~N..M`, `{N,M}`). A literal lexeme costs it about the square of its length
 at every token, with none of its lexer fuel spent: `start: "a" | "b" ("e" * 1000)~20` costs 0.2 s of CPU at each
 token once "b" is taken, `~99` 6 s, and the compile's probe, following the cheapest branch, never meets it. What
-breaks a run, measured: an alternation of different strings (`"x" | "y"`, a character class, `\\d`, `.`), an optional
-or unbounded part (`?`, `*`, `+`, `[...]` in Lark), the rest of a range. So the longest run any rule spells out is
-computed here, exactly for these forms, and bounded (GrammarLimits.max_spelled); a rule that refers to itself is not
-a fixed string (recursion is not inlined).
+breaks a run, measured: an alternation of different strings (`"x" | "y"`, a class of more than one character, `\\d`,
+`.`), an optional or unbounded part (`?`, `*`, `+`, `[...]` in Lark), the rest of a range. What does not: the same
+string written twice or escaped (`"e" | "\\x65"`), a class of one character however written (`[e]`, `[e&&e]`,
+`"e".."e"`), a lazy or a repeated count. So the longest run any rule spells out is computed here, reading strings,
+escapes, counts and Rust's classes as llguidance does, and bounded (GrammarLimits.max_spelled); a rule that refers to
+itself is not a fixed string (recursion is not inlined). This reader is a bound on what a grammar makes, kept in step
+with llguidance's syntax by the attacks in tests/test_structured.py: llguidance's compiled grammar is not exposed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ LARK = re.compile(r"""
     (?P<space>\s+|//[^\n]*|->\s*[A-Za-z_]\w*)  # an alias names a tree node: nothing to the lexer
   | (?P<literal>"(?:[^"\\\n]|\\.)*"i?)
   | (?P<regex>/(?:[^/\\\n]|\\.)+/[imslux]*)
-  | (?P<count>~\s*\d+(?:\s*\.\.\s*\d+)?)
+  | (?P<count>~\s*\d+(?:\s*\.\.\s*\d+)?|\{\s*\d+\s*(?:,\s*\d*\s*)?\})  # llguidance takes {N} in Lark too
   | (?P<quant>[*+?])
   | (?P<dots>\.\.)
   | (?P<name>[A-Za-z_]\w*)
@@ -48,7 +51,7 @@ GBNF = re.compile(r"""
 """, re.VERBOSE | re.DOTALL)
 REGEX = re.compile(r"""
     (?P<space>\(\?[a-zA-Z-]+\))  # inline flags: (?x), (?i)
-  | (?P<class>\[(?:[^\]\\]|\\.)*\]|\\[pP](?:\{[^}]*\}|\w)|\\[dDwWsSbBhHvV]|\.)
+  | (?P<class>\[(?:[^\[\]\\]|\\.|\[(?:[^\]\\]|\\.)*\])*\]|\\[pP](?:\{[^}]*\}|\w)|\\[dDwWsSbBhHvV]|\.)
   | (?P<char>\\[xu]\{[0-9a-fA-F]+\}|\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}|\\.|[^()|{}*+?\\\[^$])
   | (?P<count>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
   | (?P<quant>[*+?])
@@ -63,6 +66,23 @@ GBNF_HEAD = re.compile(r"^[ \t]*([\w-]+)[ \t]*::=", re.MULTILINE)
 COUNT = re.compile(r"\d+")
 DIRECTIVE = re.compile(r"^[ \t]*%.*$", re.MULTILINE)  # %import, %ignore, %llguidance: no rule's body
 QUANTS = ("*", "+", "?")
+STRINGS = r'"(?:[^"\\\n]|\\.)*"|\[(?:[^\]\\\n]|\\.)*\]'  # kept whole while comments are taken out
+GBNF_COMMENT = re.compile(rf"({STRINGS})|#[^\n]*")  # to the line's end, inside a count too: `x{{#c\n99}}`
+LARK_COMMENT = re.compile(rf"({STRINGS}|/(?:[^/\\\n]|\\.)+/)|//[^\n]*")
+IMPORT = re.compile(r"^[ \t]*%import[ \t]+common(?:\.(\w+)(?:[ \t]*->[ \t]*(\w+))?|[ \t]*\(([^)]*)\))", re.MULTILINE)
+COMMON = {"CR": "\r", "LF": "\n"}  # Lark's common terminals that are one fixed string (the others: classes, or runs)
+
+
+def imports(text: str) -> dict[str, Spelled]:
+    """The terminals a grammar imports from Lark's common set, under the names it gives them: CR and LF as their one
+    character, every other one not fixed (classes such as DIGIT, runs such as WORD)."""
+    found: dict[str, Spelled] = {}
+    for m in IMPORT.finditer(text):
+        pairs = [(m.group(1), m.group(2) or m.group(1))] if m.group(1) else [
+            (n.strip(), n.strip()) for n in m.group(3).split(",") if n.strip()]
+        for name, alias in pairs:
+            found[alias] = Spelled(COMMON[name], 1) if name in COMMON else Spelled(None, 1)
+    return found
 
 
 @dataclass(frozen=True)
@@ -83,14 +103,17 @@ class Reader:
     reference back to itself, counts as not fixed."""
 
     def __init__(self, text: str) -> None:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")  # llguidance ends a line at either
-        lark = LARK_SYNTAX.search(text) is not None
+        lark = LARK_SYNTAX.search(text) is not None  # on the text as given, as llguidance decides
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # llguidance ends a line (and a comment) at either
         self.tokens, heads = (LARK, LARK_HEAD) if lark else (GBNF, GBNF_HEAD)
+        text = (LARK_COMMENT if lark else GBNF_COMMENT).sub(lambda m: m.group(1) or " ", text)
+        imported = imports(text)
         text = DIRECTIVE.sub("", text)
         found = list(heads.finditer(text))
-        self.bodies = {m.group(1): text[m.end():nxt.start() if nxt else len(text)]
-                       for m, nxt in zip(found, [*found[1:], None])}
-        self.memo: dict[str, Spelled] = {}
+        self.bodies: dict[str, list[str]] = {}
+        for m, nxt in zip(found, [*found[1:], None]):  # a name defined twice (a nested %lark): each definition
+            self.bodies.setdefault(m.group(1), []).append(text[m.end():nxt.start() if nxt else len(text)])
+        self.memo: dict[str, Spelled] = {name: spelled for name, spelled in imported.items() if name not in self.bodies}
 
     def longest(self) -> int:
         """The longest run of fixed strings any rule spells out."""
@@ -107,11 +130,12 @@ class Reader:
                     stack.append((child, iter(self.references(child))))
                     continue
                 stack.pop()
-                self.memo[name] = self.read(self.bodies[name], self.tokens, 0)
+                self.memo[name] = max((self.read(body, self.tokens, 0) for body in self.bodies[name]),
+                                      key=lambda spelled: spelled.run)
         return max((spelled.run for spelled in self.memo.values()), default=0)
 
     def references(self, name: str) -> list[str]:
-        return [m.group() for m in self.tokens.finditer(self.bodies[name]) if m.lastgroup == "name"]
+        return [m.group() for body in self.bodies[name] for m in self.tokens.finditer(body) if m.lastgroup == "name"]
 
     def read(self, body: str, token: re.Pattern[str], depth: int) -> Spelled:
         if token is REGEX and VERBOSE.search(body):
@@ -146,8 +170,10 @@ class Reader:
         if kind == "dots":
             end = tokens[at[0]][1] if at[0] < len(tokens) and tokens[at[0]][0] == "literal" else None
             at[0] += end is not None
-            same = end is not None and item.fixed is not None and end[1:-1] == item.fixed and len(item.fixed) == 1
-            return (item if same else Spelled(None, 1), counts)
+            if end is None or item.fixed is None or len(item.fixed) != 1 or len(unescape_all(end[1:-1])) != 1:
+                return Spelled(None, 1), counts
+            low, high = ord(item.fixed), ord(unescape_all(end[1:-1]))  # "a".."z": a class, "e".."e" the e
+            return (Spelled(item.fixed, utf8(item.fixed)) if low == high else Spelled(None, 1)), counts
         if value == "?" and counts:  # lazy
             return last
         return item, (*counts, value)
@@ -155,7 +181,7 @@ class Reader:
     def item(self, kind: str, value: str, tokens: list[tuple[str, str]], at: list[int], depth: int) -> Spelled:
         """What one item spells (a group read to its close)."""
         if kind == "literal":
-            text = value[1:-1] if value.endswith('"') else value[1:-2]  # "abc"i
+            text = unescape_all(value[1:-1] if value.endswith('"') else value[1:-2])  # "abc"i
             return Spelled(text, utf8(text))
         if kind == "char":  # a regex's character, maybe escaped
             char = unescape(value)
@@ -168,8 +194,7 @@ class Reader:
         if kind in ("open", "option"):
             inner = self.alternatives(tokens, at, depth + 1)
             return Spelled(None, inner.run) if kind == "option" else inner  # Lark's [...]: optional
-        char = one_character(value)
-        return Spelled(char, utf8(char)) if char is not None else Spelled(None, 1)  # a class
+        return as_character(value)  # a class
 
 
 def alternative(items: list[tuple[Spelled, tuple[str, ...]]]) -> Spelled:
@@ -185,7 +210,7 @@ def alternative(items: list[tuple[Spelled, tuple[str, ...]]]) -> Spelled:
             numbers = [int(n) for n in COUNT.findall(count)]
             times = min(times * min(numbers), CAP)
             exact = exact and is_exact(count)
-        run = min(run + utf8(spelled.fixed) * times, CAP)
+        run = min(run + spelled.run * times, CAP)
         if exact:
             text = repeated(text, spelled.fixed, times)
         else:  # a range: its first `times` are joined, the rest ends the run
@@ -199,15 +224,106 @@ def is_exact(count: str) -> bool:
     return len(set(numbers)) == 1 and (len(numbers) == 2 or not re.search(r"\.\.|,", count))
 
 
-def one_character(token: str) -> str | None:
-    """The one character a class matches, where it matches one (`[e]`, `[e-e]`, `[\\x65]`): llguidance makes it a
-    literal; else None."""
-    body = token[1:-1] if token.startswith("[") and token.endswith("]") and len(token) > 2 else None
-    if body is None or body.startswith("^"):
-        return None
-    if m := re.fullmatch(r"(\\[xu]\{[0-9a-fA-F]+\}|\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\.|[^\\])(?:-\1)?", body):
-        return unescape(m.group(1))
-    return None
+def as_character(token: str) -> Spelled:
+    """A class (`[...]`, `.`, `\\d`, a Lark range): the one character it matches, where it matches one (llguidance
+    makes `[e]`, `[e-e]`, `[e&&e]`, `[[e]]` the literal e, and joins it into a run), else not fixed (one byte of a
+    run it ends). A class this reader cannot read counts as a fixed character (an upper bound)."""
+    try:
+        members, end = class_members(token, 0) if token.startswith("[") else ([], 0)
+    except (IndexError, ValueError):
+        return Spelled("\0" + token, 4)
+    if token.startswith("[") and end == len(token) and sum(hi - lo + 1 for lo, hi in members) == 1:
+        char = chr(members[0][0])
+        return Spelled(char, utf8(char))
+    return Spelled(None, 1)
+
+
+MAX_CODE = 0x10FFFF
+PERL = {"d": [(0x30, 0x39)], "w": [(0, MAX_CODE)], "s": [(0, MAX_CODE)]}  # \\d as ASCII digits: enough to count
+
+
+def class_members(text: str, at: int) -> tuple[list[tuple[int, int]], int]:
+    """The code point ranges of the Rust regex class starting at text[at] ("["), and where it ends: nested classes,
+    ranges, escapes, and `&&`, `--`, `~~` between sets (as regex-syntax reads them)."""
+    at += 1
+    negated = text.startswith("^", at)
+    at += negated
+    result: list[tuple[int, int]] | None = None
+    operator, current, first = "", [], True
+    while not (text[at] == "]" and not first):
+        first = False
+        if text.startswith(("&&", "--", "~~"), at):
+            result, operator, current = combine(result, operator, current), text[at:at + 2], []
+            at += 2
+        elif text.startswith("[:", at):  # [:alpha:]
+            current, at = [*current, (0, MAX_CODE)], text.index(":]", at) + 2
+        elif text[at] == "[":
+            inner, at = class_members(text, at)
+            current = [*current, *inner]
+        else:
+            low, at = class_char(text, at)
+            if isinstance(low, list):
+                current = [*current, *low]
+            elif text[at] == "-" and text[at + 1] != "]" and not text.startswith("--", at):
+                high, at = class_char(text, at + 1)
+                current = [*current, (low, high if isinstance(high, int) else MAX_CODE)]
+            else:
+                current = [*current, (low, low)]
+    result = combine(result, operator, current)
+    return (complement(result) if negated else result), at + 1
+
+
+def class_char(text: str, at: int) -> tuple[int | list[tuple[int, int]], int]:
+    """One character of a class (its code point) or a Perl class inside it (its ranges), and where it ends."""
+    if text[at] != "\\":
+        return ord(text[at]), at + 1
+    m = re.compile(r"\\(?:x\{([0-9a-fA-F]+)\}|u\{([0-9a-fA-F]+)\}|x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|"
+                   r"U([0-9a-fA-F]{8})|([dDwWsS])|[pP](?:\{[^}]*\}|\w)|(.))", re.DOTALL).match(text, at)
+    if m is None:
+        raise ValueError("an escape this reader does not know")
+    code = next((g for g in m.groups()[:5] if g), None)
+    if code is not None:
+        return min(int(code, 16), MAX_CODE), m.end()
+    if m.group(6):
+        letter = m.group(6)
+        return (PERL[letter] if letter.islower() else complement(PERL[letter.lower()])), m.end()
+    if m.group(7) is not None:
+        return ord(SIMPLE_ESCAPES.get(m.group(7), m.group(7))), m.end()
+    return [(0, MAX_CODE)], m.end()  # \\p{...}: many
+
+
+def combine(left: list[tuple[int, int]] | None, operator: str, right: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """left OPERATOR right for code point sets (no operator yet: right)."""
+    if left is None or not operator:
+        return merged(right)
+    if operator == "&&":
+        return intersect(left, right)
+    if operator == "--":
+        return intersect(left, complement(right))
+    return merged([*intersect(left, complement(right)), *intersect(right, complement(left))])  # ~~
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for low, high in sorted(r for r in ranges if r[0] <= r[1]):
+        if out and low <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
+
+
+def complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for low, high in merged(ranges):
+        if low > start:
+            out.append((start, low - 1))
+        start = high + 1
+    return [*out, (start, MAX_CODE)] if start <= MAX_CODE else out
+
+
+def intersect(left: list[tuple[int, int]], right: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return merged([(max(a, c), min(b, d)) for a, b in merged(left) for c, d in merged(right) if max(a, c) <= min(b, d)])
 
 
 def unescape(char: str) -> str:
@@ -216,6 +332,19 @@ def unescape(char: str) -> str:
         code = int(m.group(1), 16)
         return chr(code) if code < 0x110000 else "\ufffd"
     return char[-1]
+
+
+STRING_ESCAPE = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]+\}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", re.DOTALL)
+SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r"}
+
+
+def unescape_all(text: str) -> str:
+    """A quoted string's text with its escapes read (`"\\x65"` is "e", as llguidance reads it)."""
+    def one(m: re.Match[str]) -> str:
+        escape = m.group()
+        return SIMPLE_ESCAPES.get(escape[1], escape[1]) if len(escape) == 2 else unescape(escape)
+
+    return STRING_ESCAPE.sub(one, text)
 
 
 VERBOSE = re.compile(r"\(\?[a-wyz]*x")  # (?x) or (?ix): whitespace and # comments are not the regex's
@@ -243,7 +372,8 @@ def repeated(text: str | None, fixed: str, times: int) -> str | None:
 
 
 def join(alts: list[Spelled]) -> Spelled:
-    """Alternatives together: a fixed string only where every one is the same fixed string."""
+    """Alternatives together: a fixed string only where every one is the same string (llguidance joins `"e" | "e"`,
+    and `"e" | "\\x65"`, whose escapes are read), else the longest run inside any of them."""
     texts = {a.fixed for a in alts}
     fixed = alts[0].fixed if len(texts) == 1 else None
     return Spelled(fixed, max(a.run for a in alts))
