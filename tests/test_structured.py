@@ -512,6 +512,8 @@ def test_legitimate_grammars_make_the_literals_they_say(grammar: str, longest: i
     GrammarLimits().check(Constraint.grammar(text))
     with pytest.raises(GrammarError, match=r"^the grammar: its parentheses nest over 100 levels$"):
         GrammarLimits().check(Constraint.grammar("start: " + "(" * 101 + '"a"' + ")" * 101))
+    with pytest.raises(GrammarError, match=r"^the grammar: an item carries over 8 counts or quantifiers$"):
+        GrammarLimits().check(Constraint.grammar('start: "a"' + "~2" * 20_000))  # each count was a tuple copied
 
 
 def test_what_a_json_schema_never_generates_is_not_a_literal_and_short_texts_are_judged_whole(

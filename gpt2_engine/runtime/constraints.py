@@ -11,9 +11,9 @@ weak model at temperature 1 otherwise can spend all its tokens on spaces and new
 Hostile grammars, and what bounds them (GrammarLimits): llguidance's compiler recurses once per level of a grammar
 and overflows its stack (a SIGSEGV) on a chain of a few thousand rules; counted repetitions spend its lexer fuel for
 minutes at its default; a long literal costs it about the square of its length at every token, whatever its fuel.
-So a grammar's text is first checked here (bytes, longest literal, the literal text an alternative spells out:
-grammar_text.py, rules, $refs, nesting); then compiled, with its
-first mask and 16 tokens taken on a copy, in a separate process (runtime/grammar_worker.py) within a time limit,
+So a grammar's text is first checked here (bytes, longest literal, the literal llguidance would join from its fixed
+strings: grammar_text.py, rules, $refs, nesting); then compiled, with its first mask and 16 tokens taken on a copy,
+in a separate process (runtime/grammar_worker.py) within a time limit,
 so that a crash or a runaway there costs a 400, never the server, and a grammar whose tokens cost more CPU than
 `token_seconds` is refused; then compiled again in this process, on a thread with four times that process's stack.
 Each token's mask and advance are timed in the engine thread: llguidance cannot be interrupted, so a step over

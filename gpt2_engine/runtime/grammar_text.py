@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .grammar_worker import LARK_SYNTAX
 
 MAX_NESTING = 100  # parentheses in one rule or regex (each a level of this reader's recursion)
+MAX_COUNTS = 8  # counts on one item (`e{10}{10}`): more is no grammar a user writes, and each is read
 CAP = 1_000_000  # a run this long is refused whatever the bound: the texts compared are held to it
 LARK = re.compile(r"""
     (?P<space>\s+|//[^\n]*|->\s*[A-Za-z_]\w*)  # an alias names a tree node: nothing to the lexer
@@ -176,6 +177,8 @@ class Reader:
             return (Spelled(item.fixed, utf8(item.fixed)) if low == high else Spelled(None, 1)), counts
         if value == "?" and counts:  # lazy
             return last
+        if len(counts) == MAX_COUNTS:
+            raise ValueError(f"an item carries over {MAX_COUNTS} counts or quantifiers")
         return item, (*counts, value)
 
     def item(self, kind: str, value: str, tokens: list[tuple[str, str]], at: list[int], depth: int) -> Spelled:
@@ -249,26 +252,27 @@ def class_members(text: str, at: int) -> tuple[list[tuple[int, int]], int]:
     negated = text.startswith("^", at)
     at += negated
     result: list[tuple[int, int]] | None = None
-    operator, current, first = "", [], True
+    operator, current, first = "", [], True  # current: list[tuple[int, int]]
     while not (text[at] == "]" and not first):
         first = False
         if text.startswith(("&&", "--", "~~"), at):
             result, operator, current = combine(result, operator, current), text[at:at + 2], []
             at += 2
         elif text.startswith("[:", at):  # [:alpha:]
-            current, at = [*current, (0, MAX_CODE)], text.index(":]", at) + 2
+            current.append((0, MAX_CODE))
+            at = text.index(":]", at) + 2
         elif text[at] == "[":
             inner, at = class_members(text, at)
-            current = [*current, *inner]
+            current.extend(inner)
         else:
             low, at = class_char(text, at)
             if isinstance(low, list):
-                current = [*current, *low]
+                current.extend(low)
             elif text[at] == "-" and text[at + 1] != "]" and not text.startswith("--", at):
                 high, at = class_char(text, at + 1)
-                current = [*current, (low, high if isinstance(high, int) else MAX_CODE)]
+                current.append((low, high if isinstance(high, int) else MAX_CODE))
             else:
-                current = [*current, (low, low)]
+                current.append((low, low))
     result = combine(result, operator, current)
     return (complement(result) if negated else result), at + 1
 
@@ -323,7 +327,17 @@ def complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def intersect(left: list[tuple[int, int]], right: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    return merged([(max(a, c), min(b, d)) for a, b in merged(left) for c, d in merged(right) if max(a, c) <= min(b, d)])
+    """Both sets' common ranges, in one pass over the two sorted lists (a class may hold thousands of ranges)."""
+    a, b, out, i, j = merged(left), merged(right), [], 0, 0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if low <= high:
+            out.append((low, high))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def unescape(char: str) -> str:
