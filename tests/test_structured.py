@@ -457,6 +457,12 @@ def test_a_grammar_costlier_than_a_token_budget_is_refused_at_its_probe_or_on_it
     ('start: "a" | "b" X~99\nX: ("e" | "\\x65")~1000', 99_001),  # one string, escaped or not
     ('start: "a" | "b" X~99 | %lark {\nX: "E"\n}\nX: "z"', 99_001),  # a name defined twice: the longer counts
     ('start: "a" | "b" (LF~1000)~99\n%import common.LF', 99_001),  # Lark's common LF is "\n"
+    # the seventeenth attack's (4.9-5.5 s a step each): Lark's tokens as llguidance's lexer reads them
+    ('start: "a" | "b" X~+99\nX: "E"', 99_001),  # a count with a sign
+    ('start: "a" | "b" X{+99}\nX: "E"', 99_001),
+    ('start: "a" | "b" e-x~99\ne-x: "E"', 99_001),  # a dash inside a name
+    ('start: "a" | "b" (Xy)~50\nX: "E"\ny: "E"', 100_001),  # two names with no space between them
+    ('start: "a" | "b" e~99\n!?e: "E"', 99_001),  # a head with both prefixes
 ])
 def test_a_grammar_that_joins_a_long_literal_is_refused_before_it_compiles(grammar: str, spelled: int) -> None:
     """The thirteenth and fourteenth attacks: llguidance joins a run of fixed strings into one lexeme, whose cost is

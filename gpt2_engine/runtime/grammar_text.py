@@ -28,10 +28,10 @@ LARK = re.compile(r"""
     (?P<space>\s+|//[^\n]*|->\s*[A-Za-z_]\w*)  # an alias names a tree node: nothing to the lexer
   | (?P<literal>"(?:[^"\\\n]|\\.)*"i?)
   | (?P<regex>/(?:[^/\\\n]|\\.)+/[imslux]*)
-  | (?P<count>~\s*\d+(?:\s*\.\.\s*\d+)?|\{\s*\d+\s*(?:,\s*\d*\s*)?\})  # llguidance takes {N} in Lark too
+  | (?P<count>~\s*\+?\d+(?:\s*\.\.\s*\+?\d+)?|\{\s*\+?\d+\s*(?:,\s*\+?\d*\s*)?\})  # {N} too; Rust's i32 takes +N
   | (?P<quant>[*+?])
   | (?P<dots>\.\.)
-  | (?P<name>[A-Za-z_]\w*)
+  | (?P<name>!?[_?]?[a-z][_a-z0-9\-]*|_?[A-Z][_A-Z0-9\-]*)  # llguidance's lexer: `Ee` is E then e, `e-x` one name
   | (?P<open>\()
   | (?P<option>\[)
   | (?P<close>[)\]])
@@ -62,14 +62,15 @@ REGEX = re.compile(r"""
   | (?P<other>.)
 """, re.VERBOSE | re.DOTALL)
 ATTRIBUTES = r'(?:[ \t]*\[(?:[^\]"\n]|"(?:[^"\\\n]|\\.)*")*\])?'  # llguidance's [capture], [stop="]"], [lazy]
-LARK_HEAD = re.compile(r"^[ \t]*[?!]?([A-Za-z_]\w*)(?:[ \t]*\.-?\d+)?" + ATTRIBUTES + r"[ \t]*:", re.MULTILINE)
+LARK_HEAD = re.compile(r"^[ \t]*!?\??(_?[a-z][_a-z0-9\-]*|_?[A-Z][_A-Z0-9\-]*)(?:[ \t]*\.[+-]?\d+)?" + ATTRIBUTES +
+                       r"[ \t]*:", re.MULTILINE)
 GBNF_HEAD = re.compile(r"^[ \t]*([\w-]+)[ \t]*::=", re.MULTILINE)
 COUNT = re.compile(r"\d+")
 DIRECTIVE = re.compile(r"^[ \t]*%.*$", re.MULTILINE)  # %import, %ignore, %llguidance: no rule's body
 QUANTS = ("*", "+", "?")
 STRINGS = r'"(?:[^"\\\n]|\\.)*"|\[(?:[^\]\\\n]|\\.)*\]'  # kept whole while comments are taken out
 GBNF_COMMENT = re.compile(rf"({STRINGS})|#[^\n]*")  # to the line's end, inside a count too: `x{{#c\n99}}`
-LARK_COMMENT = re.compile(rf"({STRINGS}|/(?:[^/\\\n]|\\.)+/)|//[^\n]*")
+LARK_COMMENT = re.compile(rf"({STRINGS}|/(?:[^/\\\n]|\\.)+/)|//[^\n]*|#[^\n]*")
 IMPORT = re.compile(r"^[ \t]*%import[ \t]+common(?:\.(\w+)(?:[ \t]*->[ \t]*(\w+))?|[ \t]*\(([^)]*)\))", re.MULTILINE)
 COMMON = {"CR": "\r", "LF": "\n"}  # Lark's common terminals that are one fixed string (the others: classes, or runs)
 
@@ -136,7 +137,8 @@ class Reader:
         return max((spelled.run for spelled in self.memo.values()), default=0)
 
     def references(self, name: str) -> list[str]:
-        return [m.group() for body in self.bodies[name] for m in self.tokens.finditer(body) if m.lastgroup == "name"]
+        return [m.group().lstrip("!?") for body in self.bodies[name] for m in self.tokens.finditer(body)
+                if m.lastgroup == "name"]
 
     def read(self, body: str, token: re.Pattern[str], depth: int) -> Spelled:
         if token is REGEX and VERBOSE.search(body):
@@ -193,7 +195,7 @@ class Reader:
             body, flags = value[1:value.rindex("/")], value[value.rindex("/") + 1:]
             return self.read(unverbose(body) if "x" in flags else body, REGEX, depth + 1)
         if kind == "name":
-            return self.memo.get(value, NOT_FIXED)  # read before this rule (longest's order), or not a rule
+            return self.memo.get(value.lstrip("!?"), NOT_FIXED)  # read before this rule (longest's order), or none
         if kind in ("open", "option"):
             inner = self.alternatives(tokens, at, depth + 1)
             return Spelled(None, inner.run) if kind == "option" else inner  # Lark's [...]: optional
