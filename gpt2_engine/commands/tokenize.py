@@ -16,9 +16,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np

@@ -13,9 +13,9 @@ and overflows its stack (a SIGSEGV) on a chain of a few thousand rules; counted 
 minutes at its default; a long literal costs it about the square of its length at every token, whatever its fuel.
 So a grammar's text is first checked here (bytes, longest literal, the literal llguidance would join from its fixed
 strings: grammar_text.py, rules, $refs, nesting); then compiled, with its first mask and 16 tokens taken on a copy,
-in a separate process (runtime/grammar_worker.py) within a time limit,
-so that a crash or a runaway there costs a 400, never the server, and a grammar whose tokens cost more CPU than
-`token_seconds` is refused; then compiled again in this process, on a thread with four times that process's stack.
+in a separate process (runtime/grammar_worker.py) within a time limit, so that a crash or a runaway there costs a
+400, never the server, and a grammar whose tokens cost more CPU than `token_seconds` is refused; then compiled again
+in this process, on a thread with four times that process's stack.
 Each token's mask and advance are timed in the engine thread: llguidance cannot be interrupted, so a step over
 `step_seconds` is caught when it ends, as is a sequence whose steps average over `token_seconds`, and either ends
 its sequence with an error and refuses the grammar from then on (computing masks on another thread would bound a

@@ -150,8 +150,8 @@ def write_frame(stream: BinaryIO, payload: bytes) -> None:
 
 
 def main() -> None:
-    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds", "token_seconds", "allowance_tokens"} with {"grammar": llguidance's
-    definition, "error": "" or why, "cost": its probe's median CPU seconds a token}."""
+    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds", "token_seconds", "allowance_tokens"} with
+    {"grammar": llguidance's definition, "error": "" or why, "cost": its probe's median CPU seconds a token}."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; this process ends at its EOF
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = pickle.loads(read_frame(stdin))

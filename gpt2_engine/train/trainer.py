@@ -30,7 +30,7 @@ import shutil
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -92,12 +92,6 @@ class TrainSettings:
     seed: int = 0
     recompute: bool = False  # activation checkpointing: less memory, one more forward a step, the same results
 
-    INTEGERS = ("batch_size", "accumulate", "sample_tokens", "sample_every", "seed", "context", "steps", "warmup",
-                "eval_every", "save_every", "early_stopping")
-    REALS = ("epochs", "lr", "min_lr", "weight_decay", "clip", "dropout", "beta1", "beta2", "val_fraction")
-    OPTIONAL = frozenset({"context", "steps", "epochs", "min_lr", "warmup", "clip", "eval_every", "save_every",
-                          "early_stopping"})
-
     def __post_init__(self) -> None:
         self.read_numbers()
 
@@ -126,13 +120,15 @@ class TrainSettings:
             raise TrainError("give steps or epochs, not both")
 
     def read_numbers(self) -> None:
-        """Each number as a Python int or float (numpy's and torch's scalars are numbers, as generate's settings
-        read them: core/scalars.py); a bool, a string or anything else is refused by name."""
-        for name in (*self.INTEGERS, *self.REALS):
-            value = getattr(self, name)
-            if value is None and name in self.OPTIONAL:
+        """Each number field (by its annotation: int, float, or either | None) as a Python int or float (numpy's and
+        torch's scalars are numbers, as generate's settings read them: core/scalars.py); a bool, a string or anything
+        else is refused by name."""
+        for f in fields(self):
+            kind, optional = str(f.type).partition(" | ")[0], str(f.type).endswith("| None")
+            value = getattr(self, f.name)
+            if kind not in ("int", "float") or (value is None and optional):
                 continue
-            integer = name in self.INTEGERS
+            name, integer = f.name, kind == "int"
             read = as_int(value) if integer else as_real(value)
             if read is None:
                 raise TrainError(f"{name}: expected {'an integer' if integer else 'a number'}, got {described(value)}")
@@ -760,9 +756,9 @@ def _check_fields(path: Path, state: dict, total: int, generator_bytes: int) -> 
             raise TrainError(f"{path}: {name} is {_json(state.get(name))}, expected {expected}")
 
 
-def check_a_file(path: Path) -> None:
-    """TrainError where something other than a regular file is at `path` (a FIFO would block the read for ever, deaf
-    to SIGTERM); nothing there is the reader's to name."""
+def check_moments_file(path: Path) -> None:
+    """TrainError where something other than a regular file is at the optimizer state's `path` (a FIFO would block
+    the read for ever, deaf to SIGTERM); nothing there is the reader's to name."""
     try:
         kind = what_is(path)
     except OSError as e:
@@ -777,7 +773,7 @@ def read_moments(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, tor
     the resume, and the run would blame its learning rate."""
     from safetensors.torch import load_file
 
-    check_a_file(path)
+    check_moments_file(path)
     try:
         moments = load_file(str(path))
     except FileNotFoundError:
