@@ -10,16 +10,18 @@ weak model at temperature 1 otherwise can spend all its tokens on spaces and new
 
 Hostile grammars, and what bounds them (GrammarLimits): llguidance's compiler recurses once per level of a grammar
 and overflows its stack (a SIGSEGV) on a chain of a few thousand rules; counted repetitions spend its lexer fuel for
-minutes at its default; a long literal costs it about the square of its length at every token, whatever its fuel.
-So a grammar's text is first checked here (bytes, longest literal, the literal llguidance would join from its fixed
-strings: grammar_text.py, rules, $refs, nesting); then compiled, with its first mask and 16 tokens taken on a copy,
-in a separate process (runtime/grammar_worker.py) within a time limit, so that a crash or a runaway there costs a
-400, never the server, and a grammar whose tokens cost more CPU than `token_seconds` is refused; then compiled again
-in this process, on a thread with four times that process's stack.
-Each token's mask and advance are timed in the engine thread: llguidance cannot be interrupted, so a step over
-`step_seconds` is caught when it ends, as is a sequence whose steps average over `token_seconds`, and either ends
-its sequence with an error and refuses the grammar from then on (computing masks on another thread would bound a
-step exactly, but that thread preempts torch's and slowed decoding: docs/benchmarks.md).
+minutes at its default; a long literal costs it about the square of its length at every token, whatever its fuel;
+and nothing in it can be interrupted. So llguidance never runs in this process. A grammar's text is first checked
+here (bytes, longest literal, the literal llguidance would join from its fixed strings: grammar_text.py, rules,
+$refs, nesting): what is refused there costs nothing. It is then compiled, with its first mask and 16 tokens taken on
+a copy, in the compile process (runtime/grammar_worker.py) within a time limit: a crash or a runaway there costs a
+400, never the server, and a grammar whose tokens cost more CPU than `token_seconds` is refused. Each sequence's
+matcher then lives in the guide process, where each token is taken and the next mask computed, one round trip per
+token that the engine thread waits for at most `step_seconds`: past it, or if it dies, that process is killed, the
+grammar at fault is refused, and the sequences beside it are carried over to the next process (a spare, ready after
+the first kill), which takes their tokens again. That bound holds whatever the text check missed; a sequence whose
+steps average over `token_seconds` is ended too. Neither needs a thread beside torch's (one slowed decoding:
+docs/benchmarks.md): the engine thread sleeps while the guide process works.
 
 Why llguidance rather than xgrammar: it reads a tiktoken encoding as it is and depends on nothing (xgrammar requires
 transformers and triton, which the engine's own paths never import); the measured compile and mask times of both
@@ -45,7 +47,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +59,11 @@ from ..core.scalars import as_int, as_real
 from ..core.tokenizer import Tokenizer
 from . import grammar_worker
 from .grammar_text import longest_literal, regex_length
-from .grammar_worker import KINDS, matcher_error
+from .grammar_worker import KINDS
 
 CACHED_GRAMMARS = 64  # compiled grammars (and refused ones) kept, least recently used first out
 WORKER_STACK = 16 << 20  # the compile process's thread: llguidance needs ~3.4 KB a level, so ~4,800 levels
-BUILD_STACK = 4 * WORKER_STACK  # this process's compile thread: what passed there cannot overflow here
+GUIDE_STACK = 4 * WORKER_STACK  # the guide process's thread: what passed the compile process cannot overflow there
 ALLOWANCE_TOKENS = 16  # a sequence's grammar work is held to token_seconds a token on average past this many tokens' worth
 WORKER_START_SECONDS = 60.0  # for the compile process to start and build its tokenizer (~1 s on an idle machine)
 RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)  # a Lark or GBNF rule's head
@@ -180,7 +182,7 @@ class Constraint:
 @dataclass(frozen=True)
 class GrammarLimits:
     """What one grammar may cost. The sizes are checked before llguidance sees the grammar; the times bound the
-    compile (in its own process, killed past it) and each token's work (the sequence ends with an error past it)."""
+    compile (in its own process, killed past it) and each token's work (in the guide process, killed past it)."""
 
     max_bytes: int = 100_000  # the schema, regex, choices or grammar text, in UTF-8 bytes
     max_literal: int = 1_000  # characters of one string (a JSON schema's, a choice, a grammar's): ~0.4 ms a token
@@ -189,7 +191,7 @@ class GrammarLimits:
     max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
     max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
     compile_seconds: float = 5.0  # one compile, first mask included (a schema takes about a millisecond)
-    step_seconds: float = 1.0  # one token's mask and advance, in wall time: the longest the engine thread waits
+    step_seconds: float = 0.25  # one token's advance and mask, in wall time: the longest the engine thread waits
     token_seconds: float = 0.001  # a token's mask and advance in CPU time (tens of microseconds for a schema): the
     # median of the compile's probe, and each sequence's average past ALLOWANCE_TOKENS: what the sequences beside wait
     lexer_fuel: int = 50_000  # llguidance's initial_lexer_fuel (its default is 1,000,000)
@@ -291,13 +293,101 @@ def patterns_run(schema: dict) -> int:
     return max((regex_length(p) for p in patterns if isinstance(p, str)), default=0)
 
 
-class CompileWorker:
-    """One grammar_worker process: llguidance's compiler run apart and waited for at most compile_seconds. Started on
-    its first grammar; killed when a grammar runs past the limit, and started again for the next."""
+class WorkerProcess:
+    """A grammar_worker process in one `role`, started on first use and killed (stop) when it runs past a limit or
+    its parent is done with it; frames both ways are an 8-byte big-endian length and a payload."""
+
+    role = ""
+    stack_bytes = WORKER_STACK
 
     def __init__(self, tokenizer: Tokenizer, limits: GrammarLimits) -> None:
         self.tokenizer, self.limits = tokenizer, limits
         self.process: subprocess.Popen | None = None
+        self.ready = False  # its "ready" frame was read
+
+    def start(self, wait: bool = True) -> None:
+        """Start the process and send its setup; with `wait`, wait for it to be ready (about a second: it builds
+        llguidance's tokenizer), else the next `wait_ready` does."""
+        self.process, self.ready = self.spawn(), False
+        if wait:
+            self.wait_ready()
+
+    def spawn(self) -> subprocess.Popen:
+        """A new process, its setup sent."""
+        path = [p for p in sys.path if p]  # "" (the current directory) is the same directory for the child
+        process = subprocess.Popen([sys.executable, "-I", "-c", WORKER_BOOT, grammar_worker.__file__, *path],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        setup = {"role": self.role, "encoding": self.tokenizer.encoding, "n_vocab": self.tokenizer.n_vocab,
+                 "eos": self.tokenizer.eot_id, "lexer_fuel": self.limits.lexer_fuel, "step_fuel": self.limits.step_fuel,
+                 "stack_bytes": self.stack_bytes}
+        data = memoryview(struct.pack(">Q", len(setup := pickle.dumps(setup))) + setup)
+        try:
+            while data:
+                data = data[os.write(process.stdin.fileno(), data):]
+        except BrokenPipeError:
+            process.kill()
+            raise RuntimeError(f"the grammar {self.role} process did not start (exit status {process.wait()})") \
+                from None
+        return process
+
+    def wait_ready(self) -> None:
+        if self.process is None:
+            self.start(wait=False)
+        if not self.ready:
+            try:
+                self.receive(WORKER_START_SECONDS)
+            except (EOFError, TimeoutError):
+                code = self.stop()
+                raise RuntimeError(f"the grammar {self.role} process did not start (exit status {code})") from None
+            self.ready = True
+
+    def stop(self) -> int:
+        """Kill the process (if it still runs); its exit status."""
+        process, self.process = self.process, None
+        return 0 if process is None else killed(process)
+
+    def send(self, payload: bytes) -> None:
+        data = memoryview(struct.pack(">Q", len(payload)) + payload)
+        while data:
+            data = data[os.write(self.process.stdin.fileno(), data):]
+
+    def receive(self, seconds: float) -> bytes:
+        """The next frame's payload; TimeoutError after `seconds`, EOFError if the process ended."""
+        deadline = time.monotonic() + seconds
+        head = self._read(8, deadline)
+        return self._read(struct.unpack(">Q", head)[0], deadline)
+
+    def _read(self, size: int, deadline: float) -> bytes:
+        fd, data = self.process.stdout.fileno(), bytearray()
+        while len(data) < size:
+            if not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
+                raise TimeoutError
+            chunk = os.read(fd, size - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return bytes(data)
+
+    def died(self) -> str:
+        """Kill the process; how it ended, in words (for a process that ended on its own: a crash)."""
+        code = WorkerProcess.stop(self)
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+def killed(process: subprocess.Popen) -> int:
+    """Kill a worker process (if it still runs) and close its pipes; its exit status."""
+    process.kill()
+    code = process.wait()
+    process.stdin.close()
+    process.stdout.close()
+    return code
+
+
+class CompileWorker(WorkerProcess):
+    """llguidance's compiler run apart and waited for at most compile_seconds (its probe included). Killed when a
+    grammar runs past the limit, and started again for the next."""
+
+    role = "compile"
 
     def compile(self, constraint: Constraint) -> tuple[str, str, float]:
         """(llguidance's definition of the constraint, "" or why it cannot be compiled, its probe's median CPU
@@ -311,98 +401,110 @@ class CompileWorker:
                                   "step_seconds": self.limits.step_seconds,
                                   "token_seconds": self.limits.token_seconds,
                                   "allowance_tokens": ALLOWANCE_TOKENS}).encode())
-            answer = self.receive(self.limits.compile_seconds)
+            answer = json.loads(self.receive(self.limits.compile_seconds))
         except (BrokenPipeError, EOFError):
-            code = self.stop()
-            died = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            raise GrammarError(f"{what} crashed llguidance's compiler ({died}); simplify it") from None
+            raise GrammarError(f"{what} crashed llguidance's compiler ({self.died()}); simplify it") from None
         except TimeoutError:
             self.stop()
             raise GrammarError(f"{what} took over {self.limits.compile_seconds:g} s to compile; at most "
                                f"{self.limits.compile_seconds:g} s") from None
         return answer["grammar"], answer["error"], answer["cost"]
 
-    def start(self) -> None:
-        path = [p for p in sys.path if p]  # "" (the current directory) is the same directory for the child
-        self.process = subprocess.Popen([sys.executable, "-I", "-c", WORKER_BOOT, grammar_worker.__file__, *path],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                        bufsize=0)
-        setup = {"encoding": self.tokenizer.encoding, "n_vocab": self.tokenizer.n_vocab,
-                 "eos": self.tokenizer.eot_id, "lexer_fuel": self.limits.lexer_fuel, "step_fuel": self.limits.step_fuel,
-                 "stack_bytes": WORKER_STACK}
-        try:
-            self.send(pickle.dumps(setup))
-            self.receive(WORKER_START_SECONDS)
-        except (BrokenPipeError, EOFError, TimeoutError):
-            code = self.stop()
-            raise RuntimeError(f"the grammar compiler's process did not start (exit status {code})") from None
+
+class GuideLost(Exception):
+    """The guide process ran past a deadline and was killed (no message), or died (how, in words)."""
+
+
+class GuideWorker(WorkerProcess):
+    """The process that holds every sequence's matcher (grammar_worker.serve_guides): each token's work is a round
+    trip waited for at most its budget, and a process past it is killed, so that no grammar holds the engine thread
+    longer than that. The sequences it held are carried over to the next process (Guide.open: their tokens taken
+    again); `generation` counts the processes, so that each Guide knows whether its matcher is still there."""
+
+    role = "guide"
+    stack_bytes = GUIDE_STACK
+
+    def __init__(self, tokenizer: Tokenizer, limits: GrammarLimits) -> None:
+        super().__init__(tokenizer, limits)
+        self.spare: subprocess.Popen | None = None  # started at the first restart: the next one is then ready
+        self.generation = 0
+        self.ids = itertools.count()
+        self.ended: list[int] = []  # sequences whose matchers the process may drop, told with the next request
+        self.lock = threading.Lock()  # one round trip at a time (the engine thread's; a test's)
+
+    def call(self, request: dict[str, Any], seconds: float) -> tuple[dict[str, Any], bytes]:
+        """The answer to `request` and the mask after it (llguidance's bitmask, b"" if none); GuideLost when the
+        process takes longer than `seconds` or dies, after which a new one is started."""
+        with self.lock:
+            self.wait_ready()
+            request["drop"], self.ended = self.ended, []
+            try:
+                self.send(json.dumps(request).encode())
+                frame = self.receive(seconds)
+            except TimeoutError:
+                self.restart()
+                raise GuideLost("") from None
+            except (BrokenPipeError, EOFError):
+                died = self.died()
+                self.restart()
+                raise GuideLost(died) from None
+        (size,) = struct.unpack(">I", frame[:4])
+        return json.loads(frame[4:4 + size]), frame[4 + size:]
+
+    def restart(self) -> None:
+        """Kill the process and go on with the spare (its first request waits for it to be ready, if it is not yet),
+        starting the next spare: a grammar that gets a process killed once is likely to come again."""
+        WorkerProcess.stop(self)
+        self.generation += 1
+        spare, self.spare = self.spare, None
+        self.process, self.ready = spare or self.spawn(), False
+        self.spare = self.spawn()
 
     def stop(self) -> int:
-        """Kill the process (if it still runs); its exit status."""
-        process, self.process = self.process, None
-        if process is None:
-            return 0
-        process.kill()
-        code = process.wait()
-        process.stdin.close()
-        process.stdout.close()
-        return code
+        """Kill the process and the spare; the process's exit status."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            killed(spare)
+        return super().stop()
 
-    def send(self, payload: bytes) -> None:
-        data = memoryview(struct.pack(">Q", len(payload)) + payload)
-        while data:
-            data = data[os.write(self.process.stdin.fileno(), data):]
-
-    def receive(self, seconds: float) -> dict:
-        """The next answer; TimeoutError after `seconds`, EOFError if the process ended."""
-        deadline = time.monotonic() + seconds
-        head = self._read(8, deadline)
-        return json.loads(self._read(struct.unpack(">Q", head)[0], deadline))
-
-    def _read(self, size: int, deadline: float) -> bytes:
-        fd, data = self.process.stdout.fileno(), bytearray()
-        while len(data) < size:
-            if not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
-                raise TimeoutError
-            chunk = os.read(fd, size - len(data))
-            if not chunk:
-                raise EOFError
-            data += chunk
-        return bytes(data)
+    def end(self, sequence: int) -> None:
+        self.ended.append(sequence)
 
 
 class Compiled:
-    """A checked grammar and a pristine matcher for it (its first mask computed), which each sequence's Guide
-    copies; `cost` is the median CPU seconds of a token in the compile's probe. `refused` says why it is refused from
-    now on (a sequence ran past a time budget), or is empty."""
+    """A checked grammar: llguidance's definition of it, which each sequence's Guide opens in the guide process;
+    `cost` is the median CPU seconds of a token in the compile's probe. `refused` says why it is refused from now on
+    (a sequence ran past a time budget), or is empty."""
 
-    def __init__(self, constraint: Constraint, matcher: Any, vocab_size: int, limits: GrammarLimits,
-                 cost: float) -> None:
-        self.constraint, self.matcher, self.vocab_size = constraint, matcher, vocab_size
-        self.step_seconds, self.token_seconds, self.cost = limits.step_seconds, limits.token_seconds, cost
+    def __init__(self, constraint: Constraint, grammar: str, worker: GuideWorker, vocab_size: int,
+                 limits: GrammarLimits, cost: float) -> None:
+        self.constraint, self.grammar, self.worker, self.vocab_size = constraint, grammar, worker, vocab_size
+        self.limits, self.cost = limits, cost
         self.refused = ""
 
     def guide(self) -> Guide:
-        return Guide(self, self.matcher.deep_copy())
+        return Guide(self)
 
 
 class Grammars:
-    """Compiles constraints for one tokenizer, within `limits`: its llguidance tokenizer is built once (about a
-    second), as is the compile process's, and the last CACHED_GRAMMARS grammars are kept by their text, compiled or
-    refused. Safe to call from several threads (the server compiles off its event loop)."""
+    """Compiles constraints for one tokenizer, within `limits`, in the compile process, and keeps the guide process
+    that follows them (each started on first use: about a second each, to build llguidance's tokenizer); the last
+    CACHED_GRAMMARS grammars are kept by their text, compiled or refused. llguidance never runs in this process.
+    Safe to call from several threads (the server compiles off its event loop)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: GrammarLimits = GrammarLimits()) -> None:
         self.tokenizer, self.vocab_size, self.limits = tokenizer, vocab_size, limits
         self.worker = CompileWorker(tokenizer, limits)
+        self.guides = GuideWorker(tokenizer, limits)
         atexit.register(self.close)
-        self.lock = threading.Lock()  # the cache, the tokenizer
+        self.lock = threading.Lock()  # the cache
         self.worker_lock = threading.Lock()  # one compile at a time in the worker
-        self._lltokenizer: Any = None
         self._cache: OrderedDict[Constraint, Compiled | GrammarError] = OrderedDict()
 
     def compile(self, constraint: Constraint) -> Compiled:
         """The compiled grammar; GrammarError (param 'constraint') naming what is wrong with it or the limit it goes
-        over. Blocks for at most about twice limits.compile_seconds, plus the wait for another compile."""
+        over. Blocks for at most about limits.compile_seconds, plus the wait for another compile (and, the first
+        time, for the two processes to start)."""
         with self.lock:
             found = self._cache.get(constraint)
             if found is not None:
@@ -431,118 +533,126 @@ class Grammars:
             grammar, error, cost = self.worker.compile(constraint)
         if error:
             raise GrammarError(f"{constraint.describe()}: {error}")
-        limits = grammar_worker.parser_limits(self.limits.lexer_fuel, self.limits.step_fuel)
-        matcher, error = on_own_stack(lambda: grammar_worker.check(self.lltokenizer(), grammar, limits), BUILD_STACK)
-        if error:  # not expected: the compile process did the same, first mask included
-            raise GrammarError(f"{constraint.describe()}: {error}")
-        return Compiled(constraint, matcher, self.vocab_size, self.limits, cost)
-
-    def lltokenizer(self) -> Any:
-        """llguidance's view of the tokenizer, built on first use (about a second)."""
-        with self.lock:
-            if self._lltokenizer is None:
-                from llguidance.tiktoken import lltokenizer_from_encoding
-
-                self._lltokenizer = lltokenizer_from_encoding(self.tokenizer.encoding, n_vocab=self.tokenizer.n_vocab,
-                                                              eos_token=self.tokenizer.eot_id)
-            return self._lltokenizer
+        with self.guides.lock:  # here rather than at the engine thread's first constrained step
+            self.guides.wait_ready()
+        return Compiled(constraint, grammar, self.guides, self.vocab_size, self.limits, cost)
 
     def close(self) -> None:
-        """End the compile process (it also ends by itself when this process does)."""
+        """End the two processes (they also end by themselves when this process does)."""
         with self.worker_lock:
             self.worker.stop()
-
-
-STACK_LOCK = threading.Lock()  # threading.stack_size is process-wide: set only while one thread is created
-
-
-def on_own_stack(fn: Callable[[], Any], stack_bytes: int) -> Any:
-    """fn() on a new thread with a stack of `stack_bytes` (reserved, not touched: the memory used is what fn uses)."""
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - raised again in the calling thread
-            result["error"] = e
-
-    with STACK_LOCK:
-        previous = threading.stack_size(stack_bytes)
-        try:
-            thread = threading.Thread(target=run, name="gpt2-grammar-compile", daemon=True)
-            thread.start()
-        finally:
-            threading.stack_size(previous)
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+        with self.guides.lock:
+            self.guides.stop()
 
 
 class Guide:
-    """One sequence's place in its grammar: which tokens may come next, and the tokens it took. Each step's work is
-    timed: one over the step budget, or a sequence whose steps cost over token_seconds of CPU on average (past an
-    allowance of ALLOWANCE_TOKENS: the probe takes the lowest tokens, a sequence may take a costlier path), ends the
-    sequence (GrammarError) and refuses the grammar from then on."""
+    """One sequence's place in its grammar: which tokens may come next, and the tokens it took. Its matcher lives in
+    the guide process; each token is one round trip there (take the token, compute the next mask), waited for at
+    most limits.step_seconds, and the process is killed past it. A step past that budget, or a sequence whose steps
+    cost over token_seconds of CPU on average (past an allowance of ALLOWANCE_TOKENS: the probe takes the lowest
+    tokens, a sequence may take a costlier path), ends the sequence (GrammarError) and refuses the grammar from then
+    on. `close` lets the process drop the matcher."""
 
-    def __init__(self, compiled: Compiled, matcher: Any) -> None:
-        self.compiled = compiled
-        self.matcher = matcher
-        self.vocab_size = compiled.vocab_size
-        self.bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # llguidance's mask: bit t of word t // 32
-        self.tokens = 0  # accepted so far
+    def __init__(self, compiled: Compiled) -> None:
+        self.compiled, self.worker = compiled, compiled.worker
+        self.id = next(self.worker.ids)
+        self.generation = -1  # of the guide process that holds its matcher; -1: none yet
+        self.taken: list[int] = []  # tokens accepted so far, to carry the sequence over to a new process
+        self.allowed: np.ndarray | None = None  # [V] 1 where the grammar allows the token next
+        self.stopped = False
+        self.failed = ""  # the grammar failed computing the next mask: raised where that mask is asked for
         self.spent = 0.0  # CPU seconds of this sequence's masks and advances
+
+    @property
+    def tokens(self) -> int:
+        return len(self.taken)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """[V] -> a copy with -inf for every token the grammar does not allow next. GrammarError if the grammar fails
         or computing the mask took longer than the step budget."""
-        if self.compiled.refused:  # by a sequence beside this one, maybe in this very step: not paid for again
-            raise GrammarError(self.compiled.refused)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
-        self._check_time(time.perf_counter() - t0, time.thread_time() - c0, "compute the allowed tokens")
-        self._check_matcher(f"the grammar failed after {self.tokens} tokens")
-        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+        self._check_refused()
+        if self.generation != self.worker.generation:
+            self._open()
+        if self.failed:
+            raise GrammarError(self.failed)
+        allowed = self.allowed[: logits.shape[-1]]
         if len(allowed) < logits.shape[-1]:  # a padded vocabulary: the padding rows are never allowed
             allowed = np.pad(allowed, (0, logits.shape[-1] - len(allowed)))
         return logits.masked_fill(torch.from_numpy(allowed == 0), -torch.inf)
 
     def accept(self, token: int) -> None:
-        """Advance past `token`, which the mask allowed."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        consumed = self.matcher.consume_token(token)
-        self._check_time(time.perf_counter() - t0, time.thread_time() - c0, f"take token {token}")
-        if not consumed:
-            self._check_matcher(f"the grammar failed at token {token} (after {self.tokens})")
-            raise GrammarError(f"the grammar failed at token {token} (after {self.tokens})")
-        self.tokens += 1
+        """Advance past `token`, which the mask allowed, and compute the next mask."""
+        self._check_refused()
+        if self.generation != self.worker.generation:
+            self._open()
+        self._call({"op": "accept", "id": self.id, "token": token}, f"take token {token} and compute the allowed tokens")
+        self.taken.append(token)
 
-    def _check_matcher(self, where: str) -> None:
-        """GrammarError if the matcher failed; one that ran out of a token's lexer fuel (limits.step_fuel) is refused
-        from then on, as a step past the time budget is: it would fail the same way again."""
-        if not self.matcher.is_error():
-            return
-        error = f"{where}: {matcher_error(self.matcher)}"
+    def close(self) -> None:
+        """The sequence ended: its matcher may go."""
+        if self.generation == self.worker.generation:
+            self.worker.end(self.id)
+        self.generation = -1
+
+    def _open(self) -> None:
+        """Open the sequence's matcher in the guide process: the grammar (built there if new to it) and the tokens it
+        has taken, if a killed process held it before. Waited for as long as the compile may take and the tokens'
+        budget."""
+        limits = self.compiled.limits
+        seconds = limits.compile_seconds + 4 * (self.tokens + ALLOWANCE_TOKENS) * limits.token_seconds
+        self._call({"op": "open", "id": self.id, "grammar": self.compiled.grammar, "tokens": self.taken},
+                   "compute the allowed tokens", seconds)
+        self.generation = self.worker.generation
+
+    def _call(self, request: dict[str, Any], what: str, seconds: float | None = None) -> None:
+        c = self.compiled
+        seconds = c.limits.step_seconds if seconds is None else seconds
+        try:
+            answer, mask = self.worker.call(request, seconds)
+        except GuideLost as e:  # the process is gone with the matchers of the sequences beside: they reopen
+            self.generation = -1
+            if str(e):
+                c.refused = (f"{c.constraint.describe()} crashed llguidance ({e}) to {what} after {self.tokens} "
+                             f"tokens; simplify it")
+            else:
+                budget = "a token" if request["op"] == "accept" else "to open a sequence"
+                c.refused = (f"{c.constraint.describe()} took over {seconds:g} s to {what} after {self.tokens} "
+                             f"tokens; at most {seconds:g} s {budget}")
+            raise GrammarError(c.refused) from None
+        self.spent += answer["cpu"]
+        if answer["at"] == "mask":
+            self.failed = self._failure(answer, request)
+        elif answer["error"] or not answer["consumed"]:
+            raise GrammarError(self._failure(answer, request))
+        if self.spent > (self.tokens + 1 + ALLOWANCE_TOKENS) * c.limits.token_seconds:
+            c.refused = (f"{c.constraint.describe()} took {self.spent * 1e3:.0f} ms of CPU over {self.tokens + 1} "
+                         f"tokens; at most {c.limits.token_seconds * 1e3:g} ms a token on average")
+            raise GrammarError(c.refused)
+        self.stopped = answer["stopped"]
+        self.allowed = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[: self.compiled.vocab_size]
+
+    def _failure(self, answer: dict[str, Any], request: dict[str, Any]) -> str:
+        """The message of a failed answer; a grammar that ran out of a token's lexer fuel (limits.step_fuel) is
+        refused from then on, as a step past the time budget is: it would fail the same way again."""
+        if answer["at"] == "open":  # not expected: the compile process built it the same way
+            return f"{self.compiled.constraint.describe()}: {answer['error']}"
+        if answer["at"] == "mask":
+            where = f"the grammar failed after {self.tokens + (request['op'] == 'accept')} tokens"
+        else:
+            where = f"the grammar failed at token {request.get('token')} (after {self.tokens})"
+        error = f"{where}: {answer['error']}" if answer["error"] else where
         if "lexer fuel" in error:
             self.compiled.refused = f"{self.compiled.constraint.describe()}: {error}"
-        raise GrammarError(error)
+        return error
 
-    def _check_time(self, seconds: float, cpu: float, what: str) -> None:
-        c = self.compiled
-        self.spent += cpu
-        if seconds > c.step_seconds:  # llguidance cannot be interrupted: the step is over, the next ones are not run
-            c.refused = (f"{c.constraint.describe()} took {seconds:.1f} s to {what} after {self.tokens} tokens; at "
-                         f"most {c.step_seconds:g} s a token")
-            raise GrammarError(c.refused)
-        if self.spent > (self.tokens + ALLOWANCE_TOKENS) * c.token_seconds:
-            c.refused = (f"{c.constraint.describe()} took {self.spent * 1e3:.0f} ms of CPU over {self.tokens} tokens; "
-                         f"at most {c.token_seconds * 1e3:g} ms a token on average")
-            raise GrammarError(c.refused)
+    def _check_refused(self) -> None:
+        if self.compiled.refused:  # by a sequence beside this one, maybe in this very step: not paid for again
+            raise GrammarError(self.compiled.refused)
 
     @property
     def finished(self) -> bool:
         """Whether the grammar allows nothing more (not even more text: only the end)."""
-        return self.matcher.is_stopped()
+        return self.stopped
 
 
 def grammar_failure(error: str) -> str | None:

@@ -1,17 +1,18 @@
-"""What llguidance does with a constraint, and the process that does it first: a grammar is compiled here (its first
-mask computed, and 16 tokens taken on a copy) before the engine's own process touches it, so that a grammar on
-which llguidance crashes or runs away kills this process, never the server.
+"""Where llguidance runs: the compile process, and the guide process that follows every sequence's grammar, so that
+a grammar on which llguidance crashes or runs away kills one of them, never the engine.
 
 llguidance's compiler recurses once per level of a grammar (a chain of rules, of JSON-schema $refs), about 3.4 KB of
 stack a level, and a deep enough grammar overflows the stack: a SIGSEGV that no Python code can catch. Its fuel
 bounds most of the work of a step but not all of it: a long literal costs it seconds a token. So
-runtime/constraints.py checks a grammar's text first, then sends it here and waits a bounded time; what passes is
-compiled again in the engine's process, on a larger stack than this one's.
+runtime/constraints.py checks a grammar's text first, then sends it to the compile process (its first mask computed,
+16 tokens taken on a copy: `probe`) and waits a bounded time. What passes is built again in the guide process, on a
+stack four times the compile process's, and each sequence's tokens are taken there, one request each, timed by the
+parent, which kills the process past its budget.
 
-Run by constraints.CompileWorker (the standard library's runpy on this file, `python -I`): it imports only the
+Run by constraints.WorkerProcess (the standard library's runpy on this file, `python -I`): it imports only the
 standard library, tiktoken and llguidance. Frames on stdin and stdout are an 8-byte big-endian length and a payload:
-the first inbound frame is the pickled setup from the parent (its own trusted process), the rest JSON, one request and
-one answer each.
+the first inbound frame is the pickled setup from the parent (its own trusted process), the rest JSON requests, one
+answer each (JSON from the compile role; from the guide role, JSON and the mask's bytes: serve_guides).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import struct
 import sys
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, BinaryIO
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -34,6 +36,7 @@ NO_TEXT = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons at the
 # Lark, as llguidance tells it from GBNF (a `start` rule or a %llguidance block), and `?start:` as Lark's own docs
 # write its JSON grammar (llguidance would read that as GBNF and fail to convert it)
 LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start\s*(?:\.-?\d+)?\s*(?:\[[^\]\n]*\])?\s*:)")
+CACHED = 64  # grammars the guide role keeps built (the parent caches as many compiled)
 PROBE_TOKENS = 16  # tokens a compile takes on a copy of the matcher: a grammar that fails or is slow on its first ones
 
 
@@ -150,8 +153,8 @@ def write_frame(stream: BinaryIO, payload: bytes) -> None:
 
 
 def main() -> None:
-    """Answer {"kind", "spec", "whitespace_flexible", "step_seconds", "token_seconds", "allowance_tokens"} with
-    {"grammar": llguidance's definition, "error": "" or why, "cost": its probe's median CPU seconds a token}."""
+    """Serve the parent: after the pickled setup, its "role" says which loop runs, on a thread whose stack is the
+    setup's: "compile" (answer_one, each request timed by the parent) or "guide" (serve_guides)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; this process ends at its EOF
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = pickle.loads(read_frame(stdin))
@@ -159,8 +162,13 @@ def main() -> None:
 
     lltokenizer = lltokenizer_from_encoding(setup["encoding"], n_vocab=setup["n_vocab"], eos_token=setup["eos"])
     limits = parser_limits(setup["lexer_fuel"], setup["step_fuel"])
-    threading.stack_size(setup["stack_bytes"])  # smaller than the parent's compile thread: what passes here passes there
+    threading.stack_size(setup["stack_bytes"])  # llguidance recurses once per level of a grammar: see the docstring
     write_frame(stdout, b'{"ready": true}')
+    if setup["role"] == "guide":
+        thread = threading.Thread(target=serve_guides, args=(lltokenizer, limits, stdin, stdout), daemon=True)
+        thread.start()
+        thread.join()
+        return
     while (frame := read_frame(stdin)) is not None:
         answer: dict[str, Any] = {}
         thread = threading.Thread(target=answer_one, args=(lltokenizer, limits, json.loads(frame), answer), daemon=True)
@@ -185,6 +193,68 @@ def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: d
         answer.update(grammar=grammar, error=error, cost=cost)
     except (ValueError, TypeError, RecursionError) as e:
         answer.update(grammar="", error=one_line(str(e)) or type(e).__name__, cost=0.0)
+
+
+# --- the guide role: every sequence's matcher, each token's work timed by the parent ---------------------------------
+
+def serve_guides(lltokenizer: Any, limits: Any, stdin: BinaryIO, stdout: BinaryIO) -> None:
+    """Answer each request ({"op": "open", "id", "grammar", "tokens"} or {"op": "accept", "id", "token"}, both
+    with "drop": ids whose sequences ended) with one frame: a 4-byte big-endian length, the JSON answer ({"consumed",
+    "error", "at", "stopped", "cpu"}) and the sequence's next mask (llguidance's bitmask bytes; none after an error).
+    Grammars are built once (the last CACHED of them kept) and each sequence works on a copy."""
+    built: OrderedDict[str, Any] = OrderedDict()
+    matchers: dict[int, Any] = {}
+    while (frame := read_frame(stdin)) is not None:
+        request = json.loads(frame)
+        for ended in request["drop"]:
+            matchers.pop(ended, None)
+        answer, mask = guide_step(lltokenizer, limits, built, matchers, request)
+        text = json.dumps(answer).encode()
+        write_frame(stdout, struct.pack(">I", len(text)) + text + mask)
+
+
+def guide_step(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], matchers: dict[int, Any],
+               request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """One request's answer and mask: an "open" copies the grammar's built matcher for the sequence and takes the
+    tokens it had taken (a sequence carried over from a process that was killed) and an "accept" takes one; then
+    the next mask is computed. "cpu" is the thread's CPU seconds for it, a build not counted (the compile's cost)."""
+    if request["op"] == "open":
+        built_matcher, error = pristine(lltokenizer, limits, built, request["grammar"])
+        if error:
+            return {"consumed": False, "error": error, "at": "open", "stopped": False, "cpu": 0.0}, b""
+        c0 = time.thread_time()
+        matcher = matchers[request["id"]] = built_matcher.deep_copy()
+        tokens = request["tokens"]
+    else:
+        c0 = time.thread_time()
+        matcher, tokens = matchers[request["id"]], [request["token"]]
+    answer: dict[str, Any] = {"consumed": True, "error": "", "at": "accept", "stopped": False}
+    mask = b""
+    for token in tokens:
+        if not matcher.consume_token(token) or matcher.is_error():
+            answer.update(consumed=False, error=matcher_error(matcher))
+            break
+    else:
+        mask = matcher.compute_bitmask()
+        if error := matcher_error(matcher):
+            answer.update(error=error, at="mask")
+            mask = b""
+        answer["stopped"] = matcher.is_stopped()
+    answer["cpu"] = time.thread_time() - c0
+    return answer, mask
+
+
+def pristine(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], grammar: str) -> tuple[Any, str]:
+    """The matcher of `grammar` as built (its first mask computed), from `built` or built now; and "" or why not."""
+    if grammar in built:
+        built.move_to_end(grammar)
+        return built[grammar], ""
+    matcher, error = check(lltokenizer, grammar, limits)
+    if not error:
+        built[grammar] = matcher
+        if len(built) > CACHED:
+            built.popitem(last=False)
+    return matcher, error
 
 
 if __name__ == "__main__":

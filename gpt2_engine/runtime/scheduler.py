@@ -299,6 +299,8 @@ class Scheduler:
 
     def _finish(self, seq: SequenceState, reason: str, event: Event | None = None) -> Output:
         seq.finished = True
+        if seq.guide is not None:
+            seq.guide.close()
         if 0 <= seq.slot and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None  # the slot is free for the next admissions
         self.live.pop(seq.id, None)
