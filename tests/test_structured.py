@@ -92,7 +92,11 @@ def test_constraints_are_checked_with_one_line_errors(trained_model: GPT2) -> No
             "the JSON schema: no text matches it (a $ref loop, or conditions that no value meets)"),
            (lambda: trained_model.generate("x", constraint=Constraint.choice(["a"]), ignore_eos=True),
             "ignore_eos cannot be combined with a constraint"),
-           (lambda: trained_model.generate("x", constraint={"regex": "a"}), "constraint must be a Constraint")]
+           (lambda: trained_model.generate("x", constraint={"regex": "a"}), "constraint must be a Constraint"),
+           (lambda: trained_model.generate("x", constraint=Constraint.json_schema({"type": "array",
+                                                                                   "uniqueItems": True})),
+            'the JSON schema: Unimplemented keys: ["uniqueItems"] (JSON Schema keywords llguidance cannot enforce; '
+            'expected a schema without them)')]
     for call, message in bad:
         with pytest.raises(GenerationError, match=re.escape(message)) as e:
             call()

@@ -133,7 +133,11 @@ def matcher_error(matcher: Any) -> str:
 
 
 def one_line(text: str) -> str:
-    return " ".join(text.split())[:300]
+    """llguidance's message as one line of at most 300 characters, what its terms mean added where they are terse."""
+    line = " ".join(text.split())[:300]
+    if line.startswith("Unimplemented keys:"):  # JSON Schema keywords llguidance cannot enforce, such as uniqueItems
+        line += " (JSON Schema keywords llguidance cannot enforce; expected a schema without them)"
+    return line
 
 
 # --- the worker process ---------------------------------------------------------------------------------------------
