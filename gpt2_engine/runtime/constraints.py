@@ -46,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -429,7 +429,7 @@ class GuideWorker(WorkerProcess):
         self.spare: subprocess.Popen | None = None  # started at the first restart: the next one is then ready
         self.generation = 0
         self.ids = itertools.count()
-        self.ended: list[int] = []  # sequences whose matchers the process may drop, told with the next request
+        self.ended: deque[int] = deque()  # sequences whose matchers may go, told with the next request (any thread)
         self.lock = threading.Lock()  # one round trip at a time (the engine thread's; a test's)
 
     def call(self, request: dict[str, Any], seconds: float) -> tuple[dict[str, Any], bytes]:
@@ -437,7 +437,7 @@ class GuideWorker(WorkerProcess):
         process takes longer than `seconds` or dies, after which a new one is started."""
         with self.lock:
             self.wait_ready()
-            request["drop"], self.ended = self.ended, []
+            request["drop"] = [self.ended.popleft() for _ in range(len(self.ended))]
             try:
                 self.send(json.dumps(request).encode())
                 frame = self.receive(seconds)
