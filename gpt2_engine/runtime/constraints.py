@@ -191,11 +191,15 @@ class GrammarLimits:
     max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
     max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
     compile_seconds: float = 5.0  # one compile, first mask included (a schema takes about a millisecond)
-    step_seconds: float = 0.25  # one token's advance and mask, in wall time: the longest the engine thread waits
+    step_seconds: float = 0.1  # one token's advance and mask, in wall time: the longest the engine thread waits
+    # (a grammar within the other limits takes at most ~10 ms a step; a process that did not have the CPU for half
+    # of the wait is not the grammar's doing: GuideLost)
     token_seconds: float = 0.001  # a token's mask and advance in CPU time (tens of microseconds for a schema): the
     # median of the compile's probe, and each sequence's average past ALLOWANCE_TOKENS: what the sequences beside wait
     lexer_fuel: int = 50_000  # llguidance's initial_lexer_fuel (its default is 1,000,000)
     step_fuel: int = 20_000  # llguidance's step_lexer_fuel: one token's lexer work (its default is 200,000)
+    row_items: int = 2_048  # llguidance's max_items_in_row (2,000 by default): MAX_CHOICES choices sharing a prefix
+    # hold one item more than that once the prefix is taken
 
     def check(self, constraint: Constraint) -> None:
         """GrammarError naming the limit a constraint's text goes over, before any compile. A literal costs
@@ -304,6 +308,7 @@ class WorkerProcess:
         self.tokenizer, self.limits = tokenizer, limits
         self.process: subprocess.Popen | None = None
         self.ready = False  # its "ready" frame was read
+        self.started_cpu = 0.0  # the CPU seconds it had used when it was ready (building llguidance's tokenizer)
 
     def start(self, wait: bool = True) -> None:
         """Start the process and send its setup; with `wait`, wait for it to be ready (about a second: it builds
@@ -319,14 +324,14 @@ class WorkerProcess:
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
         setup = {"role": self.role, "encoding": self.tokenizer.encoding, "n_vocab": self.tokenizer.n_vocab,
                  "eos": self.tokenizer.eot_id, "lexer_fuel": self.limits.lexer_fuel, "step_fuel": self.limits.step_fuel,
-                 "stack_bytes": self.stack_bytes}
+                 "row_items": self.limits.row_items, "stack_bytes": self.stack_bytes}
         data = memoryview(struct.pack(">Q", len(setup := pickle.dumps(setup))) + setup)
         try:
             while data:
                 data = data[os.write(process.stdin.fileno(), data):]
         except BrokenPipeError:
             process.kill()
-            raise RuntimeError(f"the grammar {self.role} process did not start (exit status {process.wait()})") \
+            raise RuntimeError(f"the grammar {self.role} process did not start ({ended_by(process.wait())})") \
                 from None
         return process
 
@@ -335,16 +340,16 @@ class WorkerProcess:
             self.start(wait=False)
         if not self.ready:
             try:
-                self.receive(WORKER_START_SECONDS)
+                self.started_cpu = json.loads(self.receive(WORKER_START_SECONDS))["cpu"]
             except (EOFError, TimeoutError):
                 code = self.stop()
-                raise RuntimeError(f"the grammar {self.role} process did not start (exit status {code})") from None
+                raise RuntimeError(f"the grammar {self.role} process did not start ({ended_by(code)})") from None
             self.ready = True
 
     def stop(self) -> int:
         """Kill the process (if it still runs); its exit status."""
         process, self.process = self.process, None
-        return 0 if process is None else killed(process)
+        return 0 if process is None else killed(process)[0]
 
     def send(self, payload: bytes) -> None:
         data = memoryview(struct.pack(">Q", len(payload)) + payload)
@@ -370,17 +375,25 @@ class WorkerProcess:
 
     def died(self) -> str:
         """Kill the process; how it ended, in words (for a process that ended on its own: a crash)."""
-        code = WorkerProcess.stop(self)
-        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        return ended_by(WorkerProcess.stop(self))
 
 
-def killed(process: subprocess.Popen) -> int:
-    """Kill a worker process (if it still runs) and close its pipes; its exit status."""
-    process.kill()
-    code = process.wait()
+def ended_by(code: int) -> str:
+    """A process's exit status in words."""
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+def killed(process: subprocess.Popen) -> tuple[int, float]:
+    """Kill a worker process (if it still runs) and close its pipes; its exit status and the CPU seconds it used in
+    all (reaped here with wait4, which reports them)."""
+    cpu = 0.0
+    if process.returncode is None:  # not reaped: a zombie if it has ended (Popen.kill would reap it first)
+        os.kill(process.pid, signal.SIGKILL)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode, cpu = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
     process.stdin.close()
     process.stdout.close()
-    return code
+    return process.returncode, cpu
 
 
 class CompileWorker(WorkerProcess):
@@ -411,8 +424,17 @@ class CompileWorker(WorkerProcess):
         return answer["grammar"], answer["error"], answer["cost"]
 
 
+CRASHES = (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT, -signal.SIGILL, -signal.SIGFPE)  # llguidance's own end
+
+
 class GuideLost(Exception):
-    """The guide process ran past a deadline and was killed (no message), or died (how, in words)."""
+    """The guide process ran past a deadline and was killed, or ended. `blamed`: the request in flight caused it (it
+    kept the CPU busy for at least half of the wait, or the process crashed); else it was stopped, starved of CPU or
+    killed from outside. The message says what happened, to follow "the grammar " or "the guide process "."""
+
+    def __init__(self, message: str, blamed: bool) -> None:
+        super().__init__(message)
+        self.blamed = blamed
 
 
 class GuideWorker(WorkerProcess):
@@ -431,10 +453,11 @@ class GuideWorker(WorkerProcess):
         self.ids = itertools.count()
         self.ended: deque[int] = deque()  # sequences whose matchers may go, told with the next request (any thread)
         self.lock = threading.Lock()  # one round trip at a time (the engine thread's; a test's)
+        self.cpu_seen = 0.0  # the process's CPU seconds at its last answer
 
     def call(self, request: dict[str, Any], seconds: float) -> tuple[dict[str, Any], bytes]:
         """The answer to `request` and the mask after it (llguidance's bitmask, b"" if none); GuideLost when the
-        process takes longer than `seconds` or dies, after which a new one is started."""
+        process takes longer than `seconds` or ends, after which the next one takes over."""
         with self.lock:
             self.wait_ready()
             request["drop"] = [self.ended.popleft() for _ in range(len(self.ended))]
@@ -442,23 +465,38 @@ class GuideWorker(WorkerProcess):
                 self.send(json.dumps(request).encode())
                 frame = self.receive(seconds)
             except TimeoutError:
-                self.restart()
-                raise GuideLost("") from None
+                _, cpu = self.restart()
+                used = max(cpu - self.cpu_seen, 0.0)
+                if used >= seconds / 2:
+                    raise GuideLost(f"took over {seconds:g} s", True) from None
+                raise GuideLost(f"did not answer within {seconds:g} s, having had the CPU for {used:.2f} s of it "
+                                f"(stopped, or the machine is overloaded)", False) from None
             except (BrokenPipeError, EOFError):
-                died = self.died()
-                self.restart()
-                raise GuideLost(died) from None
+                code, _ = self.restart()
+                if code in CRASHES:
+                    raise GuideLost(f"crashed llguidance ({ended_by(code)})", True) from None
+                raise GuideLost(f"ended ({ended_by(code)})", False) from None
         (size,) = struct.unpack(">I", frame[:4])
-        return json.loads(frame[4:4 + size]), frame[4 + size:]
+        answer = json.loads(frame[4:4 + size])
+        self.cpu_seen = answer["process_cpu"]
+        return answer, frame[4 + size:]
 
-    def restart(self) -> None:
+    def wait_ready(self) -> None:
+        if not self.ready:
+            super().wait_ready()
+            self.cpu_seen = self.started_cpu
+
+    def restart(self) -> tuple[int, float]:
         """Kill the process and go on with the spare (its first request waits for it to be ready, if it is not yet),
-        starting the next spare: a grammar that gets a process killed once is likely to come again."""
-        WorkerProcess.stop(self)
+        starting the next spare: a grammar that gets a process killed once is likely to come again. The killed
+        process's exit status and CPU seconds in all."""
+        process, self.process = self.process, None
+        code, cpu = killed(process)
         self.generation += 1
         spare, self.spare = self.spare, None
         self.process, self.ready = spare or self.spawn(), False
         self.spare = self.spawn()
+        return code, cpu
 
     def stop(self) -> int:
         """Kill the process and the spare; the process's exit status."""
@@ -605,20 +643,27 @@ class Guide:
         self.generation = self.worker.generation
 
     def _call(self, request: dict[str, Any], what: str, seconds: float | None = None) -> None:
+        """Send `request` to the guide process and take its answer: the next mask, or GrammarError. When the process
+        is lost for a reason of its own (stopped, starved, killed from outside), the request is tried once more on
+        the next process; when the request itself ran it past its time or crashed it, the grammar is refused."""
         c = self.compiled
         seconds = c.limits.step_seconds if seconds is None else seconds
-        try:
-            answer, mask = self.worker.call(request, seconds)
-        except GuideLost as e:  # the process is gone with the matchers of the sequences beside: they reopen
-            self.generation = -1
-            if str(e):
-                c.refused = (f"{c.constraint.describe()} crashed llguidance ({e}) to {what} after {self.tokens} "
-                             f"tokens; simplify it")
-            else:
-                budget = "a token" if request["op"] == "accept" else "to open a sequence"
-                c.refused = (f"{c.constraint.describe()} took over {seconds:g} s to {what} after {self.tokens} "
-                             f"tokens; at most {seconds:g} s {budget}")
-            raise GrammarError(c.refused) from None
+        for attempt in range(2):
+            try:
+                answer, mask = self.worker.call(request, seconds)
+                break
+            except GuideLost as e:  # the process is gone with the matchers of the sequences beside: they reopen
+                self.generation = -1
+                if e.blamed:
+                    budget = "at most {seconds:g} s " + ("a token" if request["op"] == "accept" else "to open a sequence")
+                    c.refused = (f"{c.constraint.describe()} {e} to {what} after {self.tokens} tokens; "
+                                 f"{'simplify it' if 'crashed' in str(e) else budget.format(seconds=seconds)}")
+                    raise GrammarError(c.refused) from None
+                if attempt:  # twice in a row, and not its grammar's doing: the sequence ends, the grammar stays
+                    raise GrammarError(f"the guide process {e}, twice, when asked to {what} after {self.tokens} "
+                                       f"tokens; {c.constraint.describe()} is not at fault: try again") from None
+                if request["op"] == "accept":
+                    self._open()  # the sequence carried over to the next process, then its token sent again
         self.spent += answer["cpu"]
         if answer["at"] == "mask":
             self.failed = self._failure(answer, request)

@@ -62,14 +62,17 @@ def definition(kind: str, spec: str, whitespace_flexible: bool = False) -> str:
     raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def parser_limits(lexer_fuel: int, step_fuel: int) -> Any:
+def parser_limits(lexer_fuel: int, step_fuel: int, row_items: int) -> Any:
     """llguidance's limits for every matcher: its lexer fuel lowered, at the start (1,000,000 by default; counted
     repetitions such as `(a{1000}){1000}` spend it quadratically, for minutes) and for each token (200,000 by default:
     about a second of lexer work on `(a|aa)*b{720000}` once a `b` is taken, where 20,000 is about 10 ms), so a grammar
-    that would stall the engine loop fails its sequence instead; and errors without its dump of the parser's state."""
+    that would stall the engine loop fails its sequence instead; the Earley items of one row a little above its
+    2,000 (a list of 2,000 choices holds 2,001 once their common prefix is taken); and errors without its dump of the
+    parser's state."""
     import llguidance
 
-    return llguidance.LLParserLimits(initial_lexer_fuel=lexer_fuel, step_lexer_fuel=step_fuel, verbose_errors=False)
+    return llguidance.LLParserLimits(initial_lexer_fuel=lexer_fuel, step_lexer_fuel=step_fuel,
+                                     max_items_in_row=row_items, verbose_errors=False)
 
 
 def check(lltokenizer: Any, grammar: str, limits: Any) -> tuple[Any, str]:
@@ -165,9 +168,9 @@ def main() -> None:
     from llguidance.tiktoken import lltokenizer_from_encoding
 
     lltokenizer = lltokenizer_from_encoding(setup["encoding"], n_vocab=setup["n_vocab"], eos_token=setup["eos"])
-    limits = parser_limits(setup["lexer_fuel"], setup["step_fuel"])
+    limits = parser_limits(setup["lexer_fuel"], setup["step_fuel"], setup["row_items"])
     threading.stack_size(setup["stack_bytes"])  # llguidance recurses once per level of a grammar: see the docstring
-    write_frame(stdout, b'{"ready": true}')
+    write_frame(stdout, json.dumps({"ready": True, "cpu": time.process_time()}).encode())
     if setup["role"] == "guide":
         thread = threading.Thread(target=serve_guides, args=(lltokenizer, limits, stdin, stdout), daemon=True)
         thread.start()
@@ -204,7 +207,8 @@ def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: d
 def serve_guides(lltokenizer: Any, limits: Any, stdin: BinaryIO, stdout: BinaryIO) -> None:
     """Answer each request ({"op": "open", "id", "grammar", "tokens"} or {"op": "accept", "id", "token"}, both
     with "drop": ids whose sequences ended) with one frame: a 4-byte big-endian length, the JSON answer ({"consumed",
-    "error", "at", "stopped", "cpu"}) and the sequence's next mask (llguidance's bitmask bytes; none after an error).
+    "error", "at", "stopped", "cpu", "process_cpu"}) and the sequence's next mask (llguidance's bitmask bytes; none
+    after an error).
     Grammars are built once (the last CACHED of them kept) and each sequence works on a copy."""
     built: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
@@ -213,6 +217,7 @@ def serve_guides(lltokenizer: Any, limits: Any, stdin: BinaryIO, stdout: BinaryI
         for ended in request["drop"]:
             matchers.pop(ended, None)
         answer, mask = guide_step(lltokenizer, limits, built, matchers, request)
+        answer["process_cpu"] = time.process_time()  # what the parent tells a step's own CPU from, if it kills this
         text = json.dumps(answer).encode()
         write_frame(stdout, struct.pack(">I", len(text)) + text + mask)
 

@@ -415,9 +415,10 @@ class Scheduler:
 
 def logged(error: Exception, what: str) -> None:
     """Log a sequence's failure: the request's own fault (a GenerationError: its grammar over a limit, say) as one
-    line, anything else (a bug, a NaN row) with its traceback."""
+    line at INFO (its caller gets the error itself: a 400, the command line's one line), anything else (a bug, a NaN
+    row) with its traceback."""
     if isinstance(error, GenerationError):
-        log.warning("%s: %s", what, describe(error))
+        log.info("%s: %s", what, describe(error))
     else:
         log.error(what, exc_info=error)
 
