@@ -421,6 +421,7 @@ def test_a_step_is_cut_off_at_its_budget_and_the_sequences_beside_go_on(trained_
         follow(victim, [], vocab)
         follow(later, text[:3], vocab)
         grammars.guides.process.kill()
+        grammars.guides.process.wait(60)  # dead before the next request (a dying process may still answer it)
         assert torch.equal(follow(victim, tok.encode("1"), vocab), follow(grammars.compile(regex).guide(),
                                                                           tok.encode("1"), vocab))
         assert grammars.guides.process is spare
@@ -428,13 +429,20 @@ def test_a_step_is_cut_off_at_its_budget_and_the_sequences_beside_go_on(trained_
         assert torch.equal(follow(victim, tok.encode("2"), vocab), follow(grammars.compile(regex).guide(),
                                                                           tok.encode("12"), vocab))
         assert torch.equal(follow(later, text[3:], vocab), expected)
-        # a crash in llguidance is the grammar's (a SIGSEGV sent here, as its stack overflowing would end it)
-        os.kill(grammars.guides.process.pid, signal.SIGSEGV)
-        with pytest.raises(GrammarError, match=r"^the regex '\[0-9\]\{3\}' crashed llguidance \(signal SIGSEGV\) to "
+        stopped = grammars.guides.process
+        os.kill(stopped.pid, signal.SIGSTOP)  # between steps: a new sequence's open is tried again on the next
+        assert torch.equal(follow(grammars.compile(regex).guide(), [], vocab), follow(alone_regex := grammars.compile(
+            regex).guide(), [], vocab)) and stopped.poll() == -9 and alone_regex.tokens == 0
+        # a crash in llguidance is the grammar's: a SIGABRT here, as Rust ends a thread that overflows its stack (a
+        # SIGSEGV sent from outside is not one: Rust's guard-page handler returns from it)
+        follow(victim, [], vocab)
+        os.kill(grammars.guides.process.pid, signal.SIGABRT)
+        grammars.guides.process.wait(60)
+        with pytest.raises(GrammarError, match=r"^the regex '\[0-9\]\{3\}' crashed llguidance \(signal SIGABRT\) to "
                                                r"take token [0-9]+ and compute the allowed tokens after 2 tokens; "
                                                r"simplify it$"):
             victim.accept(tok.encode("3")[0])
-        with pytest.raises(GrammarError, match=r"crashed llguidance \(signal SIGSEGV\)"):
+        with pytest.raises(GrammarError, match=r"crashed llguidance \(signal SIGABRT\)"):
             grammars.compile(regex)
         # lost twice in a row for reasons of its own: the sequence ends, its grammar is not refused
         lost = Constraint.regex("[a-z]{3}")
@@ -454,6 +462,19 @@ def test_a_step_is_cut_off_at_its_budget_and_the_sequences_beside_go_on(trained_
         follow(grammars.compile(lost).guide(), tok.encode("abc"), vocab)
     finally:
         grammars.close()
+
+
+def test_a_grammar_slow_to_build_is_refused_at_its_compile(trained_model: GPT2) -> None:
+    """The nineteenth attack: 300 patternProperties (14 KB, within every text limit) take llguidance over a second
+    to build (its check that the patterns are disjoint), and each sequence new to the guide process builds it again
+    while the engine thread waits; a new description each time escaped every cache. A build over
+    GrammarLimits.build_seconds of CPU (0.1 s; 2,000 choices take 11 ms) is a 400 naming it."""
+    patterns = {f"^{a}{b}{c}_[a-z]{{1,2}}$": {"type": "integer"} for a, b, c in itertools.islice(
+        itertools.product("abcdefghijklmnopqrstuvwxyz", repeat=3), 300)}
+    with pytest.raises(GrammarError, match=r"^the JSON schema takes [0-9.]+ s of CPU to build \(llguidance's compile "
+                                           r"and first mask, done again for each process that follows it\); at most "
+                                           r"0.1 s$"):
+        trained_model.grammars.compile(Constraint.json_schema({"type": "object", "patternProperties": patterns}))
 
 
 def test_llguidance_never_runs_in_the_engine_process(trained_dir: Path) -> None:

@@ -190,7 +190,9 @@ class GrammarLimits:
     max_regex: int = 10_000  # characters of a regex (what its repetitions cost is measured: token_seconds)
     max_rules: int = 1_000  # a grammar's rules, a schema's $refs: each may add a level to the compiler's recursion
     max_depth: int = 64  # a JSON schema's nesting (llguidance's JSON reader stops at 128)
-    compile_seconds: float = 5.0  # one compile, first mask included (a schema takes about a millisecond)
+    compile_seconds: float = 5.0  # one compile, first mask and probe included, in wall time
+    build_seconds: float = 0.1  # the CPU of building a grammar and its first mask (a schema takes about a millisecond,
+    # 2,000 choices 11 ms): what a sequence new to the guide process waits for, so held near a step's budget
     step_seconds: float = 0.1  # one token's advance and mask, in wall time: the longest the engine thread waits
     # (a grammar within the other limits takes at most ~10 ms a step; a process that did not have the CPU for half
     # of the wait is not the grammar's doing: GuideLost)
@@ -402,9 +404,10 @@ class CompileWorker(WorkerProcess):
 
     role = "compile"
 
-    def compile(self, constraint: Constraint) -> tuple[str, str, float]:
+    def compile(self, constraint: Constraint) -> tuple[str, str, float, float]:
         """(llguidance's definition of the constraint, "" or why it cannot be compiled, its probe's median CPU
-        seconds a token); GrammarError when it runs past the time limit or crashes the compiler."""
+        seconds a token, the CPU seconds of its build); GrammarError when it runs past the time limit, crashes the
+        compiler or takes longer than limits.build_seconds to build."""
         if self.process is None:
             self.start()
         what = constraint.describe()
@@ -413,6 +416,7 @@ class CompileWorker(WorkerProcess):
                                   "whitespace_flexible": constraint.whitespace_flexible,
                                   "step_seconds": self.limits.step_seconds,
                                   "token_seconds": self.limits.token_seconds,
+                                  "build_seconds": self.limits.build_seconds,
                                   "allowance_tokens": ALLOWANCE_TOKENS}).encode())
             answer = json.loads(self.receive(self.limits.compile_seconds))
         except (BrokenPipeError, EOFError):
@@ -421,7 +425,11 @@ class CompileWorker(WorkerProcess):
             self.stop()
             raise GrammarError(f"{what} took over {self.limits.compile_seconds:g} s to compile; at most "
                                f"{self.limits.compile_seconds:g} s") from None
-        return answer["grammar"], answer["error"], answer["cost"]
+        if answer["build"] > self.limits.build_seconds:
+            raise GrammarError(f"{what} takes {answer['build']:.2f} s of CPU to build (llguidance's compile and first "
+                               f"mask, done again for each process that follows it); at most "
+                               f"{self.limits.build_seconds:g} s")
+        return answer["grammar"], answer["error"], answer["cost"], answer["build"]
 
 
 CRASHES = (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT, -signal.SIGILL, -signal.SIGFPE)  # llguidance's own end
@@ -511,13 +519,13 @@ class GuideWorker(WorkerProcess):
 
 class Compiled:
     """A checked grammar: llguidance's definition of it, which each sequence's Guide opens in the guide process;
-    `cost` is the median CPU seconds of a token in the compile's probe. `refused` says why it is refused from now on
-    (a sequence ran past a time budget), or is empty."""
+    `cost` is the median CPU seconds of a token in the compile's probe, `build` those of building it. `refused` says
+    why it is refused from now on (a sequence ran past a time budget), or is empty."""
 
     def __init__(self, constraint: Constraint, grammar: str, worker: GuideWorker, vocab_size: int,
-                 limits: GrammarLimits, cost: float) -> None:
+                 limits: GrammarLimits, cost: float, build: float) -> None:
         self.constraint, self.grammar, self.worker, self.vocab_size = constraint, grammar, worker, vocab_size
-        self.limits, self.cost = limits, cost
+        self.limits, self.cost, self.build = limits, cost, build
         self.refused = ""
 
     def guide(self) -> Guide:
@@ -568,12 +576,12 @@ class Grammars:
     def _compile(self, constraint: Constraint) -> Compiled:
         self.limits.check(constraint)
         with self.worker_lock:
-            grammar, error, cost = self.worker.compile(constraint)
+            grammar, error, cost, build = self.worker.compile(constraint)
         if error:
             raise GrammarError(f"{constraint.describe()}: {error}")
         with self.guides.lock:  # here rather than at the engine thread's first constrained step
             self.guides.wait_ready()
-        return Compiled(constraint, grammar, self.guides, self.vocab_size, self.limits, cost)
+        return Compiled(constraint, grammar, self.guides, self.vocab_size, self.limits, cost, build)
 
     def close(self) -> None:
         """End the two processes (they also end by themselves when this process does)."""
@@ -634,10 +642,10 @@ class Guide:
 
     def _open(self) -> None:
         """Open the sequence's matcher in the guide process: the grammar (built there if new to it) and the tokens it
-        has taken, if a killed process held it before. Waited for as long as the compile may take and the tokens'
-        budget."""
+        has taken, if a killed process held it before. Waited for a step's budget and four times what the build and
+        the tokens cost in the compile's measure (a process that loses its CPU is not blamed: GuideLost)."""
         limits = self.compiled.limits
-        seconds = limits.compile_seconds + 4 * (self.tokens + ALLOWANCE_TOKENS) * limits.token_seconds
+        seconds = limits.step_seconds + 4 * (self.compiled.build + (self.tokens + ALLOWANCE_TOKENS) * limits.token_seconds)
         self._call({"op": "open", "id": self.id, "grammar": self.compiled.grammar, "tokens": self.taken},
                    "compute the allowed tokens", seconds)
         self.generation = self.worker.generation

@@ -188,18 +188,20 @@ def main() -> None:
 
 
 def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: dict[str, Any]) -> None:
-    """Fill `answer` for one request: llguidance's definition of the constraint, "" or why it cannot generate, and
-    what a token of it costs."""
+    """Fill `answer` for one request: llguidance's definition of the constraint, "" or why it cannot generate, what a
+    token of it costs, and the CPU seconds of building it (its first mask included: what the guide process will
+    spend on it again; past the request's "build_seconds" it is not probed)."""
+    answer.update(grammar="", error="", cost=0.0, build=0.0)
     try:
         grammar = definition(request["kind"], request["spec"], request["whitespace_flexible"])
+        c0 = time.thread_time()
         matcher, error = check(lltokenizer, grammar, limits)
-        cost = 0.0
-        if not error:
-            error, cost = probe(lltokenizer, matcher, PROBE_TOKENS, request["step_seconds"], request["token_seconds"],
-                                request["allowance_tokens"])
-        answer.update(grammar=grammar, error=error, cost=cost)
+        answer.update(grammar=grammar, error=error, build=time.thread_time() - c0)
+        if not error and answer["build"] <= request["build_seconds"]:
+            answer["error"], answer["cost"] = probe(lltokenizer, matcher, PROBE_TOKENS, request["step_seconds"],
+                                                    request["token_seconds"], request["allowance_tokens"])
     except (ValueError, TypeError, RecursionError) as e:
-        answer.update(grammar="", error=one_line(str(e)) or type(e).__name__, cost=0.0)
+        answer.update(grammar="", error=one_line(str(e)) or type(e).__name__)
 
 
 # --- the guide role: every sequence's matcher, each token's work timed by the parent ---------------------------------
