@@ -416,7 +416,6 @@ class CompileWorker(WorkerProcess):
                                   "whitespace_flexible": constraint.whitespace_flexible,
                                   "step_seconds": self.limits.step_seconds,
                                   "token_seconds": self.limits.token_seconds,
-                                  "build_seconds": self.limits.build_seconds,
                                   "allowance_tokens": ALLOWANCE_TOKENS}).encode())
             answer = json.loads(self.receive(self.limits.compile_seconds))
         except (BrokenPipeError, EOFError):
@@ -425,7 +424,7 @@ class CompileWorker(WorkerProcess):
             self.stop()
             raise GrammarError(f"{what} took over {self.limits.compile_seconds:g} s to compile; at most "
                                f"{self.limits.compile_seconds:g} s") from None
-        if answer["build"] > self.limits.build_seconds:
+        if not answer["error"] and answer["build"] > self.limits.build_seconds:  # what failed says why, first
             raise GrammarError(f"{what} takes {answer['build']:.2f} s of CPU to build (llguidance's compile and first "
                                f"mask, done again for each process that follows it); at most "
                                f"{self.limits.build_seconds:g} s")
