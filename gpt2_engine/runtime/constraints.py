@@ -644,7 +644,8 @@ class Guide:
         has taken, if a killed process held it before. Waited for a step's budget and four times what the build and
         the tokens cost in the compile's measure (a process that loses its CPU is not blamed: GuideLost)."""
         limits = self.compiled.limits
-        seconds = limits.step_seconds + 4 * (self.compiled.build + (self.tokens + ALLOWANCE_TOKENS) * limits.token_seconds)
+        work = self.compiled.build + (self.tokens + ALLOWANCE_TOKENS) * limits.token_seconds
+        seconds = limits.step_seconds + 4 * work
         self._call({"op": "open", "id": self.id, "grammar": self.compiled.grammar, "tokens": self.taken},
                    "compute the allowed tokens", seconds)
         self.generation = self.worker.generation
@@ -662,9 +663,9 @@ class Guide:
             except GuideLost as e:  # the process is gone with the matchers of the sequences beside: they reopen
                 self.generation = -1
                 if e.blamed:
-                    budget = "at most {seconds:g} s " + ("a token" if request["op"] == "accept" else "to open a sequence")
-                    c.refused = (f"{c.constraint.describe()} {e} to {what} after {self.tokens} tokens; "
-                                 f"{'simplify it' if 'crashed' in str(e) else budget.format(seconds=seconds)}")
+                    per = "a token" if request["op"] == "accept" else "to open a sequence"
+                    advice = "simplify it" if str(e).startswith("crashed") else f"at most {seconds:g} s {per}"
+                    c.refused = f"{c.constraint.describe()} {e} to {what} after {self.tokens} tokens; {advice}"
                     raise GrammarError(c.refused) from None
                 if attempt:  # twice in a row, and not its grammar's doing: the sequence ends, the grammar stays
                     raise GrammarError(f"the guide process {e}, twice, when asked to {what} after {self.tokens} "
