@@ -389,6 +389,12 @@ def follow(guide, tokens: list[int], vocab: int) -> torch.Tensor:
     return guide.mask(logits) > -torch.inf
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP a child process and wait until it has stopped (a signal lands later than kill() returns)."""
+    os.kill(pid, signal.SIGSTOP)
+    assert os.WIFSTOPPED(os.waitpid(pid, os.WUNTRACED)[1])
+
+
 def test_a_step_is_cut_off_at_its_budget_and_the_sequences_beside_go_on(trained_model: GPT2) -> None:
     """The bound that does not depend on reading a grammar's text: the thirteenth attack's grammar, its text check
     lifted, costs ~5 s of CPU in the step after "b" (a literal of 99,000 bytes), which llguidance cannot interrupt.
@@ -425,12 +431,12 @@ def test_a_step_is_cut_off_at_its_budget_and_the_sequences_beside_go_on(trained_
         assert torch.equal(follow(victim, tok.encode("1"), vocab), follow(grammars.compile(regex).guide(),
                                                                           tok.encode("1"), vocab))
         assert grammars.guides.process is spare
-        os.kill(grammars.guides.process.pid, signal.SIGSTOP)  # 0.5 s with no CPU: the next process takes it
+        stop(grammars.guides.process.pid)  # 0.5 s with no CPU: the next process takes it
         assert torch.equal(follow(victim, tok.encode("2"), vocab), follow(grammars.compile(regex).guide(),
                                                                           tok.encode("12"), vocab))
         assert torch.equal(follow(later, text[3:], vocab), expected)
         stopped = grammars.guides.process
-        os.kill(stopped.pid, signal.SIGSTOP)  # between steps: a new sequence's open is tried again on the next
+        stop(stopped.pid)  # between steps: a new sequence's open is tried again on the next
         assert torch.equal(follow(grammars.compile(regex).guide(), [], vocab), follow(alone_regex := grammars.compile(
             regex).guide(), [], vocab)) and stopped.poll() == -9 and alone_regex.tokens == 0
         # a crash in llguidance is the grammar's: a SIGABRT here, as Rust ends a thread that overflows its stack (a
