@@ -417,7 +417,15 @@ class CompileWorker(WorkerProcess):
                                   "step_seconds": self.limits.step_seconds,
                                   "token_seconds": self.limits.token_seconds,
                                   "allowance_tokens": ALLOWANCE_TOKENS}).encode())
-            answer = json.loads(self.receive(self.limits.compile_seconds))
+            deadline = time.monotonic() + self.limits.compile_seconds
+            build = 4 * self.limits.build_seconds  # in wall time: a machine busy with other work slows it
+            try:
+                json.loads(self.receive(min(build, self.limits.compile_seconds)))
+            except TimeoutError:
+                self.stop()
+                raise GrammarError(f"{what} took over {build:g} s to build (llguidance's compile and first mask); at "
+                                   f"most {self.limits.build_seconds:g} s of CPU") from None
+            answer = json.loads(self.receive(max(deadline - time.monotonic(), 0.0)))
         except (BrokenPipeError, EOFError):
             raise GrammarError(f"{what} crashed llguidance's compiler ({self.died()}); simplify it") from None
         except TimeoutError:
@@ -515,6 +523,20 @@ class GuideWorker(WorkerProcess):
     def end(self, sequence: int) -> None:
         self.ended.append(sequence)
 
+    def build(self, constraint: Constraint, grammar: str, seconds: float) -> None:
+        """Build a grammar as it is compiled (off the engine thread), so that its sequences' opens only copy it; one
+        that runs the process past `seconds` or crashes it is a GrammarError. A process lost for a reason of its own
+        is left to the opens, which build what the next one lacks."""
+        try:
+            answer, _ = self.call({"op": "build", "grammar": grammar}, seconds)
+        except GuideLost as e:
+            if e.blamed:
+                raise GrammarError(f"{constraint.describe()} {e} to build in the guide process; at most {seconds:.2g} "
+                                   "s") from None
+            return
+        if answer["error"]:  # not expected: the compile process built it the same way
+            raise GrammarError(f"{constraint.describe()}: {answer['error']}")
+
 
 class Compiled:
     """A checked grammar: llguidance's definition of it, which each sequence's Guide opens in the guide process;
@@ -578,8 +600,7 @@ class Grammars:
             grammar, error, cost, build = self.worker.compile(constraint)
         if error:
             raise GrammarError(f"{constraint.describe()}: {error}")
-        with self.guides.lock:  # here rather than at the engine thread's first constrained step
-            self.guides.wait_ready()
+        self.guides.build(constraint, grammar, self.limits.step_seconds + 4 * build)
         return Compiled(constraint, grammar, self.guides, self.vocab_size, self.limits, cost, build)
 
     def close(self) -> None:
@@ -607,6 +628,7 @@ class Guide:
         self.stopped = False
         self.failed = ""  # the grammar failed computing the next mask: raised where that mask is asked for
         self.spent = 0.0  # CPU seconds of this sequence's masks and advances
+        self.built = 0.0  # CPU seconds its opens spent building the grammar (0 where its compile had it built)
 
     @property
     def tokens(self) -> int:
@@ -673,6 +695,7 @@ class Guide:
                 if request["op"] == "accept":
                     self._open()  # the sequence carried over to the next process, then its token sent again
         self.spent += answer["cpu"]
+        self.built += answer.get("built", 0.0)
         if answer["at"] == "mask":
             self.failed = self._failure(answer, request)
         elif answer["error"] or not answer["consumed"]:

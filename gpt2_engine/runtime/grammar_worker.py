@@ -36,7 +36,7 @@ NO_TEXT = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons at the
 # Lark, as llguidance tells it from GBNF (a `start` rule or a %llguidance block), and `?start:` as Lark's own docs
 # write its JSON grammar (llguidance would read that as GBNF and fail to convert it)
 LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start\s*(?:\.-?\d+)?\s*(?:\[[^\]\n]*\])?\s*:)")
-CACHED = 64  # grammars the guide role keeps built (the parent caches as many compiled)
+CACHED = 128  # grammars the guide role keeps built: twice the parent's compiled ones, each built as it is compiled
 PROBE_TOKENS = 16  # tokens a compile takes on a copy of the matcher: a grammar that fails or is slow on its first ones
 
 
@@ -161,7 +161,8 @@ def write_frame(stream: BinaryIO, payload: bytes) -> None:
 
 def main() -> None:
     """Serve the parent: after the pickled setup, its "role" says which loop runs, on a thread whose stack is the
-    setup's: "compile" (answer_one, each request timed by the parent) or "guide" (serve_guides)."""
+    setup's: "compile" (answer_one: two frames a request, {"build"} as soon as the grammar is built and then the
+    answer, each timed by the parent) or "guide" (serve_guides)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; this process ends at its EOF
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = pickle.loads(read_frame(stdin))
@@ -178,25 +179,40 @@ def main() -> None:
         return
     while (frame := read_frame(stdin)) is not None:
         answer: dict[str, Any] = {}
-        thread = threading.Thread(target=answer_one, args=(lltokenizer, limits, json.loads(frame), answer), daemon=True)
+        built = threading.Event()
+        thread = threading.Thread(target=answer_one, args=(lltokenizer, limits, json.loads(frame), answer, built),
+                                  daemon=True)
         thread.start()
-        while thread.is_alive():  # the parent sends nothing while it waits: stdin readable here is its end
-            thread.join(0.1)
-            if thread.is_alive() and select.select([stdin], [], [], 0)[0]:
-                os._exit(0)
+        wait_for(thread, built, stdin)
+        write_frame(stdout, json.dumps({"build": answer.get("build", 0.0)}).encode())  # timed apart by the parent
+        wait_for(thread, None, stdin)
         write_frame(stdout, json.dumps(answer).encode())
 
 
-def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: dict[str, Any]) -> None:
+def wait_for(thread: threading.Thread, event: threading.Event | None, stdin: BinaryIO) -> None:
+    """Wait until `event` is set or `thread` ends, the process ending if the parent has gone: it sends nothing while
+    it waits, so stdin readable here is its end."""
+    while thread.is_alive() and not (event is not None and event.is_set()):
+        if event is not None:
+            event.wait(0.1)
+        else:
+            thread.join(0.1)
+        if thread.is_alive() and select.select([stdin], [], [], 0)[0]:
+            os._exit(0)
+
+
+def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: dict[str, Any],
+               built: threading.Event) -> None:
     """Fill `answer` for one request: llguidance's definition of the constraint, "" or why it cannot generate, what a
     token of it costs, and the CPU seconds of building it (its first mask included: what the guide process will
-    spend on it again)."""
+    spend on it again), `built` set as soon as that is known."""
     answer.update(grammar="", error="", cost=0.0, build=0.0)
     try:
         grammar = definition(request["kind"], request["spec"], request["whitespace_flexible"])
         c0 = time.thread_time()
         matcher, error = check(lltokenizer, grammar, limits)
         answer.update(grammar=grammar, error=error, build=time.thread_time() - c0)
+        built.set()
         if not error:
             answer["error"], answer["cost"] = probe(lltokenizer, matcher, PROBE_TOKENS, request["step_seconds"],
                                                     request["token_seconds"], request["allowance_tokens"])
@@ -207,8 +223,8 @@ def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: d
 # --- the guide role: every sequence's matcher, each token's work timed by the parent ---------------------------------
 
 def serve_guides(lltokenizer: Any, limits: Any, stdin: BinaryIO, stdout: BinaryIO) -> None:
-    """Answer each request ({"op": "open", "id", "grammar", "tokens"} or {"op": "accept", "id", "token"}, both
-    with "drop": ids whose sequences ended) with one frame: a 4-byte big-endian length, the JSON answer ({"consumed",
+    """Answer each request ({"op": "build", "grammar"}, {"op": "open", "id", "grammar", "tokens"} or {"op":
+    "accept", "id", "token"}, each with "drop": ids whose sequences ended) with one frame: a 4-byte big-endian length, the JSON answer ({"consumed",
     "error", "at", "stopped", "cpu", "process_cpu"}) and the sequence's next mask (llguidance's bitmask bytes; none
     after an error).
     Grammars are built once (the last CACHED of them kept) and each sequence works on a copy."""
@@ -226,20 +242,24 @@ def serve_guides(lltokenizer: Any, limits: Any, stdin: BinaryIO, stdout: BinaryI
 
 def guide_step(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], matchers: dict[int, Any],
                request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-    """One request's answer and mask: an "open" copies the grammar's built matcher for the sequence and takes the
-    tokens it had taken (a sequence carried over from a process that was killed) and an "accept" takes one; then
-    the next mask is computed. "cpu" is the thread's CPU seconds for it, a build not counted (the compile's cost)."""
-    if request["op"] == "open":
+    """One request's answer and mask: a "build" builds a grammar (when it is compiled, so that no sequence waits for
+    that); an "open" copies the grammar's built matcher for the sequence and takes the tokens it had taken (a
+    sequence carried over from a process that was killed) and an "accept" takes one; then the next mask is
+    computed. "cpu" is the thread's CPU seconds for it, an open's build not counted (the compile's cost)."""
+    building = 0.0
+    if request["op"] in ("open", "build"):
+        c0 = time.thread_time()
         built_matcher, error = pristine(lltokenizer, limits, built, request["grammar"])
-        if error:
-            return {"consumed": False, "error": error, "at": "open", "stopped": False, "cpu": 0.0}, b""
+        building = time.thread_time() - c0
+        if error or request["op"] == "build":
+            return {"consumed": not error, "error": error, "at": "open", "stopped": False, "cpu": building}, b""
         c0 = time.thread_time()
         matcher = matchers[request["id"]] = built_matcher.deep_copy()
         tokens = request["tokens"]
     else:
         c0 = time.thread_time()
         matcher, tokens = matchers[request["id"]], [request["token"]]
-    answer: dict[str, Any] = {"consumed": True, "error": "", "at": "accept", "stopped": False}
+    answer: dict[str, Any] = {"consumed": True, "error": "", "at": "accept", "stopped": False, "built": building}
     mask = b""
     for token in tokens:
         if not matcher.consume_token(token) or matcher.is_error():
