@@ -248,9 +248,9 @@ def guide_step(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], matc
     computed. "cpu" is the thread's CPU seconds for it, an open's build not counted (the compile's cost)."""
     building = 0.0
     if request["op"] in ("open", "build"):
-        c0 = time.thread_time()
+        c0, new = time.thread_time(), request["grammar"] not in built
         built_matcher, error = pristine(lltokenizer, limits, built, request["grammar"])
-        building = time.thread_time() - c0
+        building = time.thread_time() - c0 if new else 0.0
         if error or request["op"] == "build":
             return {"consumed": not error, "error": error, "at": "open", "stopped": False, "cpu": building}, b""
         c0 = time.thread_time()
