@@ -489,6 +489,14 @@ def test_a_grammar_slow_to_build_is_refused_at_its_compile(trained_model: GPT2) 
     guide = compiled.guide()
     guide.mask(torch.zeros(trained_model.config.vocab_size))
     assert guide.built == 0.0 and guide.spent > 0  # its open copied what the compile had the guide process build
+    # the twenty-first attack: a grammar the guide process no longer holds (dropped from its cache, or the process
+    # replaced) while the compiled one is still cached here is built again by the next request's compile
+    trained_model.grammars.guides.process.kill()
+    trained_model.grammars.guides.process.wait(60)
+    assert trained_model.grammars.compile(compiled.constraint) is compiled
+    guide = compiled.guide()
+    guide.mask(torch.zeros(trained_model.config.vocab_size))
+    assert guide.built == 0.0
 
 
 def test_llguidance_never_runs_in_the_engine_process(trained_dir: Path) -> None:

@@ -523,19 +523,19 @@ class GuideWorker(WorkerProcess):
     def end(self, sequence: int) -> None:
         self.ended.append(sequence)
 
-    def build(self, constraint: Constraint, grammar: str, seconds: float) -> None:
-        """Build a grammar as it is compiled (off the engine thread), so that its sequences' opens only copy it; one
-        that runs the process past `seconds` or crashes it is a GrammarError. A process lost for a reason of its own
-        is left to the opens, which build what the next one lacks."""
-        try:
-            answer, _ = self.call({"op": "build", "grammar": grammar}, seconds)
-        except GuideLost as e:
-            if e.blamed:
-                raise GrammarError(f"{constraint.describe()} {e} to build in the guide process; at most {seconds:.2g} "
-                                   "s") from None
-            return
-        if answer["error"]:  # not expected: the compile process built it the same way
-            raise GrammarError(f"{constraint.describe()}: {answer['error']}")
+    def build(self, grammar: str, seconds: float) -> str:
+        """Build a grammar in the process (a lookup where it is built already); "" or, where it ran the process past
+        `seconds` or crashed it, what follows the grammar's name in the error. A process lost for a reason of its
+        own is replaced and the build tried there once more; lost again, it is left to the opens."""
+        for _ in range(2):
+            try:
+                answer, _ = self.call({"op": "build", "grammar": grammar}, seconds)
+            except GuideLost as e:
+                if e.blamed:
+                    return f" {e} to build in the guide process; at most {seconds:.2g} s"
+                continue
+            return f": {answer['error']}" if answer["error"] else ""  # not expected: the compile process built it
+        return ""
 
 
 class Compiled:
@@ -566,6 +566,9 @@ class Grammars:
         atexit.register(self.close)
         self.lock = threading.Lock()  # the cache
         self.worker_lock = threading.Lock()  # one compile at a time in the worker
+        # one build at a time waits for the guide process beside the engine thread (a lock does not queue its
+        # waiters: several builds could otherwise take it in turn while the engine thread waits)
+        self.build_lock = threading.Lock()
         self._cache: OrderedDict[Constraint, Compiled | GrammarError] = OrderedDict()
 
     def compile(self, constraint: Constraint) -> Compiled:
@@ -581,6 +584,7 @@ class Grammars:
         if found is not None:
             if found.refused:
                 raise GrammarError(found.refused)
+            self._build(found)  # the guide process may have dropped it since, or been replaced
             return found
         try:
             compiled: Compiled | GrammarError = self._compile(constraint)
@@ -600,8 +604,18 @@ class Grammars:
             grammar, error, cost, build = self.worker.compile(constraint)
         if error:
             raise GrammarError(f"{constraint.describe()}: {error}")
-        self.guides.build(constraint, grammar, self.limits.step_seconds + 4 * build)
-        return Compiled(constraint, grammar, self.guides, self.vocab_size, self.limits, cost, build)
+        compiled = Compiled(constraint, grammar, self.guides, self.vocab_size, self.limits, cost, build)
+        self._build(compiled)
+        return compiled
+
+    def _build(self, compiled: Compiled) -> None:
+        """Have the guide process hold the grammar built, off the engine thread, so that its sequences' opens only
+        copy it; GrammarError (the grammar refused from now on) where that runs the process past its time."""
+        with self.build_lock:
+            error = self.guides.build(compiled.grammar, self.limits.step_seconds + 4 * compiled.build)
+        if error:
+            compiled.refused = f"{compiled.constraint.describe()}{error}"
+            raise GrammarError(compiled.refused)
 
     def close(self) -> None:
         """End the two processes (they also end by themselves when this process does)."""
