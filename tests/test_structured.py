@@ -13,6 +13,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -497,6 +498,60 @@ def test_a_grammar_slow_to_build_is_refused_at_its_compile(trained_model: GPT2) 
     guide = compiled.guide()
     guide.mask(torch.zeros(trained_model.config.vocab_size))
     assert guide.built == 0.0
+
+
+def test_a_build_waits_for_the_engine_step_that_holds_the_guide_process(trained_model: GPT2) -> None:
+    """The twenty-first and twenty-second attacks: builds (request threads) taken between the round trips of one
+    step's sequences added up to 0.6-1 s. A step holds the guide process for all its sequences' tokens (the scheduler's
+    update: Guide.step), and a build waits until no step is waiting: the step waits for one build at most."""
+    tok, vocab = trained_model.tokenizer, trained_model.config.vocab_size
+    grammars = Grammars(tok, vocab)
+    try:
+        guides, calls = grammars.guides, []
+        call = guides.call
+
+        def logged(request: dict, seconds: float) -> tuple:  # each round trip once it is done
+            answer = call(request, seconds)
+            calls.append(request["op"])
+            return answer
+
+        guide = grammars.compile(Constraint.regex("[0-9]{4}")).guide()
+        guides.call = logged
+        with guides.step():
+            compiling = threading.Thread(target=grammars.compile, args=(Constraint.regex("[a-z]{4}"),))
+            compiling.start()
+            for token in tok.encode("1234"):
+                guide.mask(torch.zeros(vocab))
+                guide.accept(token)
+            compiling.join(2)  # its compile takes milliseconds; its build waits for this step
+            assert compiling.is_alive()
+            calls.append("step done")
+        compiling.join()
+        assert calls == ["open"] + ["accept"] * len(tok.encode("1234")) + ["step done", "build"], calls
+    finally:
+        grammars.close()
+
+
+def test_the_servers_compiles_run_on_the_grammars_own_threads(trained_model: GPT2) -> None:
+    """The twenty-second attack: 40 concurrent requests with fresh near-limit grammars filled asyncio's shared thread
+    pool (their compiles wait for each other), and a plain chat request, whose template runs in that pool, waited
+    2-3 s behind them. The server compiles on the grammars' own threads (Grammars.executor)."""
+    grammars, names = trained_model.grammars, []
+    compile = grammars.compile
+
+    def recorded(constraint: Constraint):
+        names.append(threading.current_thread().name)
+        return compile(constraint)
+
+    grammars.compile = recorded
+    try:
+        with live(trained_model) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0,
+                                                "structured_outputs": {"regex": "[0-9]{2}"}})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"].isdigit(), r.text
+    finally:
+        del grammars.compile
+    assert names and all(n.startswith("gpt2-grammar") for n in names), names
 
 
 def test_llguidance_never_runs_in_the_engine_process(trained_dir: Path) -> None:

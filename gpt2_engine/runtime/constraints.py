@@ -34,6 +34,7 @@ each sequence then gets its own `Guide` (a copy of the compiled matcher) when th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -47,7 +48,8 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -467,7 +469,9 @@ class GuideWorker(WorkerProcess):
         self.generation = 0
         self.ids = itertools.count()
         self.ended: deque[int] = deque()  # sequences whose matchers may go, told with the next request (any thread)
-        self.lock = threading.Lock()  # one round trip at a time (the engine thread's; a test's)
+        self.lock = threading.RLock()  # one round trip at a time; the engine thread holds it for a step's (step())
+        self.turn = threading.Condition()  # a build waits while a step waits for the process (step(), build())
+        self.steps_waiting = 0
         self.cpu_seen = 0.0  # the process's CPU seconds at its last answer
 
     def call(self, request: dict[str, Any], seconds: float) -> tuple[dict[str, Any], bytes]:
@@ -523,11 +527,31 @@ class GuideWorker(WorkerProcess):
     def end(self, sequence: int) -> None:
         self.ended.append(sequence)
 
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Hold the process for one engine step's grammar work (every sequence's token), so that a build (another
+        thread's) waits until the step is done, and the step waits for at most the one build already running: a lock
+        does not queue its waiters, and builds taken between each sequence's round trip added up (attack 21)."""
+        with self.turn:
+            self.steps_waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self.turn:
+                self.steps_waiting -= 1
+                self.turn.notify_all()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     def build(self, grammar: str, seconds: float) -> str:
         """Build a grammar in the process (a lookup where it is built already); "" or, where it ran the process past
         `seconds` or crashed it, what follows the grammar's name in the error. A process lost for a reason of its
         own is replaced and the build tried there once more; lost again, it is left to the opens."""
         for _ in range(2):
+            with self.turn:  # after any step waiting for the process
+                self.turn.wait_for(lambda: not self.steps_waiting)
             try:
                 answer, _ = self.call({"op": "build", "grammar": grammar}, seconds)
             except GuideLost as e:
@@ -570,6 +594,9 @@ class Grammars:
         # waiters: several builds could otherwise take it in turn while the engine thread waits)
         self.build_lock = threading.Lock()
         self._cache: OrderedDict[Constraint, Compiled | GrammarError] = OrderedDict()
+        # the server's compiles, on threads of their own: they wait for each other (worker_lock, build_lock), and in
+        # asyncio's shared pool a flood of them would hold up every other request's work there
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gpt2-grammar")
 
     def compile(self, constraint: Constraint) -> Compiled:
         """The compiled grammar; GrammarError (param 'constraint') naming what is wrong with it or the limit it goes
@@ -619,6 +646,7 @@ class Grammars:
 
     def close(self) -> None:
         """End the two processes (they also end by themselves when this process does)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
         with self.worker_lock:
             self.worker.stop()
         with self.guides.lock:
@@ -668,6 +696,10 @@ class Guide:
             self._open()
         self._call({"op": "accept", "id": self.id, "token": token}, f"take token {token} and compute the allowed tokens")
         self.taken.append(token)
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """The guide process held for one engine step (GuideWorker.step); the same for every Guide of a Grammars."""
+        return self.worker.step()
 
     def close(self) -> None:
         """The sequence ended: its matcher may go."""

@@ -27,6 +27,7 @@ agrees with and emits every accepted token as an Event of its own, in order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -237,6 +238,13 @@ class Scheduler:
         """Consume a pass's outputs (its segments as the plan gave them, by sequence id, in row order: each one's
         output rows' Picks, and their logits unless the segment was greedy): choose each next token. A sequence
         whose sampling fails ends with an 'error' event; the others go on."""
+        with contextlib.ExitStack() as held:  # each grammar process once for the step's tokens: Guide.step
+            for guide in {id(s.guide.worker): s.guide for s in map(self.live.get, segments) if s and s.guide}.values():
+                held.enter_context(guide.step())
+            return self._choose(segments, out)
+
+    def _choose(self, segments: dict[int, Segment], out: Outputs) -> list[Output]:
+        """update's work, the grammar processes held."""
         result, first, kept = [], 0, 0
         picks = out.picks
         for seq_id, seg in segments.items():

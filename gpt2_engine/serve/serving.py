@@ -103,7 +103,10 @@ async def sequences(req: SamplingFields, prompts: list[list[int]], max_new_token
                                       top_logprobs=top_logprobs or 0, prompt_logprobs=prompt_logprobs,
                                       constraint=req.constraint(), steering=steering)
         build = partial(build_requests, prompts, settings, config, tokenizer.eot_id, grammars)
-        requests = (build() if settings.constraint is None else await asyncio.to_thread(build)).requests
+        if settings.constraint is None:
+            requests = build().requests
+        else:  # on the grammars' own threads: see Grammars.executor
+            requests = (await asyncio.get_running_loop().run_in_executor(grammars.executor, build)).requests
     except GenerationError as e:
         raise api_error(e, req=req) from None
     return requests if adapter is None else [replace(r, adapter=adapter) for r in requests]
