@@ -328,11 +328,10 @@ class WorkerProcess:
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
         setup = {"role": self.role, "encoding": self.tokenizer.encoding, "n_vocab": self.tokenizer.n_vocab,
                  "eos": self.tokenizer.eot_id, "lexer_fuel": self.limits.lexer_fuel, "step_fuel": self.limits.step_fuel,
-                 "row_items": self.limits.row_items, "stack_bytes": self.stack_bytes}
-        data = memoryview(struct.pack(">Q", len(setup := pickle.dumps(setup))) + setup)
+                 "row_items": self.limits.row_items, "stack_bytes": self.stack_bytes,
+                 "kept_built": 2 * CACHED_GRAMMARS}  # the guide role's: what this process still holds compiled
         try:
-            while data:
-                data = data[os.write(process.stdin.fileno(), data):]
+            send_frame(process, pickle.dumps(setup))
         except BrokenPipeError:
             process.kill()
             raise RuntimeError(f"the grammar {self.role} process did not start ({ended_by(process.wait())})") \
@@ -356,9 +355,7 @@ class WorkerProcess:
         return 0 if process is None else killed(process)[0]
 
     def send(self, payload: bytes) -> None:
-        data = memoryview(struct.pack(">Q", len(payload)) + payload)
-        while data:
-            data = data[os.write(self.process.stdin.fileno(), data):]
+        send_frame(self.process, payload)
 
     def receive(self, seconds: float) -> bytes:
         """The next frame's payload; TimeoutError after `seconds`, EOFError if the process ended."""
@@ -377,9 +374,12 @@ class WorkerProcess:
             data += chunk
         return bytes(data)
 
-    def died(self) -> str:
-        """Kill the process; how it ended, in words (for a process that ended on its own: a crash)."""
-        return ended_by(WorkerProcess.stop(self))
+
+def send_frame(process: subprocess.Popen, payload: bytes) -> None:
+    """Write one frame (an 8-byte big-endian length, then the payload) to a worker process's stdin."""
+    data = memoryview(struct.pack(">Q", len(payload)) + payload)
+    while data:
+        data = data[os.write(process.stdin.fileno(), data):]
 
 
 def ended_by(code: int) -> str:
@@ -428,8 +428,8 @@ class CompileWorker(WorkerProcess):
                 raise GrammarError(f"{what} took over {build:g} s to build (llguidance's compile and first mask); at "
                                    f"most {self.limits.build_seconds:g} s of CPU") from None
             answer = json.loads(self.receive(max(deadline - time.monotonic(), 0.0)))
-        except (BrokenPipeError, EOFError):
-            raise GrammarError(f"{what} crashed llguidance's compiler ({self.died()}); simplify it") from None
+        except (BrokenPipeError, EOFError):  # it ended on its own: a crash
+            raise GrammarError(f"{what} crashed llguidance's compiler ({ended_by(self.stop())}); simplify it") from None
         except TimeoutError:
             self.stop()
             raise GrammarError(f"{what} took over {self.limits.compile_seconds:g} s to compile; at most "

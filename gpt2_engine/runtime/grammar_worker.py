@@ -36,7 +36,6 @@ NO_TEXT = ("NoExtension", "NoExtensionBias")  # llguidance's stop reasons at the
 # Lark, as llguidance tells it from GBNF (a `start` rule or a %llguidance block), and `?start:` as Lark's own docs
 # write its JSON grammar (llguidance would read that as GBNF and fail to convert it)
 LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start\s*(?:\.-?\d+)?\s*(?:\[[^\]\n]*\])?\s*:)")
-CACHED = 128  # grammars the guide role keeps built: twice the parent's compiled ones, each built as it is compiled
 PROBE_TOKENS = 16  # tokens a compile takes on a copy of the matcher: a grammar that fails or is slow on its first ones
 
 
@@ -173,7 +172,8 @@ def main() -> None:
     threading.stack_size(setup["stack_bytes"])  # llguidance recurses once per level of a grammar: see the docstring
     write_frame(stdout, json.dumps({"ready": True, "cpu": time.process_time()}).encode())
     if setup["role"] == "guide":
-        thread = threading.Thread(target=serve_guides, args=(lltokenizer, limits, stdin, stdout), daemon=True)
+        thread = threading.Thread(target=serve_guides, args=(lltokenizer, limits, setup["kept_built"], stdin, stdout),
+                                  daemon=True)
         thread.start()
         thread.join()
         return
@@ -222,25 +222,25 @@ def answer_one(lltokenizer: Any, limits: Any, request: dict[str, Any], answer: d
 
 # --- the guide role: every sequence's matcher, each token's work timed by the parent ---------------------------------
 
-def serve_guides(lltokenizer: Any, limits: Any, stdin: BinaryIO, stdout: BinaryIO) -> None:
+def serve_guides(lltokenizer: Any, limits: Any, kept: int, stdin: BinaryIO, stdout: BinaryIO) -> None:
     """Answer each request ({"op": "build", "grammar"}, {"op": "open", "id", "grammar", "tokens"} or {"op":
-    "accept", "id", "token"}, each with "drop": ids whose sequences ended) with one frame: a 4-byte big-endian length, the JSON answer ({"consumed",
-    "error", "at", "stopped", "cpu", "process_cpu"}) and the sequence's next mask (llguidance's bitmask bytes; none
-    after an error).
-    Grammars are built once (the last CACHED of them kept) and each sequence works on a copy."""
+    "accept", "id", "token"}, each with "drop": ids whose sequences ended) with one frame: a 4-byte big-endian
+    length, the JSON answer ({"consumed", "error", "at", "stopped", "cpu", "process_cpu"}) and the sequence's next
+    mask (llguidance's bitmask bytes; none after an error). Grammars are built once (the last `kept` of them kept)
+    and each sequence works on a copy."""
     built: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
     while (frame := read_frame(stdin)) is not None:
         request = json.loads(frame)
         for ended in request["drop"]:
             matchers.pop(ended, None)
-        answer, mask = guide_step(lltokenizer, limits, built, matchers, request)
+        answer, mask = guide_step(lltokenizer, limits, (built, kept), matchers, request)
         answer["process_cpu"] = time.process_time()  # what the parent tells a step's own CPU from, if it kills this
         text = json.dumps(answer).encode()
         write_frame(stdout, struct.pack(">I", len(text)) + text + mask)
 
 
-def guide_step(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], matchers: dict[int, Any],
+def guide_step(lltokenizer: Any, limits: Any, cache: tuple[OrderedDict[str, Any], int], matchers: dict[int, Any],
                request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     """One request's answer and mask: a "build" builds a grammar (when it is compiled, so that no sequence waits for
     that); an "open" copies the grammar's built matcher for the sequence and takes the tokens it had taken (a
@@ -248,8 +248,8 @@ def guide_step(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], matc
     computed. "cpu" is the thread's CPU seconds for it, an open's build not counted (the compile's cost)."""
     building = 0.0
     if request["op"] in ("open", "build"):
-        c0, new = time.thread_time(), request["grammar"] not in built
-        built_matcher, error = pristine(lltokenizer, limits, built, request["grammar"])
+        c0, new = time.thread_time(), request["grammar"] not in cache[0]
+        built_matcher, error = pristine(lltokenizer, limits, cache, request["grammar"])
         building = time.thread_time() - c0 if new else 0.0
         if error or request["op"] == "build":
             return {"consumed": not error, "error": error, "at": "open", "stopped": False, "cpu": building}, b""
@@ -275,15 +275,17 @@ def guide_step(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], matc
     return answer, mask
 
 
-def pristine(lltokenizer: Any, limits: Any, built: OrderedDict[str, Any], grammar: str) -> tuple[Any, str]:
-    """The matcher of `grammar` as built (its first mask computed), from `built` or built now; and "" or why not."""
+def pristine(lltokenizer: Any, limits: Any, cache: tuple[OrderedDict[str, Any], int], grammar: str) -> tuple[Any, str]:
+    """The matcher of `grammar` as built (its first mask computed), from the cache (the built matchers by grammar, and
+    how many are kept) or built now; and "" or why not."""
+    built, kept = cache
     if grammar in built:
         built.move_to_end(grammar)
         return built[grammar], ""
     matcher, error = check(lltokenizer, grammar, limits)
     if not error:
         built[grammar] = matcher
-        if len(built) > CACHED:
+        if len(built) > kept:
             built.popitem(last=False)
     return matcher, error
 
