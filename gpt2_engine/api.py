@@ -93,7 +93,7 @@ class GPT2:
         error unless `force`. weight_layout: "packed" keeps the float32 or bfloat16 projections and head with packed
         exponents (core/packed.py: 0.875x or 0.75x the bytes, the same logits to the bit), "plain" as they are (in
         panels where the CPU reads those faster), "auto" (default) packed where this CPU reads that faster, measured
-        once per process (core/packing.py); what packing made is `packing`.
+        once per process and model shape (core/packing.py); what packing made is `packing`.
 
         device="cuda" (or "cuda:N"): the model on an NVIDIA GPU, on the torch runner (runtime/torch_runner.py): the
         weights moved there once, the KV cache and every activation there, float32, bfloat16 or float16 matrices
@@ -503,7 +503,7 @@ def native_weights(directory: Path, config: GPT2Config, converted: dict[str, tor
     (kernels.CPU.panels): bfloat16 ones always, float32 ones where read in place and not about to be quantized."""
     file = None if converted is not None else find_weights_file(directory)
     in_place = file is not None and not quantize and dtype == torch.float32
-    packed = use_packed(weight_layout, dtype, not quantize and (dtype == torch.bfloat16 or in_place))
+    packed = use_packed(weight_layout, dtype, not quantize and (dtype == torch.bfloat16 or in_place), config)
     panels = cpu().panels and (dtype == torch.bfloat16 or in_place) and not packed
     # the panels are written straight onto huge pages (core/pages.py), not made and then moved
     arena = HugeArena(panel_bytes(config, dtype)) if panels and huge_pages_available() else None

@@ -11,6 +11,11 @@ full-size fixture) is converted with llama.cpp's own convert_hf_to_gguf.py to f3
 `h.N.attn.bias` buffers (its GPT-2 path does not expect them), then quantized by llama-quantize to q8_0, q4_0 and
 f16.
 
+llama.cpp's AMX path (q8_0 and q4_0 on Intel Xeons with AMX) decodes faster than its plain one there, but in this
+version its prefill dies by SIGILL on this project's AMX Xeons (llama.cpp pull request 26954). A llama-bench row that
+dies by a signal runs on a second build without AMX (-mno-amx-*, made once at the first death) and is marked so in
+the table; every other row stays on the native build.
+
 Rows, each format beside the engine's own (f32 / float32, q8_0 / int8, q4_0 / int4, f16 / bfloat16: the 16-bit
 formats each engine has), alternating which runs first,
 --rounds times, medians: decode at batch 1, 128 tokens after a one-token prompt (llama-bench's tg128; the engine's
@@ -45,7 +50,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -71,10 +76,12 @@ def run(cmd: list[str], log: Path | None = None, **kwargs) -> None:
         raise SystemExit(f"bench-llamacpp: {' '.join(cmd[:3])} ... failed ({done.returncode}); see {log}")
 
 
-def llamacpp() -> tuple[Path, Path]:
-    """(the directory of the built binaries, llama.cpp's source tree), building them once."""
+def llamacpp(amx: bool = True) -> tuple[Path, Path]:
+    """(the directory of the built binaries, llama.cpp's source tree), building them once. amx=False: a second build
+    with the AMX instructions off (-mno-amx-*, which -march=native does not undo), for a CPU where llama.cpp's AMX
+    path dies (amx_runs)."""
     src = CACHE / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
-    bin_dir = CACHE / f"build-{VERSION}" / "bin"
+    bin_dir = CACHE / f"build-{VERSION}{'' if amx else '-noamx'}" / "bin"
     if all((bin_dir / t).is_file() for t in TARGETS):
         return bin_dir, src
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -87,10 +94,22 @@ def llamacpp() -> tuple[Path, Path]:
     build = bin_dir.parent
     print(f"bench-llamacpp: building llama.cpp into {build} (once, about 12 minutes on 2 cores) ...", file=sys.stderr,
           flush=True)
+    flags = [] if amx else [f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for lang in ("C", "CXX")]
     run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"], CACHE / "cmake.log")
-    run(["cmake", "--build", str(build), "-j", "2", "--target", *TARGETS], CACHE / "build.log")
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON", *flags],
+        CACHE / f"{build.name}.cmake.log")
+    run(["cmake", "--build", str(build), "-j", "2", "--target", *TARGETS], CACHE / f"{build.name}.log")
     return bin_dir, src
+
+
+def amx_runs(bin_dir: Path, model: Path, threads: int) -> bool:
+    """Whether llama.cpp's AMX path (int8 tiles for q8_0 and q4_0, used from a batch of rows up) runs here: a short
+    q8_0 prefill. In llama.cpp 0.3.36 it dies with SIGILL or SIGSEGV on kernels that enable the tile state per thread
+    (XFD) and where the compiler drops its tile configuration from the stack (llama.cpp pull request 26954), as on
+    this project's AMX Xeons."""
+    done = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "64", "-n", "0",
+                           "-r", "1", "-o", "json"], capture_output=True, text=True)
+    return done.returncode >= 0
 
 
 def gguf_files(weights: Path, bin_dir: Path, src: Path) -> dict[str, Path]:
@@ -169,11 +188,44 @@ def gguf_bytes(path: Path) -> int:
     return total
 
 
+class LlamaDied(Exception):
+    """llama-bench killed by a signal (SIGILL, SIGSEGV): an instruction path of its build that this CPU does not run."""
+
+
 def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int) -> float:
     """tokens/s of one llama-bench run: pp{prompt} (gen 0) or tg{gen} (prompt 0), one repetition."""
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(prompt),
-                          "-n", str(gen), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+                          "-n", str(gen), "-r", "1", "-o", "json"], capture_output=True, text=True)
+    if out.returncode < 0:
+        raise LlamaDied(f"signal {-out.returncode}")
+    if out.returncode:
+        tail = (out.stderr.strip().splitlines() or [""])[-1]
+        raise SystemExit(f"bench-llamacpp: llama-bench on {model.name} (pp{prompt} tg{gen}) failed "
+                         f"(exit {out.returncode}): {tail}")
     return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+@dataclasses.dataclass
+class LlamaRows:
+    """llama-bench's runs on the native build, or, for a row whose run died there by a signal, on the build without
+    AMX (made once, at the first such death): llama.cpp's AMX path decodes q8_0 faster than its plain one on this
+    project's AMX Xeons, but its prefill dies (amx_runs), so each row gets the fastest build that runs it."""
+
+    bin_dir: Path
+    threads: int
+    fallback: Callable[[], Path] = lambda: llamacpp(amx=False)[0]  # the build without AMX's binaries, built once
+    died: set[tuple[str, int, int]] = dataclasses.field(default_factory=set)  # (file, prompt, gen) off the native
+
+    def __call__(self, model: Path, prompt: int, gen: int) -> float:
+        key = (model.name, prompt, gen)
+        if key not in self.died:
+            try:
+                return llama_bench(self.bin_dir, model, self.threads, prompt, gen)
+            except LlamaDied as e:
+                self.died.add(key)
+                print(f"bench-llamacpp: llama-bench pp{prompt} tg{gen} on {model.name} died ({e}); that row runs on "
+                      "llama.cpp built without AMX", file=sys.stderr, flush=True)
+        return llama_bench(self.fallback(), model, self.threads, prompt, gen)
 
 
 def engine_decode(model, tokens: int) -> float:
@@ -283,7 +335,13 @@ def main() -> int:
     files = gguf_files(weights, bin_dir, src)
     machine = f"{cpu().summary()}, {args.threads} threads, torch {torch.__version__}, llama.cpp from llama-cpp-python {VERSION}"
     if args.serve:
+        if cpu().amx and not amx_runs(bin_dir, files["q8_0"], args.threads):
+            print("bench-llamacpp: llama.cpp's AMX path died on this CPU (llama.cpp pull request 26954); "
+                  "llama-server built without AMX instead", file=sys.stderr, flush=True)
+            bin_dir, _ = llamacpp(amx=False)
+            machine += " built without AMX (its AMX path dies here)"
         return serve_rows(args, weights, bin_dir, files, machine)
+    llama = LlamaRows(bin_dir, args.threads)
     import bench_memory
 
     formats = args.formats.split(",")
@@ -307,8 +365,7 @@ def main() -> int:
             moved[fmt, side, "plain"] = engine_bytes(models[side].weights, as_plain=True)
         engines[fmt] = list(models)
         file = files[fmt]
-        sides = {"llama.cpp": {"decode": lambda f=file: llama_bench(bin_dir, f, args.threads, 0, 128),
-                               "prefill": lambda f=file: llama_bench(bin_dir, f, args.threads, 512, 0)}}
+        sides = {"llama.cpp": {"decode": lambda f=file: llama(f, 0, 128), "prefill": lambda f=file: llama(f, 512, 0)}}
         for side, model in models.items():
             sides[side] = {"decode": lambda m=model: engine_decode(m, 128),
                            "prefill": lambda m=model: engine_prefill(m, 512)}
@@ -326,7 +383,8 @@ def main() -> int:
           f"({found.variant}; median of {len(ceilings)} measurements between the rounds, "
           f"{min(ceilings):.1f}-{max(ceilings):.1f}); medians of {args.rounds} alternating rounds, "
           "ratio = engine / llama.cpp; GB/s = bytes a decode step reads x tokens/s; plain-equivalent: the plain "
-          "layout's bytes x the packed row's tokens/s")
+          "layout's bytes x the packed row's tokens/s; (no AMX): llama.cpp's native build died on that row, "
+          "which ran on its build without AMX")
     print("| format | row | llama.cpp tok/s | engine tok/s | ratio | MB a token (llama.cpp / engine) "
           "| llama.cpp GB/s (of ceiling) | engine GB/s (of ceiling) | plain-equivalent GB/s (of ceiling) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -336,7 +394,9 @@ def main() -> int:
             for side in engines[fmt]:
                 a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, side])
                 name = ENGINE_FORMAT[fmt][0] + side.removeprefix("engine")
+                no_amx = (files[fmt].name, *((512, 0) if row == "prefill" else (0, 128))) in llama.died
                 entry = {"format": fmt, "engine": name, "row": row, "llama.cpp": a, "engine_tps": b, "ratio": b / a,
+                         "llama.cpp_build": "without AMX" if no_amx else "native",
                          "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", side)}}
                 rates = " | | | |"
                 if row == "decode":
@@ -349,7 +409,8 @@ def main() -> int:
                              f"{ga:.1f} ({ga / ceiling:.0%}) | {gb:.1f} ({gb / ceiling:.0%}) | "
                              f"{ge:.1f} ({ge / ceiling:.0%}) |")
                 table.append(entry)
-                print(f"| {fmt} / {name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |{rates}")
+                print(f"| {fmt} / {name} | {label} | {a:.1f}{' (no AMX)' if no_amx else ''} | {b:.1f} | {b / a:.2f}x |"
+                      f"{rates}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "ceiling_gbs": ceiling,
                                     "ceilings": ceilings, "ceiling_read": found.variant, "rows": table}, indent=2) + "\n")

@@ -14,7 +14,7 @@ from conftest import assert_same_weights, cli
 from safetensors import safe_open
 
 from gpt2_engine import GPT2
-from gpt2_engine.core.config import DECODE_ROWS
+from gpt2_engine.core.config import DECODE_ROWS, GPT2Config
 from gpt2_engine.core.errors import GPT2EngineError
 from gpt2_engine.core.kernels import cpu, decode_kernels
 from gpt2_engine.core.packed import (
@@ -27,7 +27,7 @@ from gpt2_engine.core.packed import (
     pack_reference,
     unpack_reference,
 )
-from gpt2_engine.core.packing import LayoutError, measure, pack
+from gpt2_engine.core.packing import LayoutError, measure, pack, packed_reads_faster, test_bytes, test_shapes
 from gpt2_engine.core.pages import file_pages, huge_pages_available
 from gpt2_engine.core.projection import packed_dense
 from gpt2_engine.formats.hf import find_weights_file
@@ -341,7 +341,37 @@ def test_generate_reports_the_packed_size(trained_dir: Path) -> None:
 
 
 def test_the_layout_measurement_times_both_layouts() -> None:
-    """measure() runs both layouts' kernels over a matrix larger than the last-level cache (its speed is not asserted:
-    timings belong to the benchmarks)."""
-    plain, packed = measure(torch.bfloat16, rounds=2)
+    """measure() runs both layouts' kernels over a decode step's own matrices (its speed is not asserted: timings
+    belong to the benchmarks)."""
+    plain, packed = measure(torch.bfloat16, GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=1000), rounds=2)
     assert len(plain) == len(packed) == 2 and all(t > 0 for t in plain + packed)
+
+
+def test_the_layout_measurement_reads_the_models_own_projections_and_head() -> None:
+    """GPT-2 small's projections in their order and the head, within test_bytes() (the head at most half of it, as
+    many whole blocks as fit beside it); a small model's whole step; only what the loader packs."""
+    C = 768
+    block = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]
+    for dtype in (torch.float32, torch.bfloat16):
+        shapes, head_rows = test_shapes(GPT2Config(), dtype)
+        head_bytes = head_rows * C * dtype.itemsize
+        assert 0 < head_rows <= 50257 and head_bytes <= test_bytes() // 2
+        blocks = len(shapes) // 4
+        assert shapes == block * blocks and 1 <= blocks <= 12
+        plain_bytes = sum(k * n for k, n in shapes) * dtype.itemsize + head_bytes
+        assert plain_bytes <= test_bytes() and (blocks == 12 or plain_bytes + 4 * C * C * 3 * dtype.itemsize > test_bytes())
+    small = GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=1000)
+    assert test_shapes(small, torch.float32) == ([(256, 768), (256, 256), (256, 1024), (1024, 256)] * 2, 1000)
+    # n_embd 64: only the MLP's (256, 64) projection has whole bands of 32 rows in each of the 8 pieces, and a head
+    # row of 64 is not whole blocks of 128 columns
+    assert test_shapes(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=1000), torch.float32) == (
+        [(256, 64)] * 2, 0)
+
+
+def test_a_model_with_nothing_to_pack_measures_nothing_and_stays_plain() -> None:
+    """n_embd 96: no projection has whole bands in each piece and no head row whole blocks, so nothing is timed and
+    "auto" keeps the plain layout."""
+    config = GPT2Config(n_embd=96, n_layer=1, n_head=2, vocab_size=100)
+    assert test_shapes(config, torch.float32) == ([], 0)
+    assert measure(torch.float32, config, rounds=1) == ([], [])
+    assert packed_reads_faster(torch.float32, config) is False

@@ -3,9 +3,9 @@ load, and the pass that packs them.
 
 The packed layout reads fewer bytes (0.875x in float32, 0.75x in bfloat16) but decodes every weight in registers;
 it pays where the CPU decodes faster than it reads the plain matrix. That depends on the cores and the memory, so
-GPT2.from_pretrained measures it once per process (packed_reads_faster: the one-row projection kernels over a matrix
-twice the size of the last-level cache, in this CPU's plain layout and packed, alternated) unless told which layout
-to take (`weight_layout`, the `--weight-layout` flag). Either layout gives the same logits, to the bit.
+GPT2.from_pretrained measures it once per process and model shape (packed_reads_faster: the one-row kernels over the
+model's own projections and head, up to twice the size of the last-level cache, in this CPU's plain layout and
+packed, alternated) unless told which layout to take (`weight_layout`, the `--weight-layout` flag). Either layout gives the same logits, to the bit.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def check_layout(weight_layout: str) -> None:
         raise LayoutError(f"weight_layout: expected one of {', '.join(LAYOUTS)}, got {weight_layout!r}")
 
 
-def use_packed(weight_layout: str, dtype: torch.dtype, weights_packable: bool) -> bool:
+def use_packed(weight_layout: str, dtype: torch.dtype, weights_packable: bool, config: GPT2Config) -> bool:
     """Whether to pack: "packed" where it can be (else a LayoutError saying why), "plain" never, "auto" where
     packable and measured faster (packed_reads_faster). weights_packable: the load allows it (float32 read in place
     from a safetensors file, or bfloat16; not quantized)."""
@@ -91,7 +91,7 @@ def use_packed(weight_layout: str, dtype: torch.dtype, weights_packable: bool) -
                               "not quantized or converted checkpoints")
     if weight_layout == "packed" and why:
         raise LayoutError(f"weight_layout 'packed': {why}")
-    return why is None and (weight_layout == "packed" or packed_reads_faster(dtype))
+    return why is None and (weight_layout == "packed" or packed_reads_faster(dtype, config))
 
 
 def pack(w: torch.Tensor, band: int, alloc: Allocator | None = None, plain: torch.Tensor | None = None,
@@ -114,7 +114,7 @@ def pack(w: torch.Tensor, band: int, alloc: Allocator | None = None, plain: torc
 
 
 def test_bytes() -> int:
-    """The plain test matrix's size: twice the last-level cache (sysfs; 32 MB where unknown), within TEST_BYTES. Where
+    """The plain test matrices' size: twice the last-level cache (sysfs; 32 MB where unknown), within TEST_BYTES. Where
     more than that stays fast (a virtual machine's host cache: this project's Zen 5 EPYC reads 64-128 MB at 80-100
     GB/s and 256 MB at 15-20), the test is less bound by memory than a model's step, which favours the plain layout:
     packed reads fewer bytes but decodes them."""
@@ -126,54 +126,87 @@ def test_bytes() -> int:
     return min(max(2 * size, TEST_BYTES[0]), TEST_BYTES[1])
 
 
-def measure(dtype: torch.dtype, rounds: int = ROUNDS) -> tuple[list[float], list[float]]:
-    """Seconds per pass of one row through a (K, 3072) projection of test_bytes(), in this CPU's plain layout (panels
-    where kernels.CPU.panels) and packed, alternated for `rounds` rounds: (plain times, packed times). Both matrices
-    are zeros (a zero's exponent is its table's only one): the kernels' work and bytes do not depend on the values,
+def test_shapes(config: GPT2Config, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
+    """What measure() reads: a decode step's own mix, the projections of as many of `config`'s blocks as fit in
+    test_bytes() beside the head (at least one block, at most n_layer), and the head's rows (at most half of the
+    bytes; 0 where it cannot be packed). Only matrices that the loader would pack. One tall matrix instead chose the
+    plain layout on an AMX Xeon where the model's decode ran 1.05x (float32) and 1.10x (bfloat16) faster packed: its
+    single stream does not read as a step's 49 matrices of a few MB do (docs/benchmarks.md)."""
+    budget, item = test_bytes(), dtype.itemsize
+    C, V = config.n_embd, config.vocab_size
+    block = [s for name, s in expected_shapes(config).items()
+             if name.startswith("h.0.") and len(s) == 2 and PackedMatrix.fits(s)]
+    head_rows = min(V, budget // 2 // (C * item)) if PackedMatrix.fits((V, C), head=True) else 0
+    block_bytes_ = sum(k * n for k, n in block) * item
+    blocks = min(config.n_layer, max(1, (budget - head_rows * C * item) // block_bytes_)) if block else 0
+    return block * blocks, head_rows
+
+
+def measure(dtype: torch.dtype, config: GPT2Config, rounds: int = ROUNDS) -> tuple[list[float], list[float]]:
+    """Seconds per pass of one row through test_shapes(config) (each projection, then the head), in this CPU's plain
+    layout (panels where kernels.CPU.panels) and packed, alternated for `rounds` rounds: (plain times, packed times);
+    empty where no matrix of `config` can be packed. The matrices are zeros (a zero's exponent is its table's only
+    one), each layout's in one mapping on huge pages: the kernels' work and bytes do not depend on the values,
     and zeros need no packing."""
     native = decode_kernels()
-    N = 3072
-    K = test_bytes() // (N * dtype.itemsize) // 256 * 256  # whole bands in each of the 8 pieces
-
-    def zeros(nbytes: int) -> torch.Tensor:
-        """nbytes of zeros on huge pages, each page written once (a page only read would map the shared zero page)."""
-        raw = huge_region(nbytes)
-        raw[:: mmap.PAGESIZE].zero_()
-        return raw
-
-    plain = zeros(K * N * dtype.itemsize).view(dtype).view(K, N)
-    weight = plain.view(K // 32, N // 64, 32, 64) if cpu().panels else plain  # panels of zeros are zeros
-    units = zeros(K * N // 128 * block_bytes(dtype)).view(-1, block_bytes(dtype))
-    tiles = K // PROJECTION_BAND * (N // 64)
-    side = torch.zeros(SIDE_HEAD + tiles + 1, dtype=torch.int32)  # code 0 is exponent 0; no escapes
-    side[SIDE_HEAD - 1] = tiles
+    shapes, head_rows = test_shapes(config, dtype)
+    if not shapes and not head_rows:
+        return [], []
+    C, unit = config.n_embd, block_bytes(dtype)
     bits = 28 if dtype == torch.float32 else 12
-    x, b = torch.randn(1, K), torch.zeros(N)
     avx512 = cpu().avx512
+    head = [(head_rows, C)] if head_rows else []
+    plain = zeros(sum(r * c for r, c in shapes + head) * dtype.itemsize).view(dtype)
+    units = zeros(sum(r * c for r, c in shapes + head) // 128 * unit).view(-1, unit)
+    plain_calls, packed_calls = [], []
+    at = ut = 0
+    for K, N in shapes:
+        w = plain[at : at + K * N].view(K, N)
+        weight = w.view(K // PROJECTION_BAND, N // 64, PROJECTION_BAND, 64) if cpu().panels else w  # zeros either way
+        u = units[ut : ut + K * N // 128]
+        at, ut = at + K * N, ut + K * N // 128
+        side = zero_side(K // PROJECTION_BAND * (N // 64))
+        x, b = torch.randn(1, K), torch.zeros(N)
+        plain_calls.append(functools.partial(native.conv1d_rows, x, weight, b, avx512))
+        packed_calls.append(functools.partial(native.conv1d_packed, x, u, side, b, bits, avx512))
+    if head_rows:
+        x = torch.randn(1, C)
+        plain_calls.append(functools.partial(native.dot_rows, x, plain[at:].view(head_rows, C), avx512))
+        packed_calls.append(functools.partial(native.dot_packed, x, units[ut:], zero_side(head_rows), head_rows, bits,
+                                              avx512))
 
-    def timed(run) -> float:
+    def timed(calls: list) -> float:
         t0 = time.perf_counter()
-        run()
+        for call in calls:
+            call()
         return time.perf_counter() - t0
 
-    def plain_pass() -> None:
-        native.conv1d_rows(x, weight, b, avx512)
-
-    def packed_pass() -> None:
-        native.conv1d_packed(x, units, side, b, bits, avx512)
-
-    plain_pass(), packed_pass()  # warm: the code, the thread pool
-    times = [(timed(plain_pass), timed(packed_pass)) for _ in range(rounds)]
+    timed(plain_calls), timed(packed_calls)  # warm: the code, the thread pool
+    times = [(timed(plain_calls), timed(packed_calls)) for _ in range(rounds)]
     return [t for t, _ in times], [t for _, t in times]
 
 
+def zeros(nbytes: int) -> torch.Tensor:
+    """nbytes of zeros on huge pages, each page written once (a page only read would map the shared zero page)."""
+    raw = huge_region(nbytes)
+    raw[:: mmap.PAGESIZE].zero_()
+    return raw
+
+
+def zero_side(tiles: int) -> torch.Tensor:
+    """The side list of a matrix of zeros in `tiles` tiles: code 0 is exponent 0, no escapes."""
+    side = torch.zeros(SIDE_HEAD + tiles + 1, dtype=torch.int32)
+    side[SIDE_HEAD - 1] = tiles
+    return side
+
+
 @functools.cache
-def packed_reads_faster(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs the packed projections at least MARGIN faster than the plain ones, each layout's best
+def packed_reads_faster(dtype: torch.dtype, config: GPT2Config) -> bool:
+    """Whether this CPU runs `config`'s packed matrices at least MARGIN faster than the plain ones, each layout's best
     round of measure() against the other's (other work on the cores only ever slows a round); measured once per
-    process and dtype (about 50 ms)."""
-    plain, packed = measure(dtype)
-    return min(plain) >= MARGIN * min(packed)
+    process, dtype and config (about 0.2 s for GPT-2 small)."""
+    plain, packed = measure(dtype, config)
+    return bool(plain) and min(plain) >= MARGIN * min(packed)
 
 
 def arena_bytes(config: GPT2Config, dtype: torch.dtype) -> int:
