@@ -155,12 +155,13 @@ def test_unknown_fields_are_ignored_and_logged(trained_model: GPT2, caplog: pyte
 
 
 def test_max_completion_tokens_and_a_body_without_json_content_type(server: str, trained_model: GPT2) -> None:
-    body = {"prompt": "Return the", "max_completion_tokens": 5, "temperature": 0}
+    body = {"prompt": "Return the", "max_completion_tokens": 5, "temperature": 0, "ignore_eos": True}
     # curl -d sends application/x-www-form-urlencoded; the body is JSON all the same
     r = httpx.post(f"{server}/v1/completions", content=json.dumps(body),
                    headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == trained_model.generate("Return the", max_new_tokens=5, temperature=0)
+    assert r.json()["choices"][0]["text"] == trained_model.generate("Return the", max_new_tokens=5, temperature=0,
+                                                                          ignore_eos=True)
     assert r.json()["usage"]["completion_tokens"] == 5
     bare = httpx.post(f"{server}/v1/completions", content=json.dumps(body).encode(), timeout=60)
     assert bare.status_code == 200 and bare.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]

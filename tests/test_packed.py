@@ -27,7 +27,8 @@ from gpt2_engine.core.packed import (
     pack_reference,
     unpack_reference,
 )
-from gpt2_engine.core.packing import LayoutError, measure, pack, packed_reads_faster, test_bytes, test_shapes
+from gpt2_engine.core import packing
+from gpt2_engine.core.packing import LayoutError, measure, pack, packed_reads_faster, step_shapes
 from gpt2_engine.core.pages import file_pages, huge_pages_available
 from gpt2_engine.core.projection import packed_dense
 from gpt2_engine.formats.hf import find_weights_file
@@ -348,23 +349,23 @@ def test_the_layout_measurement_times_both_layouts() -> None:
 
 
 def test_the_layout_measurement_reads_the_models_own_projections_and_head() -> None:
-    """GPT-2 small's projections in their order and the head, within test_bytes() (the head at most half of it, as
+    """GPT-2 small's projections in their order and the head, within packing.test_bytes() (the head at most half of it, as
     many whole blocks as fit beside it); a small model's whole step; only what the loader packs."""
     C = 768
     block = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]
     for dtype in (torch.float32, torch.bfloat16):
-        shapes, head_rows = test_shapes(GPT2Config(), dtype)
+        shapes, head_rows = step_shapes(GPT2Config(), dtype)
         head_bytes = head_rows * C * dtype.itemsize
-        assert 0 < head_rows <= 50257 and head_bytes <= test_bytes() // 2
+        assert 0 < head_rows <= 50257 and head_bytes <= packing.test_bytes() // 2
         blocks = len(shapes) // 4
         assert shapes == block * blocks and 1 <= blocks <= 12
         plain_bytes = sum(k * n for k, n in shapes) * dtype.itemsize + head_bytes
-        assert plain_bytes <= test_bytes() and (blocks == 12 or plain_bytes + 4 * C * C * 3 * dtype.itemsize > test_bytes())
+        assert plain_bytes <= packing.test_bytes() and (blocks == 12 or plain_bytes + 4 * C * C * 3 * dtype.itemsize > packing.test_bytes())
     small = GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=1000)
-    assert test_shapes(small, torch.float32) == ([(256, 768), (256, 256), (256, 1024), (1024, 256)] * 2, 1000)
+    assert step_shapes(small, torch.float32) == ([(256, 768), (256, 256), (256, 1024), (1024, 256)] * 2, 1000)
     # n_embd 64: only the MLP's (256, 64) projection has whole bands of 32 rows in each of the 8 pieces, and a head
     # row of 64 is not whole blocks of 128 columns
-    assert test_shapes(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=1000), torch.float32) == (
+    assert step_shapes(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=1000), torch.float32) == (
         [(256, 64)] * 2, 0)
 
 
@@ -372,6 +373,6 @@ def test_a_model_with_nothing_to_pack_measures_nothing_and_stays_plain() -> None
     """n_embd 96: no projection has whole bands in each piece and no head row whole blocks, so nothing is timed and
     "auto" keeps the plain layout."""
     config = GPT2Config(n_embd=96, n_layer=1, n_head=2, vocab_size=100)
-    assert test_shapes(config, torch.float32) == ([], 0)
+    assert step_shapes(config, torch.float32) == ([], 0)
     assert measure(torch.float32, config, rounds=1) == ([], [])
     assert packed_reads_faster(torch.float32, config) is False

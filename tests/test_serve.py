@@ -553,7 +553,7 @@ def test_a_failed_prefill_fails_only_its_request(trained_model: GPT2) -> None:
     with live(trained_model, parallel=2, max_queue=2) as (url, engine):
         fail_once(engine.loop.runner, "prefill", MemoryError())
         scored, other = post_all(url, [{"prompt": "The cat sat", "max_tokens": 0, "echo": True, "logprobs": 1},
-                                       {"prompt": "Return the", "max_tokens": 8, "temperature": 0}])
+                                       {"prompt": "Return the", "max_tokens": 8, "temperature": 0, "ignore_eos": True}])
         assert scored.status_code == 500 and "MemoryError" in scored.json()["error"]["message"]
         assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 8
 

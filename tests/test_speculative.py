@@ -134,7 +134,8 @@ def test_batches_with_speculation_equal_plain_decoding(trained_model: GPT2) -> N
 
 
 def test_sampling_with_a_seed_is_reproducible(trained_model: GPT2) -> None:
-    kwargs = dict(max_new_tokens=30, temperature=0.9, top_k=20, seed=7, speculate="int4", draft_tokens=3)
+    kwargs = dict(max_new_tokens=30, temperature=0.9, top_k=20, seed=7, speculate="int4", draft_tokens=3,
+                  ignore_eos=True)  # the trained fixture (made on the machine) may end a sample early
     first = trained_model.generate_ids([464, 2163], **kwargs)
     assert first == trained_model.generate_ids([464, 2163], **kwargs)
     assert len(first) == 30

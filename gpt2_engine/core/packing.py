@@ -126,7 +126,7 @@ def test_bytes() -> int:
     return min(max(2 * size, TEST_BYTES[0]), TEST_BYTES[1])
 
 
-def test_shapes(config: GPT2Config, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
+def step_shapes(config: GPT2Config, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
     """What measure() reads: a decode step's own mix, the projections of as many of `config`'s blocks as fit in
     test_bytes() beside the head (at least one block, at most n_layer), and the head's rows (at most half of the
     bytes; 0 where it cannot be packed). Only matrices that the loader would pack. One tall matrix instead chose the
@@ -143,13 +143,13 @@ def test_shapes(config: GPT2Config, dtype: torch.dtype) -> tuple[list[tuple[int,
 
 
 def measure(dtype: torch.dtype, config: GPT2Config, rounds: int = ROUNDS) -> tuple[list[float], list[float]]:
-    """Seconds per pass of one row through test_shapes(config) (each projection, then the head), in this CPU's plain
+    """Seconds per pass of one row through step_shapes(config) (each projection, then the head), in this CPU's plain
     layout (panels where kernels.CPU.panels) and packed, alternated for `rounds` rounds: (plain times, packed times);
     empty where no matrix of `config` can be packed. The matrices are zeros (a zero's exponent is its table's only
     one), each layout's in one mapping on huge pages: the kernels' work and bytes do not depend on the values,
     and zeros need no packing."""
     native = decode_kernels()
-    shapes, head_rows = test_shapes(config, dtype)
+    shapes, head_rows = step_shapes(config, dtype)
     if not shapes and not head_rows:
         return [], []
     C, unit = config.n_embd, block_bytes(dtype)
