@@ -278,6 +278,13 @@ def serve_rows(args: argparse.Namespace, weights: Path, bin_dir: Path, files: di
     """gpt2 serve against llama-server -np 8 per format, 1 and 8 streaming clients, alternating; medians."""
     from bench_serve import measure, server
 
+    from gpt2_engine.core.kernels import cpu
+
+    if cpu().amx and not amx_runs(bin_dir, files["q8_0"], args.threads):  # llama-server batches: its prefill path
+        print("bench-llamacpp: llama.cpp's AMX path died on this CPU (llama.cpp pull request 26954); "
+              "llama-server built without AMX instead", file=sys.stderr, flush=True)
+        bin_dir, _ = llamacpp(amx=False)
+        machine += " built without AMX (its AMX path dies here)"
     runs: dict[tuple[str, int, str], list[float]] = {}
     for fmt in args.formats.split(","):
         flags = ENGINE_FORMAT[fmt][2]
@@ -303,6 +310,36 @@ def serve_rows(args: argparse.Namespace, weights: Path, bin_dir: Path, files: di
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "weights": str(weights), "rows": table}, indent=2) + "\n")
     return 0
+
+
+def table_rows(formats: list[str], engines: dict[str, list[str]], runs: dict, moved: dict, files: dict[str, Path],
+               died: set[tuple[str, int, int]], ceiling: float) -> list[dict]:
+    """Print the table's rows (medians of the rounds; a decode row's bytes and GB/s against the ceiling) and return
+    them for the JSON file. died: the llama-bench rows that ran on the build without AMX (LlamaRows.died)."""
+    table = []
+    for fmt in formats:
+        for row, label in (("decode", "decode tg128, batch 1"), ("prefill", "prefill pp512")):
+            for side in engines[fmt]:
+                a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, side])
+                name = ENGINE_FORMAT[fmt][0] + side.removeprefix("engine")
+                no_amx = (files[fmt].name, *((512, 0) if row == "prefill" else (0, 128))) in died
+                entry = {"format": fmt, "engine": name, "row": row, "llama.cpp": a, "engine_tps": b, "ratio": b / a,
+                         "llama.cpp_build": "without AMX" if no_amx else "native",
+                         "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", side)}}
+                rates = " | | | |"
+                if row == "decode":
+                    plain = moved[fmt, side, "plain"]
+                    ga, gb, ge = moved[fmt] * a / 1e9, moved[fmt, side] * b / 1e9, plain * b / 1e9
+                    entry |= {"bytes_per_token": {"llama.cpp": moved[fmt], "engine": moved[fmt, side],
+                                                  "engine_plain": plain},
+                              "gbs": {"llama.cpp": ga, "engine": gb, "engine_plain_equivalent": ge}}
+                    rates = (f" {moved[fmt] / 1e6:.0f} / {moved[fmt, side] / 1e6:.0f} | "
+                             f"{ga:.1f} ({ga / ceiling:.0%}) | {gb:.1f} ({gb / ceiling:.0%}) | "
+                             f"{ge:.1f} ({ge / ceiling:.0%}) |")
+                table.append(entry)
+                print(f"| {fmt} / {name} | {label} | {a:.1f}{' (no AMX)' if no_amx else ''} | {b:.1f} | {b / a:.2f}x |"
+                      f"{rates}")
+    return table
 
 
 def main() -> int:
@@ -335,11 +372,6 @@ def main() -> int:
     files = gguf_files(weights, bin_dir, src)
     machine = f"{cpu().summary()}, {args.threads} threads, torch {torch.__version__}, llama.cpp from llama-cpp-python {VERSION}"
     if args.serve:
-        if cpu().amx and not amx_runs(bin_dir, files["q8_0"], args.threads):
-            print("bench-llamacpp: llama.cpp's AMX path died on this CPU (llama.cpp pull request 26954); "
-                  "llama-server built without AMX instead", file=sys.stderr, flush=True)
-            bin_dir, _ = llamacpp(amx=False)
-            machine += " built without AMX (its AMX path dies here)"
         return serve_rows(args, weights, bin_dir, files, machine)
     llama = LlamaRows(bin_dir, args.threads)
     import bench_memory
@@ -388,29 +420,7 @@ def main() -> int:
     print("| format | row | llama.cpp tok/s | engine tok/s | ratio | MB a token (llama.cpp / engine) "
           "| llama.cpp GB/s (of ceiling) | engine GB/s (of ceiling) | plain-equivalent GB/s (of ceiling) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    table = []
-    for fmt in formats:
-        for row, label in (("decode", "decode tg128, batch 1"), ("prefill", "prefill pp512")):
-            for side in engines[fmt]:
-                a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, side])
-                name = ENGINE_FORMAT[fmt][0] + side.removeprefix("engine")
-                no_amx = (files[fmt].name, *((512, 0) if row == "prefill" else (0, 128))) in llama.died
-                entry = {"format": fmt, "engine": name, "row": row, "llama.cpp": a, "engine_tps": b, "ratio": b / a,
-                         "llama.cpp_build": "without AMX" if no_amx else "native",
-                         "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", side)}}
-                rates = " | | | |"
-                if row == "decode":
-                    plain = moved[fmt, side, "plain"]
-                    ga, gb, ge = moved[fmt] * a / 1e9, moved[fmt, side] * b / 1e9, plain * b / 1e9
-                    entry |= {"bytes_per_token": {"llama.cpp": moved[fmt], "engine": moved[fmt, side],
-                                                  "engine_plain": plain},
-                              "gbs": {"llama.cpp": ga, "engine": gb, "engine_plain_equivalent": ge}}
-                    rates = (f" {moved[fmt] / 1e6:.0f} / {moved[fmt, side] / 1e6:.0f} | "
-                             f"{ga:.1f} ({ga / ceiling:.0%}) | {gb:.1f} ({gb / ceiling:.0%}) | "
-                             f"{ge:.1f} ({ge / ceiling:.0%}) |")
-                table.append(entry)
-                print(f"| {fmt} / {name} | {label} | {a:.1f}{' (no AMX)' if no_amx else ''} | {b:.1f} | {b / a:.2f}x |"
-                      f"{rates}")
+    table = table_rows(formats, engines, runs, moved, files, llama.died, ceiling)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "weights": str(weights), "ceiling_gbs": ceiling,
                                     "ceilings": ceilings, "ceiling_read": found.variant, "rows": table}, indent=2) + "\n")
