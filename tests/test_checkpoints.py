@@ -263,7 +263,11 @@ def test_gguf_files_carry_llamacpps_names_and_tokenizer_and_read_back(trained_di
     back: f32 to the bit, f16 and q8_0 with the float32 model's top-1 token at >= 99% of positions."""
     gguf = pytest.importorskip("gguf", reason="gguf (llama.cpp's gguf-py) is part of the test extra")
     c = trained_model.config
-    ids = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(3))
+    from train_fixture import unseen
+
+    # text the fixture was not trained on, not random ids: those make near-tied logits, and on a fixture trained on an
+    # AMX Xeon q8_0 kept the top-1 at 98.8-98.9% of random-id positions (99.7% of these)
+    ids = torch.tensor(trained_model.tokenizer.encode(" ".join(unseen()[:40]))[:1024]).view(4, 256)
     want = trained_model(ids)
     for qtype in ("f32", "f16", "q8_0"):
         path = tmp_path / f"m-{qtype}.gguf"
