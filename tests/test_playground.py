@@ -160,12 +160,15 @@ def test_the_steering_slider_steers_an_sae_feature(browser, trained_model: GPT2,
         browser.get(url + "/")
         wait_for(lambda: browser.find_element("id", "steering").is_displayed(), "the steering section")
         assert "mlp (blocks.2.hook_mlp_out" in browser.find_element("id", "steer_sae").text
-        fill(browser, prompt="The default value of", max_tokens="12", temperature="0", colour=False, steer_feature=str(feature))
+        # past <|endoftext|>: a fixture trained on an AMX Xeon ends this text after 6 tokens, which the slider's +100
+        # leaves as they are
+        fill(browser, prompt="The default value of", max_tokens="12", temperature="0", colour=False, ignore_eos=True,
+             steer_feature=str(feature))
         browser.execute_script("const r = document.getElementById('steer_coef'); r.value = '100';"
                                "r.dispatchEvent(new Event('input'));")
         assert browser.find_element("id", "steer_coef_value").text == "100"
         text = generate(browser)
-        ask = {"model": "gpt2", "prompt": "The default value of", "max_tokens": 12, "temperature": 0}
+        ask = {"model": "gpt2", "prompt": "The default value of", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         steered = httpx.post(f"{url}/v1/completions", timeout=60, json={
             **ask, "steering": [{"sae": "mlp", "feature": feature, "coef": 100}]}).json()["choices"][0]["text"]
         plain = httpx.post(f"{url}/v1/completions", json=ask, timeout=60).json()["choices"][0]["text"]
