@@ -5,7 +5,8 @@ The packed layout reads fewer bytes (0.875x in float32, 0.75x in bfloat16) but d
 it pays where the CPU decodes faster than it reads the plain matrix. That depends on the cores and the memory, so
 GPT2.from_pretrained measures it once per process and model shape (packed_reads_faster: the one-row kernels over the
 model's own projections and head, up to twice the size of the last-level cache, in this CPU's plain layout and
-packed, alternated) unless told which layout to take (`weight_layout`, the `--weight-layout` flag). Either layout gives the same logits, to the bit.
+packed, alternated) unless told which layout to take (`weight_layout`, the `--weight-layout` flag). Either layout
+gives the same logits, to the bit.
 """
 
 from __future__ import annotations
@@ -129,16 +130,16 @@ def test_bytes() -> int:
 def step_shapes(config: GPT2Config, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
     """What measure() reads: a decode step's own mix, the projections of as many of `config`'s blocks as fit in
     test_bytes() beside the head (at least one block, at most n_layer), and the head's rows (at most half of the
-    bytes; 0 where it cannot be packed). Only matrices that the loader would pack. One tall matrix instead chose the
-    plain layout on an AMX Xeon where the model's decode ran 1.05x (float32) and 1.10x (bfloat16) faster packed: its
-    single stream does not read as a step's 49 matrices of a few MB do (docs/benchmarks.md)."""
+    bytes; 0 where it cannot be packed). Only matrices that the loader would pack. A step's mix, not one tall matrix:
+    a single stream per thread does not read as a step's 49 matrices of a few MB do, and on an AMX Xeon it chose the
+    layout that decodes slower (docs/benchmarks.md)."""
     budget, item = test_bytes(), dtype.itemsize
     C, V = config.n_embd, config.vocab_size
     block = [s for name, s in expected_shapes(config).items()
              if name.startswith("h.0.") and len(s) == 2 and PackedMatrix.fits(s)]
     head_rows = min(V, budget // 2 // (C * item)) if PackedMatrix.fits((V, C), head=True) else 0
-    block_bytes_ = sum(k * n for k, n in block) * item
-    blocks = min(config.n_layer, max(1, (budget - head_rows * C * item) // block_bytes_)) if block else 0
+    per_block = sum(k * n for k, n in block) * item
+    blocks = min(config.n_layer, max(1, (budget - head_rows * C * item) // per_block)) if block else 0
     return block * blocks, head_rows
 
 
