@@ -12,7 +12,7 @@ full-size fixture) is converted with llama.cpp's own convert_hf_to_gguf.py to f3
 f16.
 
 llama.cpp's AMX path (q8_0 and q4_0 on Intel Xeons with AMX) decodes faster than its plain one there, but in this
-version its prefill dies by SIGILL on this project's AMX Xeons (llama.cpp pull request 26954). A llama-bench row that
+version its prefill dies by SIGILL or SIGSEGV on this project's AMX Xeons (llama.cpp pull request 26954). A llama-bench row that
 dies by a signal runs on a second build without AMX (-mno-amx-*, made once at the first death) and is marked so in
 the table; every other row stays on the native build.
 
@@ -104,7 +104,7 @@ def llamacpp(amx: bool = True) -> tuple[Path, Path]:
 
 def amx_runs(bin_dir: Path, model: Path, threads: int) -> bool:
     """Whether llama.cpp's AMX path (int8 tiles for q8_0 and q4_0, used from a batch of rows up) runs here: a short
-    q8_0 prefill. In llama.cpp 0.3.36 it dies with SIGILL or SIGSEGV on kernels that enable the tile state per thread
+    q8_0 prefill. In the llama.cpp of llama-cpp-python 0.3.36 it dies with SIGILL or SIGSEGV on kernels that enable the tile state per thread
     (XFD) and where the compiler drops its tile configuration from the stack (llama.cpp pull request 26954), as on
     this project's AMX Xeons."""
     done = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "64", "-n", "0",
@@ -225,7 +225,11 @@ class LlamaRows:
                 self.died.add(key)
                 print(f"bench-llamacpp: llama-bench pp{prompt} tg{gen} on {model.name} died ({e}); that row runs on "
                       "llama.cpp built without AMX", file=sys.stderr, flush=True)
-        return llama_bench(self.fallback(), model, self.threads, prompt, gen)
+        try:
+            return llama_bench(self.fallback(), model, self.threads, prompt, gen)
+        except LlamaDied as e:
+            raise SystemExit(f"bench-llamacpp: llama-bench pp{prompt} tg{gen} on {model.name} died ({e}) on llama.cpp "
+                             "built without AMX too") from None
 
 
 def engine_decode(model, tokens: int) -> float:

@@ -12,6 +12,7 @@ import bench_llamacpp
 
 # a llama-bench that dies by SIGILL on any prefill (-p N > 0), counting its runs, and gives tok/s on decodes
 NATIVE = """#!/bin/sh
+ulimit -c 0  # no core file from the SIGILL
 echo run >> "$(dirname "$0")/runs"
 case " $* " in *" -p 0 "*) echo '[{"avg_ts": 150.5}]' ;; *) kill -ILL $$ ;; esac
 """
@@ -47,6 +48,15 @@ def test_a_row_that_dies_on_the_native_build_runs_on_the_build_without_amx_and_t
     assert rows(model, 0, 128) == 150.5
     assert (native / "runs").read_text().count("run") == 3  # decode, the dying prefill, decode
     assert len(built) == 2  # asked for each prefill (llamacpp() builds once and then only finds the binaries)
+
+
+def test_a_row_that_dies_on_both_builds_stops_the_benchmark_in_one_line(tmp_path):
+    native = llama_bench(tmp_path, "native", NATIVE)
+    rows = bench_llamacpp.LlamaRows(native, 2, fallback=lambda: native)
+    with pytest.raises(SystemExit) as e:
+        rows(tmp_path / "model-q4_0.gguf", 512, 0)
+    assert str(e.value) == ("bench-llamacpp: llama-bench pp512 tg0 on model-q4_0.gguf died (signal 4) on llama.cpp "
+                            "built without AMX too")
 
 
 def test_a_llama_bench_run_that_fails_without_a_signal_stops_the_benchmark_in_one_line(tmp_path):

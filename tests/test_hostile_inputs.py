@@ -748,7 +748,8 @@ def test_an_openai_sae_steers_with_the_hook_given(capsys, trained_dir: Path, sae
     common = ["-n", "6", "--temperature", "0", "--ignore-eos", "--weights", str(trained_dir)]
     code, err = cli("generate", "The", *common, "--steer", f"sae={sae},feature=1,coef=1")
     assert code == 2 and "OpenAI's format does not record its hook point; add hook=HOOK" in err and err.count("\n") == 1
-    code, err = cli("generate", "The", *common, "--steer", f"sae={sae},feature=1,coef=2000,hook=blocks.3.hook_resid_mid")
+    steer = f"sae={sae},feature=1,coef=2000,hook=blocks.3.hook_resid_mid"
+    code, err = cli("generate", "The", *common, "--steer", steer)
     steered = capsys.readouterr().out
     assert code == 0, err
     code, _ = cli("generate", "The", *common)

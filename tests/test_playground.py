@@ -168,7 +168,8 @@ def test_the_steering_slider_steers_an_sae_feature(browser, trained_model: GPT2,
                                "r.dispatchEvent(new Event('input'));")
         assert browser.find_element("id", "steer_coef_value").text == "100"
         text = generate(browser)
-        ask = {"model": "gpt2", "prompt": "The default value of", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        ask = {"model": "gpt2", "prompt": "The default value of", "max_tokens": 12, "temperature": 0,
+               "ignore_eos": True}
         steered = httpx.post(f"{url}/v1/completions", timeout=60, json={
             **ask, "steering": [{"sae": "mlp", "feature": feature, "coef": 100}]}).json()["choices"][0]["text"]
         plain = httpx.post(f"{url}/v1/completions", json=ask, timeout=60).json()["choices"][0]["text"]

@@ -55,12 +55,11 @@ def test_features_and_spliced_logits_equal_hooked_sae_transformer(spec, made, id
 
     f, want_f = cache[f"{spec.hook}.hook_sae_acts_post"], want[f"{spec.hook}.hook_sae_acts_post"]
     assert f.shape == want_f.shape == (*ids.shape, sae.d_sae)
-    # the same features fire at every token, but for a pre-activation within rounding of its threshold: there the
-    # engine's and TransformerLens's float32 sums (other kernels, other thread counts) may fall either side (seen for
-    # [z] under make test on an AMX Xeon)
+    # the same features fire at every token, but for a few activations within rounding of zero (ReLU at a
+    # pre-activation near 0: the engine's and TransformerLens's float32 sums, other kernels and thread counts, may
+    # fall either side; seen for [z] under make test on an AMX Xeon). The values' bound below covers their size.
     differ = (f != 0) != (want_f != 0)
     assert int(differ.sum()) <= f.numel() // 10_000
-    assert (torch.maximum(f.abs(), want_f.abs())[differ] <= 1e-4 * want_f.abs().max()).all()
     assert (f - want_f).abs().max() <= 1e-4 * want_f.abs().max()
     for point in ("hook_sae_input", "hook_sae_recons", "hook_sae_output"):
         got, exp = cache[f"{spec.hook}.{point}"], want[f"{spec.hook}.{point}"]
@@ -152,8 +151,8 @@ def test_the_model_options_matter(made, trained_model, trained_hf_model) -> None
     want = saelens_metrics(saes["standard-resid"], ref.tl_model(trained_hf_model), [ids[:2], ids[2:]])
     for key in ("mse", "explained_variance", "ce_loss_with_sae", "kl_div_with_sae"):
         assert wrong[key] == pytest.approx(want[key], rel=1e-3, abs=1e-6), key  # the parity test's tolerance
-    # and the options change what the SAE reads, so its reconstruction error (the metrics downstream of it moved by
-    # 0.02-0.3% on a fixture trained on an AMX Xeon, within the parity tolerance)
+    # and the options change what the SAE reads, so its reconstruction error (2.4% on a fixture trained on an AMX
+    # Xeon; the metrics downstream of it moved 0.03-0.24% there, some within the 0.1% parity tolerance)
     assert right["mse"] != pytest.approx(wrong["mse"], rel=1e-3, abs=1e-6)
     for bad in (-1, 0, 1.5, True):  # -1 ran no batch and reported a perfect SAE over 0 tokens
         with pytest.raises(GPT2EngineError, match=f"^batch_size: expected a positive integer, got {bad!r}$"):

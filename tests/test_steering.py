@@ -532,7 +532,8 @@ def test_gpt2_serve_steers_each_request_and_mixed_requests_equal_their_alone_out
         {"prompt": PROMPTS[2], "steering": [{"sae": "mlp", "feature": feature, "coef": 3 * top, "positions": "generated"}]},
         {"prompt": PROMPTS[1]},
     ]
-    # past <|endoftext|>: a fixture trained on another CPU can end a prompt's text after one token, which no edit changes
+    # past <|endoftext|>: a fixture trained on another CPU can end a prompt's text after one token, which no edit
+    # changes
     expected = [
         trained_model.generate(PROMPTS[0], max_new_tokens=NEW, temperature=0, ignore_eos=True),
         trained_model.generate(PROMPTS[0], max_new_tokens=NEW, temperature=0, ignore_eos=True,
@@ -547,8 +548,8 @@ def test_gpt2_serve_steers_each_request_and_mixed_requests_equal_their_alone_out
     with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", "2",
                     "--sae", f"mlp={directory / 'topk-mlp'}", "--steering-vector", f"file={tmp_path / 'file.pt'}") as (url, _):
         def run(body: dict) -> str:
-            r = httpx.post(f"{url}/v1/completions", json={"max_tokens": NEW, "temperature": 0, "ignore_eos": True, **body},
-                           timeout=120)
+            r = httpx.post(f"{url}/v1/completions", timeout=120,
+                           json={"max_tokens": NEW, "temperature": 0, "ignore_eos": True, **body})
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
 

@@ -12,6 +12,7 @@ gives the same logits, to the bit.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import mmap
 import time
 from dataclasses import dataclass, replace
@@ -36,11 +37,11 @@ from .pages import FilePages, HugeArena, huge_pages_available, huge_region, rele
 from .weights import Allocator, GPT2Weights, expected_shapes
 
 LAYOUTS = ("auto", "plain", "packed")  # weight_layout's values: measured, as loaded (panels where chosen), packed
-# Packed is chosen where it reads the test matrix at least this much faster than the plain layout: where the two are
+# Packed is chosen where it reads the test matrices at least this much faster than the plain layout: where the two are
 # about even the plain layout stays, which needs no decoding and no packing at load.
 MARGIN = 1.03
 LLC = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
-TEST_BYTES = (64 << 20, 256 << 20)  # the plain test matrix: twice the last-level cache, within these bounds
+TEST_BYTES = (64 << 20, 256 << 20)  # the plain test matrices: twice the last-level cache, within these bounds
 ROUNDS = 5
 
 
@@ -128,19 +129,21 @@ def test_bytes() -> int:
 
 
 def step_shapes(config: GPT2Config, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
-    """What measure() reads: a decode step's own mix, the projections of as many of `config`'s blocks as fit in
-    test_bytes() beside the head (at least one block, at most n_layer), and the head's rows (at most half of the
-    bytes; 0 where it cannot be packed). Only matrices that the loader would pack. A step's mix, not one tall matrix:
-    a single stream per thread does not read as a step's 49 matrices of a few MB do, and on an AMX Xeon it chose the
-    layout that decodes slower (docs/benchmarks.md)."""
-    budget, item = test_bytes(), dtype.itemsize
-    C, V = config.n_embd, config.vocab_size
+    """What measure() reads: a decode step's own mix, the projections of `config`'s blocks and the head's rows in the
+    step's own proportions, the whole step or, where it is larger than test_bytes(), cut to about that (at least one
+    block); (the blocks' projections in order, the head's rows: 0 where it cannot be packed). Only matrices that the
+    loader would pack. A step's mix, not one tall matrix: a single stream per thread does not read as a step's 49
+    matrices of a few MB do, and on an AMX Xeon it chose the layout that decodes slower (docs/benchmarks.md)."""
+    item, C, V = dtype.itemsize, config.n_embd, config.vocab_size
     block = [s for name, s in expected_shapes(config).items()
              if name.startswith("h.0.") and len(s) == 2 and PackedMatrix.fits(s)]
-    head_rows = min(V, budget // 2 // (C * item)) if PackedMatrix.fits((V, C), head=True) else 0
     per_block = sum(k * n for k, n in block) * item
-    blocks = min(config.n_layer, max(1, (budget - head_rows * C * item) // per_block)) if block else 0
-    return block * blocks, head_rows
+    head = V * C * item if PackedMatrix.fits((V, C), head=True) else 0
+    if not head and not block:
+        return [], 0
+    scale = min(1.0, test_bytes() / (head + config.n_layer * per_block))
+    blocks = min(config.n_layer, max(1, round(config.n_layer * scale))) if block else 0
+    return block * blocks, int(V * scale) if head else 0
 
 
 def measure(dtype: torch.dtype, config: GPT2Config, rounds: int = ROUNDS) -> tuple[list[float], list[float]]:
@@ -176,7 +179,7 @@ def measure(dtype: torch.dtype, config: GPT2Config, rounds: int = ROUNDS) -> tup
         packed_calls.append(functools.partial(native.dot_packed, x, units[ut:], zero_side(head_rows), head_rows, bits,
                                               avx512))
 
-    def timed(calls: list) -> float:
+    def timed(calls: list[Callable[[], torch.Tensor]]) -> float:
         t0 = time.perf_counter()
         for call in calls:
             call()
