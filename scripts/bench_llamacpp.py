@@ -12,9 +12,9 @@ full-size fixture) is converted with llama.cpp's own convert_hf_to_gguf.py to f3
 f16.
 
 llama.cpp's AMX path (q8_0 and q4_0 on Intel Xeons with AMX) decodes faster than its plain one there, but in this
-version its prefill dies by SIGILL or SIGSEGV on this project's AMX Xeons (llama.cpp pull request 26954). A llama-bench row that
-dies by a signal runs on a second build without AMX (-mno-amx-*, made once at the first death) and is marked so in
-the table; every other row stays on the native build.
+version its prefill dies by SIGILL or SIGSEGV on this project's AMX Xeons (llama.cpp pull request 26954). A
+llama-bench row that dies by a signal runs on a second build without AMX (-mno-amx-*, made once at the first death)
+and is marked so in the table; every other row stays on the native build.
 
 Rows, each format beside the engine's own (f32 / float32, q8_0 / int8, q4_0 / int4, f16 / bfloat16: the 16-bit
 formats each engine has), alternating which runs first,
@@ -64,6 +64,7 @@ ENGINE_FORMAT = {"f32": ("float32", {}, ()),
                  "q8_0": ("int8", {"quantize": "int8"}, ("--quantize", "int8")),
                  "q4_0": ("int4", {"quantize": "int4"}, ("--quantize", "int4")),
                  "f16": ("bfloat16", {"dtype": "bfloat16"}, ("--dtype", "bfloat16"))}
+ROWS = {"decode": (0, 128), "prefill": (512, 0)}  # each row's llama-bench (prompt, gen): tg128, pp512
 FLOAT_FORMATS = ("f32", "f16")  # those the engine runs in each of --layouts
 LAYOUTS = ("plain", "packed")
 
@@ -104,12 +105,14 @@ def llamacpp(amx: bool = True) -> tuple[Path, Path]:
 
 def amx_runs(bin_dir: Path, model: Path, threads: int) -> bool:
     """Whether llama.cpp's AMX path (int8 tiles for q8_0 and q4_0, used from a batch of rows up) runs here: a short
-    q8_0 prefill. In the llama.cpp of llama-cpp-python 0.3.36 it dies with SIGILL or SIGSEGV on kernels that enable the tile state per thread
-    (XFD) and where the compiler drops its tile configuration from the stack (llama.cpp pull request 26954), as on
-    this project's AMX Xeons."""
-    done = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "64", "-n", "0",
-                           "-r", "1", "-o", "json"], capture_output=True, text=True)
-    return done.returncode >= 0
+    q8_0 prefill. In the llama.cpp of llama-cpp-python 0.3.36 it dies with SIGILL or SIGSEGV on kernels that enable
+    the tile state per thread (XFD) and where the compiler drops its tile configuration from the stack (llama.cpp
+    pull request 26954), as on this project's AMX Xeons."""
+    try:
+        llama_bench(bin_dir, model, threads, 64, 0)
+    except LlamaDied:
+        return False
+    return True
 
 
 def gguf_files(weights: Path, bin_dir: Path, src: Path) -> dict[str, Path]:
@@ -326,7 +329,7 @@ def table_rows(formats: list[str], engines: dict[str, list[str]], runs: dict, mo
             for side in engines[fmt]:
                 a, b = statistics.median(runs[fmt, row, "llama.cpp"]), statistics.median(runs[fmt, row, side])
                 name = ENGINE_FORMAT[fmt][0] + side.removeprefix("engine")
-                no_amx = (files[fmt].name, *((512, 0) if row == "prefill" else (0, 128))) in died
+                no_amx = (files[fmt].name, *ROWS[row]) in died
                 entry = {"format": fmt, "engine": name, "row": row, "llama.cpp": a, "engine_tps": b, "ratio": b / a,
                          "llama.cpp_build": "without AMX" if no_amx else "native",
                          "runs": {s: runs[fmt, row, s] for s in ("llama.cpp", side)}}
@@ -401,7 +404,7 @@ def main() -> int:
             moved[fmt, side, "plain"] = engine_bytes(models[side].weights, as_plain=True)
         engines[fmt] = list(models)
         file = files[fmt]
-        sides = {"llama.cpp": {"decode": lambda f=file: llama(f, 0, 128), "prefill": lambda f=file: llama(f, 512, 0)}}
+        sides = {"llama.cpp": {row: lambda f=file, pg=pg: llama(f, *pg) for row, pg in ROWS.items()}}
         for side, model in models.items():
             sides[side] = {"decode": lambda m=model: engine_decode(m, 128),
                            "prefill": lambda m=model: engine_prefill(m, 512)}

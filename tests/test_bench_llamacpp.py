@@ -66,3 +66,12 @@ def test_a_llama_bench_run_that_fails_without_a_signal_stops_the_benchmark_in_on
         rows(tmp_path / "model-f32.gguf", 0, 128)
     assert str(e.value) == ("bench-llamacpp: llama-bench on model-f32.gguf (pp0 tg128) failed (exit 1): "
                             "error: failed to load model 'x.gguf'")
+
+
+def test_the_servers_amx_probe_is_a_short_prefill_that_dies_or_runs(tmp_path):
+    """--serve's llama-server batches, so it takes the build without AMX where a prefill dies on the native one."""
+    model = tmp_path / "model-q8_0.gguf"
+    assert bench_llamacpp.amx_runs(llama_bench(tmp_path, "native", NATIVE), model, 2) is False
+    assert bench_llamacpp.amx_runs(llama_bench(tmp_path, "noamx", WITHOUT_AMX), model, 2) is True
+    with pytest.raises(SystemExit, match="failed \\(exit 1\\): error: failed to load model 'x.gguf'$"):
+        bench_llamacpp.amx_runs(llama_bench(tmp_path, "broken", FAILING), model, 2)

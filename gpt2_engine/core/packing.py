@@ -12,9 +12,9 @@ gives the same logits, to the bit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import mmap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
