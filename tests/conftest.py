@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,8 +23,24 @@ sys.path.insert(0, str(SCRIPTS))  # scripts/fixtures.py
 import fixtures  # noqa: E402
 
 # The machines have 2 cores: 2 threads, or 1 in each of `make test`'s 2 pytest-xdist workers (so that they do not
-# oversubscribe the cores; the tests of thread-count invariance set their own counts).
-torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# oversubscribe the cores; the tests of thread-count invariance set their own counts). The commands and servers the
+# tests start get the same count (OpenMP's own variable, which torch reads), as does the shared server: a process of 2
+# threads started beside the other worker's test waits, at each parallel step, on the thread whose core that test
+# holds, and the structured-output and server tests ran 5-13x slower in `make test` than alone.
+THREADS = max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored() -> Iterator[None]:
+    """Each test ends with the worker's torch thread count as it began: a command run in this process with --threads
+    (gpt2 finetune's tests) sets torch's count for the process, and the tests after it, 2 threads beside the other
+    worker, ran up to 13x slower (sampling and the structured-output steps waited on a thread without a core)."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
+
 
 # Checkpoints trained on the machine that runs the tests (minutes on a fresh clone, scripts/fixtures.py): a test that
 # reads one, directly or through another fixture, is marked `trained`, and `make test-fast` leaves it out.
@@ -311,8 +327,8 @@ def gpt2_serve(*args: str, cwd: Path | None = None):
 
 @pytest.fixture(scope="session")
 def trained_server(trained_dir: Path):
-    """One `gpt2 serve` on the trained checkpoint (127.0.0.1, 8 slots, 2 threads) for every test that needs a plain
-    server: started once for the session, stopped (SIGTERM, which must exit 0) at its end. Tests that need other
+    """One `gpt2 serve` on the trained checkpoint (127.0.0.1, 8 slots, THREADS threads) for every test that needs a
+    plain server: started once for the session, stopped (SIGTERM, which must exit 0) at its end. Tests that need other
     options start their own."""
-    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", "2") as (url, _):
+    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", str(THREADS)) as (url, _):
         yield url

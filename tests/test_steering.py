@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import cli, gpt2_serve
+from conftest import THREADS, cli, gpt2_serve
 
 from gpt2_engine import GPT2, SAE, Steering, SteeringError
 from gpt2_engine.interp.sae import presentation
@@ -545,7 +545,7 @@ def test_gpt2_serve_steers_each_request_and_mixed_requests_equal_their_alone_out
         trained_model.generate(PROMPTS[1], max_new_tokens=NEW, temperature=0, ignore_eos=True),
     ]
     assert len(set(expected)) == len(expected)
-    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", "2",
+    with gpt2_serve("--weights", str(trained_dir), "--parallel", "8", "--threads", str(THREADS),
                     "--sae", f"mlp={directory / 'topk-mlp'}", "--steering-vector", f"file={tmp_path / 'file.pt'}") as (url, _):
         def run(body: dict) -> str:
             r = httpx.post(f"{url}/v1/completions", timeout=120,

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import ROOT, cli, gpt2_serve
+from conftest import ROOT, THREADS, cli, gpt2_serve
 from safetensors.torch import save_file
 
 from gpt2_engine import GPT2, SAE, Constraint, GPT2EngineError, GenerationError, LoraSettings, Steering
@@ -285,7 +285,7 @@ def test_the_server_on_the_torch_runner_answers_as_the_native_engine(trained_dir
     expected = [native.generate(p, max_new_tokens=NEW, temperature=0) for p in PROMPTS] + [
         native.generate(PROMPTS[0], max_new_tokens=NEW, temperature=0,
                         steering=[Steering.clamp(SAE.load(saes[0]), 5, 40.0)])]
-    with gpt2_serve("--weights", str(trained_dir), "--runner", "torch", "--parallel", "4", "--threads", "2",
+    with gpt2_serve("--weights", str(trained_dir), "--runner", "torch", "--parallel", "4", "--threads", str(THREADS),
                     "--sae", f"resid={saes[0]}") as (url, _):
         def run(body: dict) -> str:
             r = httpx.post(f"{url}/v1/completions", json={"max_tokens": NEW, "temperature": 0, **body}, timeout=120)
