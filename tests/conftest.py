@@ -23,13 +23,12 @@ sys.path.insert(0, str(SCRIPTS))  # scripts/fixtures.py
 import fixtures  # noqa: E402
 
 # The machines have 2 cores: 2 threads, or 1 in each of `make test`'s 2 pytest-xdist workers (so that they do not
-# oversubscribe the cores; the tests of thread-count invariance set their own counts). The commands and servers the
-# tests start get the same count (OpenMP's own variable, which torch reads), as does the shared server: a process of 2
-# threads started beside the other worker's test waits, at each parallel step, on the thread whose core that test
-# holds, and the structured-output and server tests ran 5-13x slower in `make test` than alone.
+# oversubscribe the cores; the tests of thread-count invariance set their own counts). The servers the tests start
+# take the same count, and the commands they start too (pytest_configure): a process of 2 threads started beside the
+# other worker's test waits, at each parallel step, on the thread whose core that test holds, and the structured-output
+# and server tests ran 5-13x slower in `make test` than alone.
 THREADS = max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(THREADS)
-os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +56,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--cpu-isa") == "avx2":
         limit_to_avx2()
+    # OpenMP's own variable, which torch reads, for the commands the tests start; not in pytest-xdist's controller,
+    # whose environment the workers inherit (there THREADS is 2, and a worker's setdefault would keep it)
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 def limit_to_avx2() -> None:
@@ -112,8 +115,11 @@ def cli(*args: str) -> tuple[int, str]:
     from gpt2_engine.cli import main
 
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(list(args))
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:  # --threads sets torch's count for the process: a module fixture's command would leave it to its tests
+        torch.set_num_threads(THREADS)
     return code, err.getvalue()
 
 

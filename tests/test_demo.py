@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, SCRIPTS, free_port, gpt2_serve
+from conftest import ROOT, SCRIPTS, THREADS, free_port, gpt2_serve
 
 sys.path.insert(0, str(SCRIPTS))
 import demo  # noqa: E402
@@ -141,7 +141,7 @@ def test_gpt2_compare_checks_the_demo_model(project: Path) -> None:
 
 
 def test_gpt2_serve_serves_the_demo_model(project: Path, trained_model) -> None:
-    with gpt2_serve("--threads", "2", cwd=project) as (url, proc):
+    with gpt2_serve("--threads", str(THREADS), cwd=project) as (url, proc):
         r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}, timeout=60)
     assert r.status_code == 200
     assert r.json()["choices"][0]["text"] == trained_model.complete([PROMPT], max_new_tokens=8, temperature=0)[0].text

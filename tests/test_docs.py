@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import gpt2_serve
+from conftest import THREADS, gpt2_serve
 from gpt2_engine.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def place(tmp_path_factory: pytest.TempPathFactory, trained_dir: Path, saes_dir:
 def server(place: Path):
     """One `gpt2 serve` on the examples' weights, SAE and vector: its address, for the pages' 127.0.0.1:8000."""
     args = ("--weights", "weights", "--sae", "topk=saes/topk-mlp", "--steering-vector", "happy=happy.pt")
-    with gpt2_serve(*args, "--threads", "2", cwd=place) as (url, _):
+    with gpt2_serve(*args, "--threads", str(THREADS), cwd=place) as (url, _):
         yield url.removeprefix("http://")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from conftest import SERVER_START, free_port, healthy, wait_for
+from conftest import SERVER_START, THREADS, free_port, healthy, wait_for
 
 from gpt2_engine import GPT2
 from gpt2_engine.cli import main
@@ -602,7 +602,7 @@ def test_gpt2_serve_exits_non_zero_after_a_fatal_failure(trained_dir: Path, tmp_
     script = tmp_path / "fatal_server.py"
     script.write_text(FATAL_SERVER)
     proc = subprocess.Popen([sys.executable, str(script), "serve", "--weights", str(trained_dir), "--port", str(port),
-                             "--threads", "2"], stderr=subprocess.PIPE, text=True)
+                             "--threads", str(THREADS)], stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: proc.poll() is not None or healthy(url), "the server to start", SERVER_START)
