@@ -34,8 +34,9 @@ torch.set_num_threads(THREADS)
 @pytest.fixture(autouse=True)
 def torch_threads_restored() -> Iterator[None]:
     """Each test ends with the worker's torch thread count as it began: a command run in this process with --threads
-    (gpt2 finetune's tests) sets torch's count for the process, and the tests after it, 2 threads beside the other
-    worker, ran up to 13x slower (sampling and the structured-output steps waited on a thread without a core)."""
+    (gpt2 finetune's tests; in a module fixture, until its first test ends) sets torch's count for the process, and
+    the tests after it, 2 threads beside the other worker, ran up to 13x slower (sampling and the structured-output
+    steps waited on a thread without a core)."""
     yield
     if torch.get_num_threads() != THREADS:
         torch.set_num_threads(THREADS)
@@ -115,11 +116,8 @@ def cli(*args: str) -> tuple[int, str]:
     from gpt2_engine.cli import main
 
     err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:  # --threads sets torch's count for the process: a module fixture's command would leave it to its tests
-        torch.set_num_threads(THREADS)
+    with contextlib.redirect_stderr(err):
+        code = main(list(args))
     return code, err.getvalue()
 
 

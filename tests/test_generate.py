@@ -46,25 +46,22 @@ def test_cached_decoding_equals_full_recompute(model: GPT2) -> None:
     assert torch.equal(cached.argmax(-1), full.argmax(-1))
 
 
-
 @pytest.mark.trained
 def test_one_and_two_threads_give_the_same_logits_and_ids(trained_model: GPT2) -> None:
     """The engine's sums do not depend on the thread count (decode.cpp's fixed pieces, the head's per-row chains):
     the whole model's logits and a batch's greedy ids are the same bits at 1 and 2 threads. The suite's servers run
-    the worker's count, as the models in its processes do, so this is its end-to-end check across counts."""
-    ids = trained_model.tokenizer.encode(PROMPTS[0])
-    before, out = torch.get_num_threads(), {}
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            with torch.inference_mode():
-                logits = trained_model.forward(torch.tensor([ids]))
-            texts = trained_model.complete(PROMPTS, max_new_tokens=16, temperature=0, ignore_eos=True)
-            out[threads] = logits, [c.token_ids for c in texts]
-    finally:
-        torch.set_num_threads(before)
+    the worker's count, as the models in its processes do, so this is its end-to-end check across counts (conftest's
+    torch_threads_restored puts the worker's count back)."""
+    ids, out = trained_model.tokenizer.encode(PROMPTS[0]), {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            logits = trained_model.forward(torch.tensor([ids]))
+        texts = trained_model.complete(PROMPTS, max_new_tokens=16, temperature=0, ignore_eos=True)
+        out[threads] = logits, [c.token_ids for c in texts]
     assert torch.equal(out[1][0], out[2][0])
     assert out[1][1] == out[2][1] and all(len(t) == 16 for t in out[1][1])
+
 
 @pytest.mark.slow
 def test_cached_batch_decoding_equals_full_recompute(model: GPT2) -> None:

@@ -131,8 +131,8 @@ def test_bytes() -> int:
 def step_shapes(config: GPT2Config, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
     """What measure() reads: a decode step's own mix, the projections of `config`'s blocks and the head's rows in the
     step's own proportions, the whole step or, where it is larger than test_bytes(), cut to about that (at least one
-    block); (the blocks' projections in order, the head's rows: 0 where it cannot be packed). Only matrices that the
-    loader would pack. A step's mix, not one tall matrix: a single stream per thread does not read as a step's 49
+    block). Returns (the blocks' projections in order, the head's row count: 0 where it cannot be packed); only
+    matrices that the loader would pack. A step's mix, not one tall matrix: a single stream per thread does not read as a step's 49
     matrices of a few MB do, and on an AMX Xeon it chose the layout that decodes slower (docs/benchmarks.md)."""
     item, C, V = dtype.itemsize, config.n_embd, config.vocab_size
     block = [s for name, s in expected_shapes(config).items()
