@@ -5,6 +5,7 @@ embedding rows read from the file; a pass's embedding as one call."""
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,6 +59,45 @@ def test_row_block_matches_the_torch_block(models: dict[str, GPT2], name: str) -
         for a, b in ((ours.k, ref.k), (ours.v, ref.v)):  # the new rows' keys and values (from ln_1's output)
             assert (a - b).abs().max() <= 2e-7 * b.abs().max(), i  # measured up to 7.8e-8
             assert torch.equal(a[:, :, :, 40:], b[:, :, :, 40:])  # nothing past the rows' positions is touched
+
+
+@pytest.fixture(scope="module")
+def narrow_mlp_dir(trained_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint whose config sets n_inner (the MLP's width, 4C in GPT-2) to 1.5C, written by transformers."""
+    from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(HFConfig(n_layer=2, n_head=4, n_embd=64, n_inner=96, n_positions=64, initializer_range=0.2))
+    directory = tmp_path_factory.mktemp("narrow_mlp")
+    hf.eval().save_pretrained(directory)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(trained_dir / name, directory / name)
+    return directory
+
+
+@pytest.mark.parametrize("name", ["float32", "int8"])
+def test_a_block_of_another_mlp_width_runs_natively(narrow_mlp_dir: Path, name: str) -> None:
+    """The native block cuts its buffers to the config's MLP width: a model with n_inner = 1.5C decodes natively,
+    each block equal to the torch block, and (float32) with transformers' greedy tokens."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2.from_pretrained(narrow_mlp_dir, **VARIANTS[name])
+    w, cfg = model.weights, model.config
+    native = native_rows(w, cfg)
+    assert cfg.mlp_width == 96 and native is not None
+    layout = RowLayout.of([(2, 7, 1), (0, 0, 3)])
+    x = torch.randn(1, 4, cfg.n_embd, generator=torch.Generator().manual_seed(2))
+    for i in range(cfg.n_layer):
+        ours, ref = filled_cache(model, 3, i), filled_cache(model, 3, i)
+        got = native.blocks[i](x, ours.k, ours.v, layout.slots, layout.positions, NO_ADAPTERS)
+        with torch.inference_mode():
+            expected = rows_block(w, cfg, i, x, layout, ref)
+        assert (got - expected).abs().max() <= 1e-6 * expected.abs().max(), i
+    if name == "float32":
+        ids = [464, 2068, 7586]
+        hf = GPT2LMHeadModel.from_pretrained(narrow_mlp_dir, dtype=torch.float32).eval()
+        theirs = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 3:].tolist()
+        assert model.generate_ids(ids, max_new_tokens=8, temperature=0, ignore_eos=True) == theirs
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

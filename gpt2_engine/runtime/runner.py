@@ -249,11 +249,13 @@ class Pass:
              steer: SteeringTap | None, native: bool) -> torch.Tensor:
         """Block i over rows that all take one path: the native call (edits between blocks applied around it) or
         torch's (every edit through the tap)."""
-        if native:
+        if native:  # (the native block makes x contiguous itself)
+            rows = NO_ADAPTERS if adapters is None else adapters
+            if steer is None:
+                return self.native.blocks[i](x, self.cache.k, self.cache.v, layout.slots, layout.positions, rows)
             name = f"blocks.{i}."
             x = hooked(steer, name + "hook_resid_pre", x)
-            rows = NO_ADAPTERS if adapters is None else adapters
-            x = self.native.blocks[i](x.contiguous(), self.cache.k, self.cache.v, layout.slots, layout.positions, rows)
+            x = self.native.blocks[i](x, self.cache.k, self.cache.v, layout.slots, layout.positions, rows)
             return hooked(steer, name + "hook_resid_post", x)
         with torch.inference_mode():
             return rows_block(self.w, self.config, i, x, layout, self.cache, adapters, steer)

@@ -203,37 +203,22 @@ __attribute__((target("avx2,fma"))) __m256 exp8(__m256 v) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// q, k, v [R, nh, hs]: each row's new token; k_cache, v_cache [slots, nh, L, hs]; slots, starts [R] int64. Row r's
-// key and value are written at position starts[r] of slot slots[r], then it attends to positions [0, starts[r]]
-// of that slot. Returns [R, nh, hs].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "decode_attention: float32 q and caches only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && q.size(1) == k_cache.size(1) &&
-                  q.size(2) == k_cache.size(3), "decode_attention: expected q [R, nh, hs] and caches [slots, nh, L, hs]");
-  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes() && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat, "decode_attention: k and v must be float32 like q [R, nh, hs]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && slots.numel() == q.size(0) &&
-                  starts.numel() == q.size(0), "decode_attention: slots and starts must be int64 [R]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
-  q = q.contiguous(), k = k.contiguous(), v = v.contiguous();
-  const int64_t R = q.size(0), nh = q.size(1), hs = q.size(2), n_slots = k_cache.size(0), L = k_cache.size(2);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* start = starts.data_ptr<int64_t>();
+// Rows r < R: q, k, v at q + r ld (and k + r ld, v + r ld), [nh, hs] each, row r's new token; the caches
+// [n_slots, nh, L, hs] at kp, vp; slot, start [R]. Row r's key and value are written at position start[r] of slot
+// slot[r], then it attends to positions [0, start[r]] of that slot; its output goes to out + r nh hs ([nh, hs]).
+// block.cpp calls this on its own buffers (q, k and v side by side in one row of c_attn's output).
+void decode_attention_into(const float* q, const float* k, const float* v, int64_t ld, int64_t R, int64_t nh,
+                           int64_t hs, float* kp, float* vp, int64_t n_slots, int64_t L, const int64_t* slot,
+                           const int64_t* start, bool avx512, float* op) {
   for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(0 <= slot[r] && slot[r] < n_slots && 0 <= start[r] && start[r] < L,
                 "decode_attention: a slot or position is out of range");
-  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t at = ((slot[r] * nh + h) * L + start[r]) * hs;
-      std::copy_n(k.data_ptr<float>() + (r * nh + h) * hs, hs, kp + at);
-      std::copy_n(v.data_ptr<float>() + (r * nh + h) * hs, hs, vp + at);
+      std::copy_n(k + r * ld + h * hs, hs, kp + at);
+      std::copy_n(v + r * ld + h * hs, hs, vp + at);
     }
-  auto out = torch::empty({R, nh, hs}, q.options());
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   at::parallel_for(0, R * nh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(L);
@@ -241,7 +226,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       const int64_t r = i / nh, h = i % nh, S = start[r] + 1;
       const float* keys = kp + ((slot[r] * nh + h) * L) * hs;
       const float* values = vp + ((slot[r] * nh + h) * L) * hs;
-      const float* qi = qp + i * hs;
+      const float* qi = q + r * ld + h * hs;
       float m = -INFINITY;
       for (int64_t j = 0; j < S; ++j) {
         p[j] = (avx512 ? dot_avx512(qi, keys + j * hs, hs) : dot_avx2(qi, keys + j * hs, hs)) * scale;
@@ -255,6 +240,28 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         weighted_avx2(p.data(), values, op + i * hs, S, hs);
     }
   });
+}
+
+// The same on tensors: q, k, v [R, nh, hs]; k_cache, v_cache [slots, nh, L, hs]; slots, starts [R] int64. Returns
+// [R, nh, hs].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "decode_attention: float32 q and caches only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && q.size(1) == k_cache.size(1) &&
+                  q.size(2) == k_cache.size(3), "decode_attention: expected q [R, nh, hs] and caches [slots, nh, L, hs]");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, "decode_attention: k and v must be float32 like q [R, nh, hs]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && slots.numel() == q.size(0) &&
+                  starts.numel() == q.size(0), "decode_attention: slots and starts must be int64 [R]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
+  q = q.contiguous(), k = k.contiguous(), v = v.contiguous();
+  const int64_t R = q.size(0), nh = q.size(1), hs = q.size(2);
+  auto out = torch::empty({R, nh, hs}, q.options());
+  decode_attention_into(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), nh * hs, R, nh, hs,
+                        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(0), k_cache.size(2),
+                        slots.contiguous().data_ptr<int64_t>(), starts.contiguous().data_ptr<int64_t>(), avx512,
+                        out.data_ptr<float>());
   return out;
 }
 

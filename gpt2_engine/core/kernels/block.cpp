@@ -10,6 +10,9 @@
 // pieces are short loops in a fixed order: layer norm and GELU reduce or act per row, so a row's bits still do not
 // depend on the other rows (the server's batch invariance). They are not torch's bits (torch's layer norm and tanh
 // are its own), which is why every decode-sized pass runs here, never some on torch and some here.
+// Inside the call the block runs on plain buffers of its own and the kernels' `_into` entry points: each tensor
+// operation (a view, a split, an empty output) is a dispatch through torch, and on the caches that a block's weights
+// have just streamed through, a few microseconds; 25 of them a block were a tenth of an int4 step.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -17,13 +20,15 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <vector>
 
 // decode.cpp, packed.cpp, quant.cpp, attention.cpp (its exp8 and sum8 too), lora.cpp
-torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512);
-torch::Tensor conv1d_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, torch::Tensor b, int64_t bits,
-                            bool avx512);
+void conv1d_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const torch::Tensor& b,
+                      bool avx512, float* y);
+void conv1d_packed_into(const float* x, int64_t M, int64_t K, const torch::Tensor& units, const torch::Tensor& side,
+                        const torch::Tensor& b, int64_t bits, bool avx512, float* y);
 torch::Tensor dot_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, int64_t V, int64_t bits,
                          bool avx512);
 void dot_packed_slice(const torch::Tensor& x, const torch::Tensor& units, const torch::Tensor& side, int64_t V,
@@ -33,8 +38,11 @@ void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, 
                     bool avx512);
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor starts, bool avx512);
+void packed_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& scales,
+                      const torch::Tensor& bias, int64_t N, int64_t bits, bool vnni, float* y);
+void decode_attention_into(const float* q, const float* k, const float* v, int64_t ld, int64_t R, int64_t nh,
+                           int64_t hs, float* kp, float* vp, int64_t n_slots, int64_t L, const int64_t* slot,
+                           const int64_t* start, bool avx512, float* out);
 void lora_rows(torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor scale, torch::Tensor index,
                torch::Tensor y);
 __attribute__((target("avx2,fma"))) __m256 exp8(__m256 v);
@@ -217,23 +225,33 @@ struct Projection {
   torch::Tensor weight, scales, bias, lora_a, lora_b, lora_scale;
   int64_t bits;
 
-  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& index, bool avx512, bool vnni) const {
-    torch::Tensor y = bits == 0 ? conv1d_rows(x, weight, bias, avx512)
-                      : float_bits(bits) ? conv1d_packed(x, weight, scales, bias, bits, avx512)
-                                         : packed_rows(x, weight, scales, bias, bias.numel(), bits, vnni);  // [R, N]
-    if (lora_a.defined()) lora_rows(x, lora_a, lora_b, lora_scale, index, y);
-    return y;
+  // y [R, N] = x [R, K] @ W + b (+ each row's LoRA update), on the caller's buffers
+  void operator()(const float* x, int64_t R, int64_t K, float* y, const torch::Tensor& index, bool avx512,
+                  bool vnni) const {
+    const int64_t N = bias.numel();
+    if (bits == 0)
+      conv1d_rows_into(x, R, K, weight, bias, avx512, y);
+    else if (float_bits(bits))
+      conv1d_packed_into(x, R, K, weight, scales, bias, bits, avx512, y);
+    else
+      packed_rows_into(x, R, K, weight, scales, bias, N, bits, vnni, y);
+    if (lora_a.defined())  // lora.cpp's tensors over the same buffers
+      lora_rows(torch::from_blob(const_cast<float*>(x), {R, K}, torch::kFloat), lora_a, lora_b, lora_scale, index,
+                torch::from_blob(y, {R, N}, torch::kFloat));
   }
 };
 
 }  // namespace
 
 // y [R, C] = layer_norm(x [R, C]) row by row.
+static void norm_rows(const float* x, int64_t R, int64_t C, const torch::Tensor& w, const torch::Tensor& b, float eps,
+                      float* y) {
+  const float *wp = w.data_ptr<float>(), *bp = b.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) layer_norm_row(x + r * C, wp, bp, y + r * C, C, eps);
+}
+
 static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, float eps, torch::Tensor& y) {
-  const int64_t R = x.size(0), C = x.size(1);
-  for (int64_t r = 0; r < R; ++r)
-    layer_norm_row(x.data_ptr<float>() + r * C, w.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>() + r * C,
-                   C, eps);
+  norm_rows(x.data_ptr<float>(), x.size(0), x.size(1), w, b, eps, y.data_ptr<float>());
 }
 
 // The tensors of one block, held once for all the passes (core/rows.py's native_block builds it).
@@ -254,6 +272,12 @@ class RowBlock {
       proj_[j] = {p[0], p[1], p[2], p[3].numel() ? p[3] : torch::Tensor(), p[4], p[5], bits[j]};
       lora_ = lora_ || proj_[j].lora_a.defined();
     }
+    // the buffers of operator() are cut to these widths: C, and the MLP's (4C in GPT-2, n_inner where a config sets it)
+    const int64_t C = ln_[0].numel();
+    TORCH_CHECK(C > 0 && n_head > 0 && C % n_head == 0 && layer >= 0 && ln_[1].numel() == C && ln_[2].numel() == C &&
+                    ln_[3].numel() == C, "RowBlock: layer norms must be [C] with C a multiple of n_head, layer >= 0");
+    TORCH_CHECK(proj_[0].bias.numel() == 3 * C && proj_[1].bias.numel() == C && proj_[2].bias.numel() > 0 &&
+                    proj_[3].bias.numel() == C, "RowBlock: biases must be [3C], [C], [the MLP's width] and [C]");
   }
 
   // x [..., R, C] -> the same shape; k_cache, v_cache [n_layer, slots, nh, L, hs] (this block reads and writes its
@@ -264,39 +288,44 @@ class RowBlock {
                            std::vector<int64_t> slots, std::vector<int64_t> positions, torch::Tensor adapters) const {
     const int64_t C = ln_[0].numel(), hs = C / n_head_;
     TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.size(-1) == C, "RowBlock: x must be float32 [..., C]");
-    TORCH_CHECK(k_cache.dim() == 5 && layer_ < k_cache.size(0), "RowBlock: caches must be [n_layer, slots, nh, L, hs]");
+    TORCH_CHECK(k_cache.dim() == 5 && layer_ < k_cache.size(0) && k_cache.sizes() == v_cache.sizes() &&
+                    k_cache.size(2) == n_head_ && k_cache.size(4) == hs && k_cache.scalar_type() == at::kFloat &&
+                    v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "RowBlock: caches must be contiguous float32 [n_layer, slots, nh, L, hs]");
     const torch::Tensor x = x_in.reshape({-1, C}).contiguous();  // [R, C]
     const int64_t R = x.size(0);
     TORCH_CHECK(static_cast<int64_t>(slots.size()) == R && static_cast<int64_t>(positions.size()) == R,
                 "RowBlock: expected a slot and a position for each of the ", R, " rows");
-    const auto long_options = torch::TensorOptions().dtype(torch::kLong);
     // each row's adapter, for the projections with LoRA (none: adapter 0 for every row, the single-adapter model)
-    const torch::Tensor index = adapters.numel() || !lora_ ? adapters : torch::zeros({R}, long_options);
+    const torch::Tensor index = adapters.numel() || !lora_ ? adapters : torch::zeros({R}, torch::kLong);
     auto out = torch::empty_like(x);  // [R, C]: the residual stream after this block
-    auto h = torch::empty_like(x);  // [R, C]: a layer norm's output
-    norm(x, ln_[0], ln_[1], h);
-    const torch::Tensor qkv = proj_[0](h, index, avx512_, vnni_);  // [R, 3C]: Q, K, V side by side (split_qkv)
-    const auto heads = [&](int64_t i) { return qkv.narrow(1, i * C, C).reshape({R, n_head_, hs}); };
-    const torch::Tensor a = decode_attention(heads(0), heads(1), heads(2), k_cache[layer_], v_cache[layer_],
-                                             torch::from_blob(slots.data(), {R}, long_options),
-                                             torch::from_blob(positions.data(), {R}, long_options), avx512_);
-    add(x, proj_[1](a.view({R, C}), index, avx512_, vnni_), out);  // x + attn
-    norm(out, ln_[2], ln_[3], h);
-    torch::Tensor f = proj_[2](h, index, avx512_, vnni_);  // [R, 4C]
-    gelu_inplace(f.data_ptr<float>(), f.numel());
-    add(out, proj_[3](f, index, avx512_, vnni_), out);  // + mlp
+    // The rest on plain buffers: [R, C] a layer norm's output, [R, 3C] Q, K, V side by side (split_qkv), [R, C] the
+    // attention's output (heads merged), [R, I] the MLP's hidden layer, [R, C] a projection's output. Each is written
+    // whole before it is read.
+    const int64_t I = proj_[2].bias.numel();  // the MLP's width
+    const std::unique_ptr<float[]> buffers(new float[R * (6 * C + I)]);
+    float *h = buffers.get(), *qkv = h + R * C, *a = qkv + 3 * R * C, *f = a + R * C, *y = f + R * I;
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t n_slots = k_cache.size(1), L = k_cache.size(3), layer = n_slots * n_head_ * L * hs;
+    norm_rows(xp, R, C, ln_[0], ln_[1], eps_, h);
+    proj_[0](h, R, C, qkv, index, avx512_, vnni_);
+    decode_attention_into(qkv, qkv + C, qkv + 2 * C, 3 * C, R, n_head_, hs, k_cache.data_ptr<float>() + layer_ * layer,
+                          v_cache.data_ptr<float>() + layer_ * layer, n_slots, L, slots.data(), positions.data(),
+                          avx512_, a);
+    proj_[1](a, R, C, y, index, avx512_, vnni_);
+    add(xp, y, op, R * C);  // x + attn
+    norm_rows(op, R, C, ln_[2], ln_[3], eps_, h);
+    proj_[2](h, R, C, f, index, avx512_, vnni_);
+    gelu_inplace(f, R * I);
+    proj_[3](f, R, I, y, index, avx512_, vnni_);
+    add(op, y, op, R * C);  // + mlp
     return out.view(x_in.sizes());
   }
 
  private:
-  void norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, torch::Tensor& y) const {
-    norm_rows(x, w, b, eps_, y);
-  }
-
-  static void add(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& out) {
-    const float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    for (int64_t i = 0, n = x.numel(); i < n; ++i) op[i] = xp[i] + yp[i];
+  static void add(const float* x, const float* y, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] + y[i];
   }
 
   std::array<torch::Tensor, 4> ln_;

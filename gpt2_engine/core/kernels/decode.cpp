@@ -22,16 +22,17 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 #include <type_traits>
 
 // One piece's partial sums y [M, N] = x[:, ka:kz] @ w[ka:kz, c0:c1] over whole 64-column tiles [c0, c1), from zero
-// (by_pieces; x [M, K]); and over the columns past the last whole tile.
+// (by_pieces_into; x [M, K]); and over the columns past the last whole tile.
 using PieceColumns = std::function<void(const float* x, float* y, int64_t M, int64_t ka, int64_t kz, int64_t c0,
                                         int64_t c1)>;
 using PieceTail = std::function<void(const float* x, float* y, int64_t M, int64_t ka, int64_t kz)>;
-torch::Tensor by_pieces(torch::Tensor x, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
-                        const PieceTail& tail);
+void by_pieces_into(const float* x, int64_t M, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
+                    const PieceTail& tail, float* y);
 
 namespace {
 
@@ -428,17 +429,16 @@ __attribute__((target("avx2"))) void add_pieces(const float* pp, const float* b,
 // `columns` computes one piece's partial sums over whole 64-column tiles, `tail` over the columns past the last one.
 // The work is pieces x column groups (one group where the threads are no more than the pieces), in piece order, so
 // each thread's share of the weight is a contiguous run of rows. Here and in packed.cpp (packed exponents), so that
-// every format adds the same pieces in the same order.
-torch::Tensor by_pieces(torch::Tensor x, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
-                        const PieceTail& tail) {
-  x = x.contiguous();
-  const int64_t M = x.size(0), P = std::min<int64_t>(KPIECES, K);  // P depends on K alone, never on M or threads
-  auto y = torch::empty({M, N}, x.options());
-  if (P == 0) return y.copy_(torch::from_blob(const_cast<float*>(b), {N}, x.options()).expand({M, N}));  // K = 0: b
-  auto part = torch::empty({P, M, N}, x.options());  // each piece's partial sums
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  float* pp = part.data_ptr<float>();
+// every format adds the same pieces in the same order. x [M, K] and y [M, N] are rows in a row.
+void by_pieces_into(const float* xp, int64_t M, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
+                    const PieceTail& tail, float* yp) {
+  const int64_t P = std::min<int64_t>(KPIECES, K);  // P depends on K alone, never on M or threads
+  if (P == 0) {  // K = 0: b
+    for (int64_t m = 0; m < M; ++m) std::copy_n(b, N, yp + m * N);
+    return;
+  }
+  const std::unique_ptr<float[]> part(new float[P * M * N]);  // each piece's partial sums (every one written)
+  float* pp = part.get();
   const int64_t tiles = N / 64, groups = tiles ? std::max<int64_t>(1, (at::get_num_threads() + P - 1) / P) : 0;
   const auto piece = [&](int64_t p) { return std::pair<int64_t, int64_t>{K * p / P, K * (p + 1) / P}; };
   at::parallel_for(0, P * groups, 1, [&](int64_t begin, int64_t end) {
@@ -454,7 +454,6 @@ torch::Tensor by_pieces(torch::Tensor x, int64_t K, int64_t N, const float* b, c
       tail(xp, pp + p * M * N, M, ka, kz);
     }
   at::parallel_for(0, M * N, 4096, [&](int64_t begin, int64_t end) { add_pieces(pp, b, yp, P, M * N, N, begin, end); });
-  return y;
 }
 
 namespace {
@@ -462,9 +461,10 @@ namespace {
 // conv1d_rows on a plain or paneled weight: the columns past the last whole 64-column tile run the same chains in
 // scalar code (fmaf rounds exactly as a vector FMA lane does).
 template <typename W>
-torch::Tensor rows(torch::Tensor x, Layout<typename W::T> w, int64_t K, int64_t N, const float* b, bool avx512) {
-  return by_pieces(
-      x, K, N, b,
+void rows_into(const float* x, int64_t M, Layout<typename W::T> w, int64_t K, int64_t N, const float* b, bool avx512,
+               float* out) {
+  by_pieces_into(
+      x, M, K, N, b,
       [&](const float* xp, float* y, int64_t M, int64_t ka, int64_t kz, int64_t c0, int64_t c1) {
         if (avx512)
           columns_avx512<W>(xp, w, y, M, K, N, ka, kz, c0, c1);
@@ -478,7 +478,8 @@ torch::Tensor rows(torch::Tensor x, Layout<typename W::T> w, int64_t K, int64_t 
             for (int64_t k = ka; k < kz; ++k) acc = __builtin_fmaf(xp[m * K + k], W::one(w.w[k * N + n]), acc);
             y[m * N + n] = acc;
           }
-      });
+      },
+      out);
 }
 
 // ---- the head: y[m, v] = dot(x[m], w[v]) ----------------------------------------------------------------
@@ -626,22 +627,35 @@ void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, 
 
 // w: a plain (K, N) weight, or panels [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (weights.PanelMatrix), with K whole
 // bands in each of the KPIECES pieces.
-torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+// x [M, K] (rows in a row) @ w + b into y [M, N]: w float32 or bfloat16, (K, N) or its panels [K / 32, N / 64, 32,
+// 64]. block.cpp calls this on its own buffers; conv1d_rows is the same on tensors.
+void conv1d_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const torch::Tensor& b,
+                      bool avx512, float* y) {
+  TORCH_CHECK(b.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "conv1d_rows: float32 x and b, float32 or bfloat16 w only");
   const bool panels = w.dim() == 4;
   TORCH_CHECK(!panels || (w.size(2) == PANEL_ROWS && w.size(3) == 64 && w.size(0) % KPIECES == 0),
               "conv1d_rows: panels must be [K / ", PANEL_ROWS, ", N / 64, ", PANEL_ROWS, ", 64] with K a multiple of ",
               KPIECES * PANEL_ROWS);
-  const int64_t K = panels ? w.size(0) * PANEL_ROWS : w.size(0), N = panels ? w.size(1) * 64 : w.size(1);
-  TORCH_CHECK(x.dim() == 2 && (panels || w.dim() == 2) && b.dim() == 1 && x.size(1) == K && N == b.size(0),
+  const int64_t WK = panels ? w.size(0) * PANEL_ROWS : w.size(0), N = panels ? w.size(1) * 64 : w.size(1);
+  TORCH_CHECK((panels || w.dim() == 2) && b.dim() == 1 && K == WK && N == b.size(0),
               "conv1d_rows: shapes do not chain (expected x [M, K], w [K, N] or its panels, b [N])");
   TORCH_CHECK(w.is_contiguous() && b.is_contiguous(), "conv1d_rows: w and b must be contiguous");
   if (w.scalar_type() == at::kBFloat16)
-    return rows<BF16>(x, {reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, panels}, K, N,
-                      b.data_ptr<float>(), avx512);
-  return rows<F32>(x, {w.data_ptr<float>(), N, panels}, K, N, b.data_ptr<float>(), avx512);
+    rows_into<BF16>(x, M, {reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, panels}, K, N,
+                    b.data_ptr<float>(), avx512, y);
+  else
+    rows_into<F32>(x, M, {w.data_ptr<float>(), N, panels}, K, N, b.data_ptr<float>(), avx512, y);
+}
+
+torch::Tensor conv1d_rows(torch::Tensor x, torch::Tensor w, torch::Tensor b, bool avx512) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "conv1d_rows: float32 x and b, float32 or bfloat16 w only");
+  TORCH_CHECK(x.dim() == 2 && b.dim() == 1,
+              "conv1d_rows: shapes do not chain (expected x [M, K], w [K, N] or its panels, b [N])");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), b.size(0)}, x.options());
+  conv1d_rows_into(x.data_ptr<float>(), x.size(0), x.size(1), w, b, avx512, y.data_ptr<float>());
+  return y;
 }
 
 // Panels [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (bfloat16 or float32) -> the (K, N) float32 matrix, for the GEMMs

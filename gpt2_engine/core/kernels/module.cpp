@@ -1,7 +1,7 @@
 // The Python module of the native kernels: every entry point the package calls, declared here from the file that
 // defines it and bound once. It sits above the kernel files (it calls them; none of them calls it), so they stay a
 // tree: block.cpp runs on decode.cpp, packed.cpp, quant.cpp, attention.cpp and lora.cpp (packed.cpp on decode.cpp's
-// by_pieces).
+// by_pieces_into).
 #include <torch/extension.h>
 
 #include <tuple>

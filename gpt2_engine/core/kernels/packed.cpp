@@ -31,8 +31,8 @@
 using PieceColumns = std::function<void(const float* x, float* y, int64_t M, int64_t ka, int64_t kz, int64_t c0,
                                         int64_t c1)>;
 using PieceTail = std::function<void(const float* x, float* y, int64_t M, int64_t ka, int64_t kz)>;
-torch::Tensor by_pieces(torch::Tensor x, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
-                        const PieceTail& tail);
+void by_pieces_into(const float* x, int64_t M, int64_t K, int64_t N, const float* b, const PieceColumns& columns,
+                    const PieceTail& tail, float* y);
 
 namespace {
 
@@ -526,25 +526,37 @@ Packed view(const torch::Tensor& units, const torch::Tensor& side, int64_t R, in
 
 // ---- entry points ------------------------------------------------------------------------------------------------
 
-// x [M, K] @ W [K, N] + b for a packed projection (tiles of 32 rows by 64 columns, panels' order): decode.cpp's
-// conv1d_rows on the plain matrix, to the bit.
-torch::Tensor conv1d_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, torch::Tensor b, int64_t bits,
-                            bool avx512) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && b.scalar_type() == at::kFloat && b.dim() == 1 &&
-                  b.is_contiguous(), "conv1d_packed: expected float32 x [M, K] and b [N]");
-  const int64_t K = x.size(1), N = b.size(0);
+// x [M, K] (rows in a row) @ W [K, N] + b into y [M, N] for a packed projection (tiles of 32 rows by 64 columns,
+// panels' order): decode.cpp's conv1d_rows on the plain matrix, to the bit. block.cpp calls this on its own buffers;
+// conv1d_packed is the same on tensors.
+void conv1d_packed_into(const float* x, int64_t M, int64_t K, const torch::Tensor& units, const torch::Tensor& side,
+                        const torch::Tensor& b, int64_t bits, bool avx512, float* y) {
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 1 && b.is_contiguous(),
+              "conv1d_packed: expected float32 x [M, K] and b [N]");
+  const int64_t N = b.size(0);
   TORCH_CHECK(K % (8 * BAND) == 0, "conv1d_packed: K must be whole bands of ", BAND, " rows in each of 8 pieces");
   const Packed w = view(units, side, K, N, BAND, bits, avx512, "conv1d_packed");
   const bool f32 = bits == 28;
-  return by_pieces(
-      x, K, N, b.data_ptr<float>(),
-      [&](const float* xp, float* y, int64_t M, int64_t ka, int64_t kz, int64_t c0, int64_t c1) {
+  by_pieces_into(
+      x, M, K, N, b.data_ptr<float>(),
+      [&](const float* xp, float* yp, int64_t R, int64_t ka, int64_t kz, int64_t c0, int64_t c1) {
         if (avx512)
-          f32 ? columns512<true>(xp, w, y, M, K, N, ka, kz, c0, c1) : columns512<false>(xp, w, y, M, K, N, ka, kz, c0, c1);
+          f32 ? columns512<true>(xp, w, yp, R, K, N, ka, kz, c0, c1) : columns512<false>(xp, w, yp, R, K, N, ka, kz, c0, c1);
         else
-          f32 ? columns256<true>(xp, w, y, M, K, N, ka, kz, c0, c1) : columns256<false>(xp, w, y, M, K, N, ka, kz, c0, c1);
+          f32 ? columns256<true>(xp, w, yp, R, K, N, ka, kz, c0, c1) : columns256<false>(xp, w, yp, R, K, N, ka, kz, c0, c1);
       },
-      [](const float*, float*, int64_t, int64_t, int64_t) {});  // N is whole tiles
+      [](const float*, float*, int64_t, int64_t, int64_t) {},  // N is whole tiles
+      y);
+}
+
+torch::Tensor conv1d_packed(torch::Tensor x, torch::Tensor units, torch::Tensor side, torch::Tensor b, int64_t bits,
+                            bool avx512) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && b.scalar_type() == at::kFloat && b.dim() == 1,
+              "conv1d_packed: expected float32 x [M, K] and b [N]");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), b.size(0)}, x.options());
+  conv1d_packed_into(x.data_ptr<float>(), x.size(0), x.size(1), units, side, b, bits, avx512, y.data_ptr<float>());
+  return y;
 }
 
 // x [M, C] @ W [V, C]^T for a packed head (a tile a row): decode.cpp's dot_rows on the plain matrix, to the bit.

@@ -377,32 +377,53 @@ void run_panels(const QuantX& xq, const uint8_t* w, const uint16_t* ws, const fl
 
 }  // namespace
 
-// x [M, K] float32, packed uint8 (see the header), scales float16 [panels, K / 32, 16], bias float32 [N] or empty
-// (the head has none): y [M, N] float32. vnni: the AVX-512 VNNI body, else the AVX2 one.
-torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
-                          int64_t bits, bool vnni) {
+// x [M, K] float32 (rows contiguous), packed uint8 (see the header), scales float16 [panels, K / 32, 16], bias
+// float32 [N] or empty (the head has none): into y [M, N] float32. vnni: the AVX-512 VNNI body, else the AVX2 one.
+// block.cpp calls this with its own buffers: a decode step's block runs no tensor operation per projection (each is a
+// dispatch through torch, and on the caches a block's weights have just streamed through, several microseconds).
+namespace {
+
+// What packed_rows_into needs of its weight, for x [M, K] and y [M, N].
+void check_packed(int64_t K, const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& bias,
+                  int64_t N, int64_t bits) {
   TORCH_CHECK(bits == 8 || bits == 6 || bits == 4, "packed_rows: bits must be 8, 6 or 4");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf &&
-                  bias.scalar_type() == at::kFloat, "packed_rows: expected float32 x and bias, uint8 packed, float16 scales");
-  TORCH_CHECK(x.dim() == 2 && bias.dim() == 1, "packed_rows: expected x [M, K] and bias [N]");
-  const int64_t M = x.size(0), K = x.size(1), panels = (N + P - 1) / P;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && bias.scalar_type() == at::kFloat,
+              "packed_rows: expected float32 bias, uint8 packed, float16 scales");
+  TORCH_CHECK(bias.dim() == 1, "packed_rows: expected bias [N]");
+  TORCH_CHECK(N >= 0, "packed_rows: packed weights or scales do not match x [M, K] and bias [N]");
+  const int64_t panels = (N + P - 1) / P;
   TORCH_CHECK(K % G == 0, "packed_rows: the input size must be a multiple of 32");
   TORCH_CHECK(packed.is_contiguous() && packed.numel() == panels * K * P * bits / 8 && scales.is_contiguous() &&
                   scales.numel() == panels * (K / G) * P && bias.is_contiguous() &&
                   (bias.numel() == N || bias.numel() == 0),
               "packed_rows: packed weights or scales do not match x [M, K] and bias [N]");
-  x = x.contiguous();
-  const QuantX xq = quantize_x(x.data_ptr<float>(), M, K);
-  auto y = torch::empty({M, N}, x.options());
+}
+
+}  // namespace
+
+void packed_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& scales,
+                      const torch::Tensor& bias, int64_t N, int64_t bits, bool vnni, float* y) {
+  check_packed(K, packed, scales, bias, N, bits);
+  const QuantX xq = quantize_x(x, M, K);
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;  // none: + 0 (the head has no bias)
   const auto* w = packed.data_ptr<uint8_t>();
   const auto* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (bits == 8)
-    run_panels<8>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
+    run_panels<8>(xq, w, ws, b, y, M, K, N, vnni);
   else if (bits == 6)
-    run_panels<6>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
+    run_panels<6>(xq, w, ws, b, y, M, K, N, vnni);
   else
-    run_panels<4>(xq, w, ws, b, y.data_ptr<float>(), M, K, N, vnni);
+    run_panels<4>(xq, w, ws, b, y, M, K, N, vnni);
+}
+
+// The same as a tensor: y [M, N] for x [M, K].
+torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
+                          int64_t bits, bool vnni) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "packed_rows: expected float32 x [M, K]");
+  check_packed(x.size(1), packed, scales, bias, N, bits);
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  packed_rows_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, bias, N, bits, vnni, y.data_ptr<float>());
   return y;
 }
 
