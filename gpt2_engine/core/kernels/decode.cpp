@@ -625,10 +625,9 @@ void dot_rows_slice(const torch::Tensor& x, const torch::Tensor& w, int64_t v0, 
 
 // ---- entry points: shapes and dtypes checked, then the templates above -------------------------------------------
 
-// w: a plain (K, N) weight, or panels [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (weights.PanelMatrix), with K whole
-// bands in each of the KPIECES pieces.
-// x [M, K] (rows in a row) @ w + b into y [M, N]: w float32 or bfloat16, (K, N) or its panels [K / 32, N / 64, 32,
-// 64]. block.cpp calls this on its own buffers; conv1d_rows is the same on tensors.
+// x [M, K] (rows in a row) @ w + b into y [M, N]: w float32 or bfloat16, a plain (K, N) weight or panels
+// [K / PANEL_ROWS, N / 64, PANEL_ROWS, 64] (weights.PanelMatrix) with K whole bands in each of the KPIECES pieces.
+// block.cpp calls this on its own buffers; conv1d_rows is the same on tensors.
 void conv1d_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const torch::Tensor& b,
                       bool avx512, float* y) {
   TORCH_CHECK(b.scalar_type() == at::kFloat && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),

@@ -375,15 +375,7 @@ void run_panels(const QuantX& xq, const uint8_t* w, const uint16_t* ws, const fl
   });
 }
 
-}  // namespace
-
-// x [M, K] float32 (rows contiguous), packed uint8 (see the header), scales float16 [panels, K / 32, 16], bias
-// float32 [N] or empty (the head has none): into y [M, N] float32. vnni: the AVX-512 VNNI body, else the AVX2 one.
-// block.cpp calls this with its own buffers: a decode step's block runs no tensor operation per projection (each is a
-// dispatch through torch, and on the caches a block's weights have just streamed through, several microseconds).
-namespace {
-
-// What packed_rows_into needs of its weight, for x [M, K] and y [M, N].
+// What packed_rows needs of its weight, for x [M, K] and y [M, N].
 void check_packed(int64_t K, const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& bias,
                   int64_t N, int64_t bits) {
   TORCH_CHECK(bits == 8 || bits == 6 || bits == 4, "packed_rows: bits must be 8, 6 or 4");
@@ -399,11 +391,9 @@ void check_packed(int64_t K, const torch::Tensor& packed, const torch::Tensor& s
               "packed_rows: packed weights or scales do not match x [M, K] and bias [N]");
 }
 
-}  // namespace
-
-void packed_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& scales,
-                      const torch::Tensor& bias, int64_t N, int64_t bits, bool vnni, float* y) {
-  check_packed(K, packed, scales, bias, N, bits);
+// packed_rows on a checked weight
+void run_packed(const float* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& scales,
+                const torch::Tensor& bias, int64_t N, int64_t bits, bool vnni, float* y) {
   const QuantX xq = quantize_x(x, M, K);
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;  // none: + 0 (the head has no bias)
   const auto* w = packed.data_ptr<uint8_t>();
@@ -416,6 +406,18 @@ void packed_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor&
     run_panels<4>(xq, w, ws, b, y, M, K, N, vnni);
 }
 
+}  // namespace
+
+// x [M, K] float32 (rows contiguous), packed uint8 (see the header), scales float16 [panels, K / 32, 16], bias
+// float32 [N] or empty (the head has none): into y [M, N] float32. vnni: the AVX-512 VNNI body, else the AVX2 one.
+// block.cpp calls this with its own buffers: a decode step's block runs no tensor operation per projection (each is a
+// dispatch through torch, and on the caches a block's weights have just streamed through, several microseconds).
+void packed_rows_into(const float* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& scales,
+                      const torch::Tensor& bias, int64_t N, int64_t bits, bool vnni, float* y) {
+  check_packed(K, packed, scales, bias, N, bits);
+  run_packed(x, M, K, packed, scales, bias, N, bits, vnni, y);
+}
+
 // The same as a tensor: y [M, N] for x [M, K].
 torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor bias, int64_t N,
                           int64_t bits, bool vnni) {
@@ -423,7 +425,7 @@ torch::Tensor packed_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   check_packed(x.size(1), packed, scales, bias, N, bits);
   x = x.contiguous();
   auto y = torch::empty({x.size(0), N}, x.options());
-  packed_rows_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, bias, N, bits, vnni, y.data_ptr<float>());
+  run_packed(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, bias, N, bits, vnni, y.data_ptr<float>());
   return y;
 }
 
